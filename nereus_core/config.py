@@ -10,7 +10,9 @@ mapping they read (see ``load_config`` in the CLI).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from difflib import get_close_matches
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
@@ -50,8 +52,8 @@ class ModelConfig(_Frozen):
     hidden_size: int = Field(default=64, ge=2, description="Model width.")
     intermediate_size: int = Field(default=128, ge=1, description="SwiGLU inner width.")
     num_hidden_layers: int = Field(default=4, ge=1, description="Decoder layers.")
-    num_attention_heads: int = Field(default=4, ge=1, description="Query heads.")
-    num_key_value_heads: int = Field(default=2, ge=1, description="Key/value heads (GQA).")
+    num_attention_heads: int = Field(default=8, ge=1, description="Query heads.")
+    num_key_value_heads: int = Field(default=4, ge=1, description="Key/value heads (GQA).")
     max_position_embeddings: int = Field(default=256, ge=1, description="Longest sequence.")
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base.")
     rms_norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
@@ -67,16 +69,20 @@ class ModelConfig(_Frozen):
     def _check_shapes(self) -> ModelConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}; choose heads that divide it"
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; choose heads that divide it"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}; GQA needs kv heads that divide the heads"
+                f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"model.num_key_value_heads={self.num_key_value_heads}; "
+                "GQA needs kv heads that divide the heads"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim")
+            raise ValueError(
+                f"model.hidden_size/model.num_attention_heads={self.head_dim} is odd; "
+                "RoPE needs an even head_dim"
+            )
         return self
 
     def tp_error(self, tp: int) -> str | None:
@@ -149,18 +155,73 @@ class NereusConfig(_Frozen):
         return self
 
 
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+_BOUND_CTX = {"greater_than_equal": "ge", "greater_than": "gt", "less_than_equal": "le", "less_than": "lt"}
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    """``('plan', 'actor/train', 'devices', 1)`` -> ``plan.actor/train.devices[1]``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the config section at ``loc`` (empty if it is not a model)."""
+    node: Any = NereusConfig
+    for part in loc:
+        if isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
+            node = node.model_fields[part].annotation
+        elif get_origin(node) is dict:
+            node = get_args(node)[1]
+        else:
+            return []
+    return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _one_line(err: ValidationError) -> str:
+    """The first error of ``err`` as one line: where, the bad value, and what would be valid."""
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        return f"{loc}: unknown field; remove it or check its spelling"
-    if first["type"].startswith("missing"):
-        return f"{loc}: required field is missing"
+    loc = tuple(first["loc"])
+    kind = first["type"]
+    ctx = first.get("ctx") or {}
+    if loc and loc[-1] == "[key]" and loc[0] == "plan":
+        return f"{_where(loc[:-1])}: unknown model-stage; valid: {', '.join(MODEL_STAGES)}"
+    where = _where(loc)
+    if kind == "extra_forbidden":
+        valid = _section_fields(loc[:-1])
+        near = get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f"did you mean {near[0]}? " if near else ""
+        return f"{where}: unknown field; {hint}valid fields: {', '.join(valid)}"
+    if kind.startswith("missing"):
+        return f"{where}: required field is missing"
+    if kind in _BOUNDS:
+        msg = f"must be {_BOUNDS[kind]} {ctx[_BOUND_CTX[kind]]}"
+    elif kind in ("model_type", "dict_type", "model_attributes_type"):
+        if first.get("input") is None:
+            return f"{where}: is empty; give it fields or remove it"
+        msg = f"must be a mapping, got {type(first.get('input')).__name__}"
+    elif kind in ("tuple_type", "list_type"):
+        msg = "must be a list, e.g. [0, 1]"
+    elif kind == "byte_size":
+        msg = "is not a size; use bytes or a number with a unit, e.g. 2GiB or 512MB"
+    else:
+        msg = first["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        msg = re.sub(r"^(Input|String|List|Tuple|Value) should", "must", msg)
+    if not where:
+        return msg
+    if msg.startswith(f"{where}.") or msg.startswith(f"{where}="):
+        return msg  # the validator already named the field in full
     shown = first.get("input")
-    if loc and not isinstance(shown, dict):
-        return f"{loc}={shown!r}: {msg}"
-    return f"{loc}: {msg}" if loc else msg
+    if kind != "value_error" and not isinstance(shown, dict):
+        return f"{where}={_shown(shown)}: {msg}"
+    return f"{where}: {msg}"
 
 
 def parse_config(data: dict[str, Any] | None) -> NereusConfig:
@@ -172,7 +233,7 @@ def parse_config(data: dict[str, Any] | None) -> NereusConfig:
     try:
         return NereusConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_one_line(err)) from None
+        raise ConfigError(" ".join(_one_line(err).splitlines())) from None
 
 
 def with_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -183,6 +244,8 @@ def with_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set job.steps=3")
         key, _, value = item.partition("=")
         parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: the key has an empty part; write it like job.steps")
         node = out
         for part in parts[:-1]:
             child = node.get(part)

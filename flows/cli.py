@@ -1,0 +1,204 @@
+"""The ``nereus`` command line.
+
+    CONFIG file --load_config--> NereusConfig --> flows.selfcheck.selfcheck_flow (today)
+                                                  flows.ppo_job (when it exists)
+
+This is where files and the environment are read on the way in: the YAML
+config, ``--set`` overrides and ``NEREUS_SCHEDULER_ADDRESS``. Validation itself
+is ``nereus_core.config.parse_config``; bad input ends here with one line on
+stderr and exit status 2, never a traceback. Flows are imported lazily so that
+``nereus --help`` and config errors stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from nereus_core import __version__
+from nereus_core.config import ConfigError, NereusConfig, parse_config, with_overrides
+
+SCHEDULER_ENV = "NEREUS_SCHEDULER_ADDRESS"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MODELS = ("actor", "critic", "reference", "reward")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line instead of usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"nereus: error: {message} (see '{self.prog} --help')\n")
+
+
+def _fail(where: str | os.PathLike[str], message: str) -> int:
+    print(f"nereus: error: {where}: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _describe(value: Any) -> str:
+    names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+    return names.get(type(value), type(value).__name__)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The mapping in a YAML config file; ``ConfigError`` with one line if there is none."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("no such file") from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory, not a config file") from None
+    except UnicodeDecodeError:
+        raise ConfigError("is not a text file; expected YAML") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read it: {err.strerror or err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"not valid YAML{at}: {err.problem or err.context}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"not valid YAML: {' '.join(str(err).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"must be a mapping of sections (name, cluster, model, job, plan), got {_describe(data)}"
+        )
+    return data
+
+
+def apply_sets(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
+    """``with_overrides`` with values read as YAML, so 3, 0.5, true and [0, 1] keep their type."""
+    out = data
+    for item in items:  # one at a time, so a later item may replace or extend an earlier one
+        out = with_overrides(out, [item])
+        key, _, raw = item.partition("=")
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML") from None
+    return out
+
+
+def load_config(
+    path: Path,
+    *,
+    sets: Sequence[str] = (),
+    steps: int | None = None,
+    environ: dict[str, str] | None = None,
+) -> NereusConfig:
+    """Read, override and validate a config: file < NEREUS_SCHEDULER_ADDRESS < --set < --steps."""
+    data = read_config_file(path)
+    address = (os.environ if environ is None else environ).get(SCHEDULER_ENV, "").strip()
+    if address:
+        data = with_overrides(data, [f"cluster.scheduler_address={address}"])
+    data = apply_sets(data, sets)
+    if steps is not None:
+        data = apply_sets(data, [f"job.steps={steps}"])
+    return parse_config(data)
+
+
+def default_out_dir(cfg: NereusConfig) -> Path:
+    return Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, sets=args.set, steps=args.steps)
+    except ConfigError as err:
+        return _fail(args.config, str(err))
+    out = args.out or default_out_dir(cfg)
+    try:
+        from flows.selfcheck import selfcheck_flow
+    except ModuleNotFoundError as err:
+        if err.name != "flows.selfcheck":
+            raise
+        print("nereus: error: the runtime self-check (flows.selfcheck) is not built yet", file=sys.stderr)
+        return EXIT_FAILED
+    # Until the PPO job flow exists, `run` runs the runtime's self-check on the configured pool.
+    print(f"nereus: {cfg.name}: self-check on {cfg.cluster.devices} device slots -> {out}")
+    try:
+        selfcheck_flow(config=cfg, out_dir=str(out))
+    except ConfigError as err:
+        return _fail(args.config, str(err))
+    print(f"nereus: done: {out}")
+    return EXIT_OK
+
+
+def cmd_not_yet(args: argparse.Namespace) -> int:
+    print(f"nereus: {args.command} is not available yet", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="nereus",
+        description="PPO post-training whose parallel layouts change while the job runs.",
+    )
+    parser.add_argument("--version", action="version", version=f"nereus {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the job of CONFIG (today: the runtime self-check)")
+    run.add_argument("config", type=Path, metavar="CONFIG", help="YAML config, e.g. examples/tiny_ppo.yaml")
+    run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default runs/NAME-TIMESTAMP)")
+    run.add_argument("--steps", type=int, metavar="N", help="steps to run (sets job.steps)")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set job.batch_size=16 (repeatable; values are YAML)",
+    )
+    run.set_defaults(handler=cmd_run)
+
+    plan = sub.add_parser("plan", help="show the chosen plan and why (not available yet)")
+    plan.add_argument("config", type=Path, metavar="CONFIG")
+    simulate = sub.add_parser("simulate", help="simulate the strategies on a trace (not available yet)")
+    simulate.add_argument("config", type=Path, metavar="CONFIG")
+    simulate.add_argument("--out", type=Path, metavar="DIR")
+    resume = sub.add_parser("resume", help="continue an interrupted run or transition (not available yet)")
+    resume.add_argument("run_dir", type=Path, metavar="DIR")
+    report = sub.add_parser("report", help="plot a run into DIR/plots (not available yet)")
+    report.add_argument("run_dir", type=Path, metavar="DIR")
+    export = sub.add_parser("export", help="write a model in Hugging Face format (not available yet)")
+    export.add_argument("run_dir", type=Path, metavar="DIR")
+    export.add_argument("--model", required=True, choices=MODELS)
+    export.add_argument("--step", type=int, metavar="N")
+    export.add_argument("--hf", required=True, type=Path, metavar="OUT")
+    for cmd in (plan, simulate, resume, report, export):
+        cmd.set_defaults(handler=cmd_not_yet)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``nereus`` script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, --version and usage errors; argparse has printed them
+        return done.code if isinstance(done.code, int) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("nereus: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""The part of one model-stage resident on one device slot.
+
+A ``ModelShard`` is what a device holds for a model-stage: its pipeline stage
+of the model (this tp rank's slices of the layers of this pp rank), the process
+groups of the layout, and, for train stages, the DeepSpeed engine that owns the
+optimizer. It is built on every device of a layout by ``load_shard`` (run by the
+device actors) and found again by name in ``DeviceContext.resident``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from nereus_core.config import ModelConfig
+from nereus_core.layout import Layout
+from nereus_core.model.llama import LlamaStage
+from nereus_core.model.weights import init_full_state
+from nereus_core.parallel.device import DeviceContext, RankGroups
+
+
+class OptimizerSettings(BaseModel):
+    """AdamW under DeepSpeed ZeRO-1 over the DP group."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lr: float = Field(default=1e-3, gt=0, description="Learning rate.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay.")
+    zero_stage: int = Field(default=1, ge=0, le=2, description="DeepSpeed ZeRO stage over the DP group.")
+
+
+@dataclass
+class ModelShard:
+    """One device's share of one model-stage."""
+
+    name: str
+    config: ModelConfig
+    groups: RankGroups
+    stage: LlamaStage
+    engine: Any | None = None  # deepspeed.DeepSpeedEngine for train stages
+
+    @property
+    def layout(self) -> Layout:
+        return self.groups.layout
+
+    @property
+    def module(self) -> Any:
+        """What to call forward on: the DeepSpeed engine when training, else the stage."""
+        return self.engine if self.engine is not None else self.stage
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return self.stage.local_state()
+
+
+def build_stage(config: ModelConfig, groups: RankGroups, device: torch.device) -> LlamaStage:
+    """This rank's pipeline stage, with seeded weights (every rank derives the same full model)."""
+    layout, coord = groups.layout, groups.coord
+    stage = LlamaStage(
+        config,
+        layers=layout.stage_layers(config.num_hidden_layers, coord.pp),
+        first=groups.is_first_stage,
+        last=groups.is_last_stage,
+        tp_rank=coord.tp,
+        tp_size=layout.tp,
+        tp_group=groups.tp_group if layout.tp_enabled else None,
+    )
+    stage.load_full_state(init_full_state(config))
+    return stage.to(device)
+
+
+def load_shard(
+    ctx: DeviceContext,
+    *,
+    name: str,
+    layout: Layout,
+    config: ModelConfig,
+    optimizer: OptimizerSettings | None = None,
+) -> str:
+    """Build ``name`` on this device under ``layout`` (groups built beforehand); returns the layout key."""
+    groups = ctx.view(layout)
+    stage = build_stage(config, groups, ctx.device)
+    shard = ModelShard(name=name, config=config, groups=groups, stage=stage)
+    if optimizer is not None:
+        from nereus_core.engine.train import make_engine
+
+        shard.engine = make_engine(stage, groups, optimizer, ctx.backend)
+    else:
+        stage.eval()
+        stage.requires_grad_(False)
+    ctx.resident[name] = shard
+    return layout.key
+
+
+def shard_state(ctx: DeviceContext, *, name: str) -> dict[str, torch.Tensor]:
+    """This device's parameter slices of ``name`` (cloned, HF names)."""
+    return {k: v.detach().clone().cpu() for k, v in get_shard(ctx, name).local_state().items()}
+
+
+def drop_shard(ctx: DeviceContext, *, name: str) -> None:
+    """Forget ``name`` on this device, if it is there."""
+    ctx.resident.pop(name, None)
+
+
+def get_shard(ctx: DeviceContext, name: str) -> ModelShard:
+    shard = ctx.resident.get(name)
+    if not isinstance(shard, ModelShard):
+        raise KeyError(f"device {ctx.rank} holds no model-stage {name!r}; load it first")
+    return shard

@@ -1,0 +1,144 @@
+"""Training on one device of a layout: DeepSpeed ZeRO over the DP group, GPipe over stages.
+
+DeepSpeed owns the optimizer (AdamW, ZeRO-partitioned over the DP group) and the
+gradient reduction; the layout's TP group is handed to it as ``mpu``. The
+pipeline schedule is ours (GPipe, Huang et al. 2019): all micro-batches
+forward, then all backward in reverse order. Non-last stages backpropagate the
+surrogate ``sum(out * grad_out)``, whose gradient equals the true one, through
+``engine.backward`` without the 1/GAS scaling the last stage already applied.
+Gradient clipping is off unless asked for: DeepSpeed's default would silently
+change the update.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus_core.engine import p2p
+from nereus_core.engine.forward import micro_batches, stage_forward
+from nereus_core.engine.shard import OptimizerSettings, get_shard
+from nereus_core.model.llama import LlamaStage
+from nereus_core.model.tensor_parallel import vocab_parallel_logprobs
+from nereus_core.parallel.device import DeviceContext, RankGroups
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+class LayoutMpu:
+    """The ``mpu`` interface DeepSpeed asks of Megatron, answered from a layout's groups."""
+
+    def __init__(self, groups: RankGroups) -> None:
+        self.groups = groups
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.groups.layout.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.coord.dp
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.tp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.groups.layout.tp
+
+    def get_model_parallel_rank(self) -> int:
+        return self.groups.coord.tp
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+def deepspeed_config(settings: OptimizerSettings, micro_batch: int, micro_batches: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": micro_batches,
+        "zero_optimization": {"stage": settings.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettings, backend: str) -> Any:
+    """Wrap ``stage`` in a DeepSpeed engine with AdamW; called on every device of the layout."""
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    optimizer = torch.optim.AdamW(
+        stage.parameters(),
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+    )
+    # The micro-batch size is only bookkeeping for DeepSpeed; batches are sized by the caller.
+    config = deepspeed_config(settings, micro_batch=1, micro_batches=groups.layout.micro_batches)
+    engine, *_ = deepspeed.initialize(model=stage, optimizer=optimizer, config=config, mpu=LayoutMpu(groups))
+    return engine
+
+
+def lm_loss(logp_bt: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Negative mean log-likelihood of the tokens (masked by ``batch['mask']`` when given)."""
+    mask = batch.get("mask")
+    if mask is None:
+        return -logp_bt.mean()
+    mask = mask[:, 1:].to(logp_bt.dtype)
+    return -(logp_bt * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _slice(batch: dict[str, torch.Tensor], mb: slice, device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v[mb].to(device) for k, v in batch.items()}
+
+
+def train_step(
+    ctx: DeviceContext,
+    batch: dict[str, torch.Tensor],
+    *,
+    name: str,
+    loss_fn: LossFn = lm_loss,
+) -> dict[str, float] | None:
+    """One optimizer step on this replica's ``batch`` (``batch['ids']`` ``[b, s]`` plus per-sequence extras).
+
+    The loss of a micro-batch is ``loss_fn(logp [b, s-1], micro-batch)``; the step's
+    loss is their mean over micro-batches and replicas (DeepSpeed averages over DP).
+    """
+    shard = get_shard(ctx, name)
+    if shard.engine is None:
+        raise RuntimeError(f"model-stage {name!r} on device {ctx.rank} has no optimizer; load it for training")
+    engine, groups = shard.engine, shard.groups
+    ids_bs = batch["ids"].to(ctx.device)
+    positions = torch.arange(ids_bs.shape[1], device=ctx.device)
+    slices = micro_batches(ids_bs.shape[0], groups.layout.micro_batches)
+    engine.train()
+    saved, losses = [], []
+    for mb in slices:
+        x, out = stage_forward(shard, ids_bs[mb], positions)
+        if groups.is_last_stage:
+            logp = vocab_parallel_logprobs(out[:, :-1], ids_bs[mb, 1:], groups.tp_group)
+            out = loss_fn(logp, _slice(batch, mb, ctx.device))
+            losses.append(out.detach())
+        saved.append((x, out))
+    for x, out in reversed(saved):
+        if groups.is_last_stage:
+            engine.backward(out)
+        else:
+            grad = p2p.recv(tuple(out.shape), out.dtype, groups.next_rank, ctx.device)
+            engine.backward((out * grad).sum(), scale_wrt_gas=False)
+        if not groups.is_first_stage:
+            p2p.send(x.grad, groups.prev_rank)
+        engine.step()
+    if groups.is_last_stage and groups.coord.tp == 0:
+        return {"loss": float(torch.stack(losses).mean())}
+    return None

@@ -1,0 +1,267 @@
+"""nereus_core.config: valid configs load; each bad one fails with one line that names the field."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from nereus_core.config import MODEL_STAGES, ConfigError, NereusConfig, parse_config, with_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"
+
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+def example() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def _layout(tp: int, pp: int, dp: int, devices: list[int], **extra: Any) -> dict[str, Any]:
+    return {"tp": tp, "pp": pp, "dp": dp, "devices": devices, **extra}
+
+
+def _set(path: str, value: Any) -> Edit:
+    def edit(data: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    return edit
+
+
+def _edits(*edits: Edit) -> Edit:
+    def edit(data: dict[str, Any]) -> None:
+        for one in edits:
+            one(data)
+
+    return edit
+
+
+def _rename_stage(old: str, new: str) -> Edit:
+    def edit(data: dict[str, Any]) -> None:
+        data["plan"][new] = data["plan"].pop(old)
+
+    return edit
+
+
+# (id, edit of the example, the field the message must name, other substrings it must contain)
+BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
+    (
+        "tp-not-dividing-heads",
+        _set("plan.actor/train", _layout(3, 1, 1, [0, 1, 2])),
+        "plan.actor/train",
+        ("tp=3 does not divide model.num_attention_heads=4", "valid tp"),
+    ),
+    (
+        "tp-not-dividing-kv-heads",
+        _set("plan.actor/train", _layout(4, 1, 1, [0, 1, 2, 3])),
+        "plan.actor/train",
+        ("tp=4 does not divide model.num_key_value_heads=2", "valid tp: [1, 2]"),
+    ),
+    (
+        "degrees-over-the-pool",
+        _set("plan.actor/train", _layout(2, 2, 2, list(range(8)))),
+        "plan.actor/train",
+        ("tp*pp*dp=8 exceeds cluster.devices=4",),
+    ),
+    (
+        "device-used-twice",
+        _set("plan.reward/infer", _layout(1, 1, 2, [2, 2])),
+        "plan.reward/infer",
+        ("device 2 is used twice",),
+    ),
+    (
+        "device-outside-the-pool",
+        _set("plan.reward/infer", _layout(1, 1, 2, [2, 7])),
+        "plan.reward/infer",
+        ("device 7 is outside the pool", "0..3"),
+    ),
+    (
+        "negative-device",
+        _set("plan.reward/infer", _layout(1, 1, 2, [-1, 2])),
+        "plan.reward/infer",
+        ("device -1 is negative",),
+    ),
+    (
+        "device-count-not-tp-pp-dp",
+        _set("plan.reward/infer", _layout(1, 1, 2, [2])),
+        "plan.reward/infer",
+        ("tp*pp*dp=1*1*2=2", "list exactly 2"),
+    ),
+    (
+        "pp-over-layers",
+        _edits(_set("cluster.devices", 8), _set("plan.actor/train", _layout(1, 8, 1, list(range(8))))),
+        "plan.actor/train",
+        ("pp=8 exceeds model.num_hidden_layers=4",),
+    ),
+    (
+        "hidden-not-divisible-by-heads",
+        _set("model.hidden_size", 66),
+        "model.hidden_size",
+        ("model.hidden_size=66", "model.num_attention_heads=4"),
+    ),
+    (
+        "heads-not-multiple-of-kv-heads",
+        _set("model.num_key_value_heads", 3),
+        "model.num_key_value_heads",
+        ("model.num_attention_heads=4", "model.num_key_value_heads=3"),
+    ),
+    (
+        "odd-head-dim",
+        _set("model.hidden_size", 12),
+        "model.hidden_size",
+        ("model.hidden_size/model.num_attention_heads=3", "even head_dim"),
+    ),
+    (
+        "unknown-field",
+        _set("job.stepz", 3),
+        "job.stepz",
+        ("unknown field", "did you mean steps?", "valid fields: steps"),
+    ),
+    (
+        "unknown-section",
+        _set("trainer", {"lr": 1}),
+        "trainer",
+        ("unknown field", "valid fields: name, cluster, model, job, plan"),
+    ),
+    (
+        "unknown-layout-field",
+        _set("plan.actor/train.tpp", 2),
+        "plan.actor/train.tpp",
+        ("unknown field", "did you mean tp?"),
+    ),
+    (
+        "unknown-model-stage",
+        _rename_stage("actor/train", "actor/trian"),
+        "plan.actor/trian",
+        (f"plan.actor/trian: unknown model-stage; valid: {', '.join(MODEL_STAGES)}",),
+    ),
+    ("zero-steps", _set("job.steps", 0), "job.steps", ("job.steps=0", "must be >= 1")),
+    ("negative-steps", _set("job.steps", -3), "job.steps", ("job.steps=-3", "must be >= 1")),
+    ("steps-not-a-number", _set("job.steps", "many"), "job.steps", ("'many'", "valid integer")),
+    (
+        "batch-not-divisible",
+        _set("job.batch_size", 6),
+        "job.batch_size",
+        ("job.batch_size=6 is not divisible by dp*micro_batches=4", "plan.critic/infer"),
+    ),
+    (
+        "sequence-over-max-positions",
+        _set("job.response_len", 250),
+        "job.response_len",
+        ("job.prompt_len+job.response_len=258", "model.max_position_embeddings=256"),
+    ),
+    (
+        "memory-unparsable",
+        _set("cluster.memory_per_device", "lots"),
+        "cluster.memory_per_device",
+        ("'lots'", "2GiB"),
+    ),
+    (
+        "memory-zero",
+        _set("cluster.memory_per_device", 0),
+        "cluster.memory_per_device",
+        ("cluster.memory_per_device=0", "must be > 0"),
+    ),
+    ("bad-backend", _set("cluster.backend", "mpi"), "cluster.backend", ("'mpi'", "'gloo'", "'nccl'")),
+    ("devices-not-a-list", _set("plan.actor/train.devices", "0,1"), "plan.actor/train.devices", ("list",)),
+    (
+        "device-not-an-int",
+        _set("plan.actor/train.devices", [0, "a", 2, 3]),
+        "plan.actor/train.devices[1]",
+        ("'a'", "integer"),
+    ),
+    ("layout-not-a-mapping", _set("plan.actor/train", 3), "plan.actor/train", ("mapping",)),
+    ("empty-section", _set("model", None), "model", ("is empty",)),
+    ("missing-devices", _set("plan.actor/train", {"tp": 2}), "plan.actor/train.devices", ("missing",)),
+    ("empty-name", _set("name", ""), "name", ("at least 1 character",)),
+    (
+        "tied-embeddings-with-pp",
+        _set("model.tie_word_embeddings", True),
+        "model.tie_word_embeddings",
+        ("plan.critic/infer", "pp>1"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("edit", "field", "needles"), [pytest.param(*row[1:], id=row[0]) for row in BAD])
+def test_bad_config_has_one_line_naming_the_field(edit: Edit, field: str, needles: tuple[str, ...]) -> None:
+    data = example()
+    edit(data)
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert "Traceback" not in message
+    assert field in message, f"{message!r} does not name {field!r}"
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_bad_table_is_large_enough() -> None:
+    assert len(BAD) >= 12
+    assert len({row[0] for row in BAD}) == len(BAD)
+
+
+def test_example_loads() -> None:
+    cfg = parse_config(example())
+    assert cfg.name == "tiny-ppo"
+    assert cfg.cluster.devices == 4
+    assert cfg.cluster.memory_per_device == 2 * 1024**3
+    assert (cfg.model.vocab_size, cfg.model.hidden_size, cfg.model.num_hidden_layers) == (256, 64, 4)
+    assert (cfg.model.num_attention_heads, cfg.model.num_key_value_heads) == (4, 2)
+    assert cfg.model.intermediate_size == 128
+    assert cfg.model.tie_word_embeddings is False
+    assert (cfg.job.steps, cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len) == (4, 8, 8, 8)
+    assert set(cfg.plan) == set(MODEL_STAGES)
+    gen, train = cfg.plan["actor/generate"], cfg.plan["actor/train"]
+    assert (gen.tp, gen.pp, gen.dp, gen.devices) == (2, 1, 1, (0, 1))
+    assert (train.tp, train.pp, train.dp, train.devices) == (2, 1, 2, (0, 1, 2, 3))
+
+
+@pytest.mark.parametrize("data", [None, {}, {"name": "x"}, {"job": {"steps": 1}}])
+def test_defaults_load(data: dict[str, Any] | None) -> None:
+    cfg = parse_config(data)
+    assert isinstance(cfg, NereusConfig)
+    assert cfg.plan == {}
+
+
+def test_config_is_frozen() -> None:
+    cfg = parse_config(example())
+    with pytest.raises(ValueError):
+        cfg.job.steps = 9  # type: ignore[misc]
+
+
+def test_non_mapping_config() -> None:
+    with pytest.raises(ConfigError, match="must be a mapping of sections, got list"):
+        parse_config([1, 2])  # type: ignore[arg-type]
+
+
+def test_with_overrides_builds_nested_keys_without_touching_the_input() -> None:
+    data = example()
+    before = copy.deepcopy(data)
+    out = with_overrides(data, ["job.steps=2", "cluster.scheduler_address=tcp://h:8786", "new.a.b=1"])
+    assert data == before
+    assert out["job"]["steps"] == "2"  # values stay strings; the CLI reads them as YAML
+    assert out["cluster"]["scheduler_address"] == "tcp://h:8786"
+    assert out["new"] == {"a": {"b": "1"}}
+    assert parse_config(with_overrides(data, ["job.steps=2"])).job.steps == 2
+
+
+@pytest.mark.parametrize(
+    ("item", "needle"), [("job.steps", "expected key=value"), ("job..steps=2", "empty part")]
+)
+def test_with_overrides_rejects_malformed_items(item: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle) as info:
+        with_overrides(example(), [item])
+    assert "\n" not in str(info.value)
+    assert item in str(info.value)

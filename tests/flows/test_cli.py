@@ -1,0 +1,193 @@
+"""flows.cli: bad input ends with one line on stderr and exit status 2; good input reaches the flow.
+
+The flow itself is replaced by a fake ``flows.selfcheck`` module: these tests need
+neither Prefect nor Dask.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.cli import SCHEDULER_ENV, main
+from nereus_core.config import NereusConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict[str, Any]]:
+    """Record the calls of a fake ``flows.selfcheck.selfcheck_flow``; run in an empty directory."""
+    recorded: list[dict[str, Any]] = []
+    fake = types.ModuleType("flows.selfcheck")
+    fake.selfcheck_flow = lambda **kwargs: recorded.append(kwargs)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flows.selfcheck", fake)
+    monkeypatch.delenv(SCHEDULER_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return recorded
+
+
+def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def assert_one_line_error(capsys: pytest.CaptureFixture[str], code: int, *needles: str) -> str:
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("nereus: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_run_passes_the_validated_config_to_the_flow(calls: list[dict[str, Any]], capsys) -> None:
+    assert main(["run", str(EXAMPLE)]) == 0
+    [call] = calls
+    cfg = call["config"]
+    assert isinstance(cfg, NereusConfig)
+    assert cfg.name == "tiny-ppo" and cfg.job.steps == 4 and cfg.cluster.scheduler_address is None
+    out_dir = Path(call["out_dir"])
+    assert out_dir.parent == Path("runs") and out_dir.name.startswith("tiny-ppo-")
+    assert str(out_dir) in capsys.readouterr().out
+
+
+def test_run_applies_steps_out_and_typed_sets(calls: list[dict[str, Any]], tmp_path: Path) -> None:
+    argv = ["run", str(EXAMPLE), "--steps", "2", "--out", str(tmp_path / "r")]
+    argv += ["--set", "job.lr=0.5", "--set", "name=other", "--set", "cluster.memory_per_device=1GiB"]
+    argv += ["--set", "plan.reward/infer.devices=[3, 2]", "--set", "model.tie_word_embeddings=false"]
+    assert main(argv) == 0
+    cfg = calls[0]["config"]
+    assert cfg.job.steps == 2 and cfg.job.lr == 0.5 and cfg.name == "other"
+    assert cfg.cluster.memory_per_device == 1024**3
+    assert cfg.plan["reward/infer"].devices == (3, 2)
+    assert calls[0]["out_dir"] == str(tmp_path / "r")
+
+
+def test_later_sets_replace_earlier_ones(calls: list[dict[str, Any]]) -> None:
+    sets = ["--set", "job=3", "--set", "job.steps=2", "--set", "job.batch_size=4", "--set", "job.steps=1"]
+    assert main(["run", str(EXAMPLE), *sets]) == 0
+    job = calls[0]["config"].job
+    assert (job.steps, job.batch_size) == (1, 4)
+
+
+def test_steps_flag_wins_over_set(calls: list[dict[str, Any]]) -> None:
+    assert main(["run", str(EXAMPLE), "--set", "job.steps=3", "--steps", "1"]) == 0
+    assert calls[0]["config"].job.steps == 1
+
+
+def test_scheduler_address_from_the_environment(calls: list[dict[str, Any]], monkeypatch) -> None:
+    monkeypatch.setenv(SCHEDULER_ENV, "tcp://10.0.0.5:8786")
+    assert main(["run", str(EXAMPLE)]) == 0
+    assert calls[0]["config"].cluster.scheduler_address == "tcp://10.0.0.5:8786"
+    assert main(["run", str(EXAMPLE), "--set", "cluster.scheduler_address=tcp://h:1"]) == 0
+    assert calls[1]["config"].cluster.scheduler_address == "tcp://h:1"
+
+
+def test_empty_file_takes_the_defaults(calls: list[dict[str, Any]], tmp_path: Path) -> None:
+    assert main(["run", write(tmp_path, "")]) == 0
+    assert calls[0]["config"] == NereusConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("job: {steps: 0}\n", ("cfg.yaml: job.steps=0",)),
+        ("job:\n  stepz: 3\n", ("job.stepz: unknown field",)),
+        ("plan:\n  actor/trian: {tp: 1, devices: [0]}\n", ("plan.actor/trian: unknown model-stage",)),
+        ("model:\n  hidden_size: 66\n", ("model.hidden_size=66",)),
+        ("cluster: {memory_per_device: lots}\n", ("cluster.memory_per_device",)),
+        ("job: {steps: 2\n", ("not valid YAML at line",)),
+        ("key: [unclosed\n", ("not valid YAML",)),
+        ("- a\n- b\n", ("must be a mapping of sections", "got a list")),
+        ("just a string\n", ("got a string",)),
+    ],
+)
+def test_bad_config_file(calls, tmp_path: Path, capsys, text: str, needles: tuple[str, ...]) -> None:
+    path = write(tmp_path, text)
+    line = assert_one_line_error(capsys, main(["run", path]), f"nereus: error: {path}: ", *needles)
+    assert calls == [], line
+
+
+def test_missing_file(calls, capsys) -> None:
+    assert_one_line_error(capsys, main(["run", "nope.yaml"]), "nereus: error: nope.yaml: no such file")
+
+
+def test_directory_instead_of_file(calls, tmp_path: Path, capsys) -> None:
+    assert_one_line_error(capsys, main(["run", str(tmp_path)]), "is a directory")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--set", "job.steps"], ("--set 'job.steps': expected key=value",)),
+        (["--set", "job..steps=2"], ("empty part",)),
+        (["--set", "job.steps=[1"], ("the value is not valid YAML",)),
+        (["--set", "job.steps=0"], ("job.steps=0: must be >= 1",)),
+        (["--set", "job.stepz=2"], ("job.stepz: unknown field",)),
+        (["--set", "cluster.devices=2"], ("exceeds cluster.devices=2",)),
+        (["--steps", "0"], ("job.steps=0",)),
+        (["--steps", "two"], ("argument --steps: invalid int value: 'two'",)),
+        (["--bogus"], ("unrecognized arguments: --bogus",)),
+    ],
+)
+def test_bad_overrides(calls, capsys, extra: list[str], needles: tuple[str, ...]) -> None:
+    assert_one_line_error(capsys, main(["run", str(EXAMPLE), *extra]), *needles)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "cfg.yaml"],
+        ["simulate", "cfg.yaml", "--out", "o"],
+        ["resume", "runs/x"],
+        ["report", "runs/x"],
+        ["export", "runs/x", "--model", "actor", "--hf", "out"],
+    ],
+)
+def test_commands_not_built_yet_say_so(calls, capsys, argv: list[str]) -> None:
+    assert_one_line_error(capsys, main(argv), f"nereus: {argv[0]} is not available yet")
+
+
+def test_no_command_prints_help(capsys) -> None:
+    assert main([]) == 2
+    assert "run" in capsys.readouterr().err
+
+
+def test_version(capsys) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("nereus ")
+
+
+def test_bad_config_in_a_subprocess(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, "cluster:\n  devices: 2\nplan:\n  actor/train: {tp: 2, dp: 2, devices: [0, 1, 2, 3]}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != SCHEDULER_ENV}
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", path],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"nereus: error: {path}: plan.actor/train: tp*pp*dp=4 exceeds cluster.devices=2; "
+        "lower a degree or add devices"
+    ]
+    assert done.stdout == ""
