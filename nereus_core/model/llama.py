@@ -1,0 +1,332 @@
+"""A Llama pipeline stage; it knows nothing of pipeline communication or data parallelism (the engine's job).
+
+Architecture as Hugging Face ``LlamaForCausalLM`` (Touvron et al., 2023,
+arXiv:2302.13971), with the same parameter names so full states round-trip:
+pre-norm RMSNorm (Zhang & Sennrich, 2019; variance in fp32, then
+``weight * normed``), rotary position embeddings (Su et al., 2021,
+arXiv:2104.09864; HF's rotate-half layout, ``inv_freq = 1/theta^(2i/d)``),
+grouped-query attention (Ainslie et al., 2023, arXiv:2305.13245) and a SwiGLU
+MLP (Shazeer, 2020, arXiv:2002.05202). Tensor parallelism splits heads and the
+MLP's inner width (see ``tensor_parallel``); a rank holds ``H/tp`` query heads
+and ``K/tp`` kv heads.
+
+Positions drive RoPE only. A ``KVCache`` appends each forward's chunk at its
+own length (``cache.length``), whatever the positions say, so left-padded rows
+may carry their own positions; ``attention_mask`` (1 keep, 0 pad) hides pads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nereus_core.config import ModelConfig
+from nereus_core.model.tensor_parallel import (
+    ColumnParallelLinear,
+    Group,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    group_size,
+)
+from nereus_core.model.weights import shard_tensor, stage_param_names
+
+
+class KVCache:
+    """Preallocated keys and values ``[b, kv_heads_local, max_len, head_dim]`` per held layer."""
+
+    def __init__(
+        self,
+        *,
+        layers: range,
+        batch: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.batch = batch
+        self.max_len = max_len
+        self.length = 0
+
+    def append(
+        self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``layer``'s chunk at ``length`` and return all keys/values so far (views)."""
+        end = self.length + k_new.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} tokens > max_len={self.max_len}")
+        self.k[layer][:, :, self.length : end] = k_new
+        self.v[layer][:, :, self.length : end] = v_new
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, tokens: int) -> None:
+        """Move ``length`` past a chunk every layer has appended."""
+        self.length += tokens
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[b or 1, 1, s, d]`` for absolute ``positions`` ``[b, s]`` or ``[s]``, computed in fp32.
+
+    The frequencies are rebuilt per call (d/2 numbers) rather than kept as a buffer,
+    so casting the stage to bf16 cannot round them.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    positions_bs = positions if positions.dim() == 2 else positions.unsqueeze(0)
+    freqs = positions_bs.unsqueeze(-1).float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_mask_bool(
+    *, queries: int, past: int, attention_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean ``[b or 1, 1, s, past+s]`` (True attends): causal within the chunk, all of the past.
+
+    None when plain causal attention without a past suffices. Each query may always
+    see its own key, so a fully padded row stays finite (its output is ignored).
+    """
+    if attention_mask is None and past == 0:
+        return None
+    total = past + queries
+    key_pos = torch.arange(total, device=device)
+    query_pos = torch.arange(past, total, device=device).unsqueeze(-1)
+    allowed = (key_pos <= query_pos).unsqueeze(0)
+    if attention_mask is not None:
+        if attention_mask.shape[-1] != total:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[-1]} tokens; expected past+new={total}"
+            )
+        allowed = allowed & attention_mask.bool().unsqueeze(1)
+        allowed = allowed | (key_pos == query_pos).unsqueeze(0)
+    return allowed.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group: Group) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+        tp = {"tp_size": tp_size, "tp_group": tp_group}
+        self.q_proj = ColumnParallelLinear(h, q_out, copy_input=False, **tp)
+        self.k_proj = ColumnParallelLinear(h, kv_out, copy_input=False, **tp)
+        self.v_proj = ColumnParallelLinear(h, kv_out, copy_input=False, **tp)
+        self.o_proj = RowParallelLinear(q_out, h, **tp)
+        self.tp_group = tp_group
+        self.head_dim = d
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+        layer: int,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        x = copy_to_tp(x, self.tp_group)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)
+        # GQA: query head j reads kv head j // (H/K), as HF's repeat_kv, without copying the cache.
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and s > 1, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group: Group) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        tp = {"tp_size": tp_size, "tp_group": tp_group}
+        self.gate_proj = ColumnParallelLinear(h, i, copy_input=False, **tp)
+        self.up_proj = ColumnParallelLinear(h, i, copy_input=False, **tp)
+        self.down_proj = RowParallelLinear(i, h, **tp)
+        self.tp_group = tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp_group)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group: Group) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, tp_size=tp_size, tp_group=tp_group)
+        self.mlp = MLP(config, tp_size=tp_size, tp_group=tp_group)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+        layer: int,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _check_tp(config: ModelConfig, tp_rank: int, tp_size: int, tp_group: Group) -> None:
+    problem = config.tp_error(tp_size)
+    if problem:
+        raise ValueError(problem)
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} is outside 0..{tp_size - 1}")
+    if tp_group is not None and group_size(tp_group) != tp_size:
+        raise ValueError(f"tp_size={tp_size} but tp_group has {group_size(tp_group)} ranks")
+    if tp_group is not None and dist.get_rank(tp_group) != tp_rank:
+        # The vocab-parallel functions locate this rank's vocab range from its rank in the group.
+        raise ValueError(
+            f"tp_rank={tp_rank} differs from this process's rank {dist.get_rank(tp_group)} in tp_group "
+            "(torch orders a group by world rank); list each tp group's devices in ascending order "
+            "or pass tp_rank=dist.get_rank(tp_group)"
+        )
+
+
+class LlamaStage(nn.Module):
+    """Decoder layers ``layers`` (with the embedding if first, norm and lm_head if last) on one tp rank.
+
+    Parameters start as placeholders (zeros, norms 1.0): call ``load_full_state``
+    (e.g. with ``init_full_state(config)``) before use. Without ``tp_group`` a stage
+    with ``tp_size > 1`` has the local shapes but skips the collectives (for shapes
+    and state handling only).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        layers: range,
+        first: bool,
+        last: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Group = None,
+    ) -> None:
+        super().__init__()
+        _check_tp(config, tp_rank, tp_size, tp_group)
+        self.config, self.layer_range, self.first, self.last = config, layers, first, last
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.param_names = stage_param_names(config, layers, first, last)
+        tp = {"tp_size": tp_size, "tp_group": tp_group}
+        self.model = nn.Module()
+        if first:
+            self.model.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, tp_rank=tp_rank, **tp
+            )
+        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(config, **tp) for i in layers})
+        if last:
+            self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, **tp)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_heads_local(self) -> int:
+        return self.config.num_key_value_heads // self.tp_size
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for this stage's layers, on its device and in its dtype."""
+        weight = next(iter(self.model.layers.values())).self_attn.k_proj.weight
+        return KVCache(
+            layers=self.layer_range,
+            batch=batch,
+            max_len=max_len,
+            kv_heads=self.kv_heads_local,
+            head_dim=self.config.head_dim,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+    def _held(self) -> dict[str, nn.Parameter]:
+        params = dict(self.named_parameters())
+        return {name: params[name] for name in self.param_names}
+
+    @torch.no_grad()
+    def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of every held parameter from a full HF-named state."""
+        missing = [name for name in self.param_names if name not in full]
+        if missing:
+            raise KeyError(f"full state lacks {len(missing)} parameters of this stage, e.g. {missing[0]!r}")
+        for name, param in self._held().items():
+            shard = shard_tensor(full[name], name, self.tp_rank, self.tp_size)
+            if shard.shape != param.shape:
+                raise ValueError(
+                    f"{name}: shard shape {tuple(shard.shape)} != local shape {tuple(param.shape)}"
+                )
+            param.copy_(shard)
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """HF name -> this rank's shard (detached; shares memory with the parameter)."""
+        return {name: param.detach() for name, param in self._held().items()}
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Ids ``[b, s]`` (first) or hidden ``[b, s, h]`` -> hidden, or fp32 logits ``[b, s, V/tp]`` (last).
+
+        ``positions`` ``[b, s]`` or ``[s]`` are absolute (RoPE). With ``cache`` the chunk is
+        appended and attends to everything cached before it; ``attention_mask``
+        ``[b, past+s]`` marks real tokens (1) and pads (0) over the cache and the chunk.
+        """
+        hidden = self.model.embed_tokens(x) if self.first else x
+        s = hidden.shape[1]
+        past = 0 if cache is None else cache.length
+        cos_sin = rope_cos_sin(
+            positions.to(hidden.device),
+            head_dim=self.config.head_dim,
+            theta=self.config.rope_theta,
+            dtype=hidden.dtype,
+        )
+        mask = attention_mask_bool(queries=s, past=past, attention_mask=attention_mask, device=hidden.device)
+        for key, layer in self.model.layers.items():
+            hidden = layer(hidden, cos_sin, mask, cache, int(key))
+        if cache is not None:
+            cache.advance(s)
+        if not self.last:
+            return hidden
+        return self.lm_head(self.model.norm(hidden)).float()

@@ -1,0 +1,260 @@
+"""Megatron-style tensor-parallel layers and vocab-parallel heads over one process group.
+
+Follows Megatron-LM (Shoeybi et al., 2019, arXiv:1909.08053), section 3:
+a column-parallel linear splits its output features and needs the full input
+on every rank (``copy_to_tp``: identity forward, all-reduce of the input grad
+backward); a row-parallel linear splits its input features and sums partial
+outputs (``reduce_from_tp``: all-reduce forward, identity backward). An
+attention or MLP block is column-then-row, so it costs one all-reduce forward
+and one backward.
+
+The vocab dim of the logits stays split: log-probabilities use the global max
+and the global sum of exponentials (two scalar all-reduces per token) instead
+of gathering ``[..., V]`` logits, as Megatron's ``vocab_parallel_cross_entropy``.
+Sampling is Gumbel-max (``argmax(logits/T + g)``, g ~ Gumbel(0, 1); Gumbel 1954,
+see Maddison et al., 2014, arXiv:1411.0052) with the noise drawn for the full
+vocab from a generator in the same state on every tp rank, so the ranks agree
+without exchanging anything but the per-rank best.
+
+Every function is a no-op fast path when the group is None or has one rank.
+The tp index of a rank defaults to its rank in the group; pass ``tp_rank`` when
+a layout's tp index differs from that (torch orders group ranks by world rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    """Ranks in ``group``; 1 when the group is None."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _tp_rank(group: Group, tp_rank: int | None) -> int:
+    if tp_rank is not None:
+        return tp_rank
+    return 0 if group is None else dist.get_rank(group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward; all-reduce (sum) of the gradient backward."""
+    if group_size(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-reduce (sum) forward; identity backward."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def _local_size(size: int, tp_size: int, what: str) -> int:
+    if size % tp_size:
+        raise ValueError(f"{what}={size} does not split into tp={tp_size} equal shards")
+    return size // tp_size
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y_local = x @ W_local.T`` with W split on output features (dim 0); no bias.
+
+    ``copy_input=False`` when the caller already applied ``copy_to_tp`` once for
+    several projections of the same input (q/k/v, gate/up): one all-reduce backward
+    instead of one per projection.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_size: int = 1,
+        tp_group: Group = None,
+        copy_input: bool = True,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.copy_input = copy_input
+        local = _local_size(out_features, tp_size, "out_features")
+        self.weight = nn.Parameter(torch.zeros(local, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = copy_to_tp(x, self.tp_group)
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum_ranks x_local @ W_local.T`` with W split on input features (dim 1); no bias."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, tp_size: int = 1, tp_group: Group = None
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        local = _local_size(in_features, tp_size, "in_features")
+        self.weight = nn.Parameter(torch.zeros(out_features, local))
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x_local, self.weight), self.tp_group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding split by vocab rows (dim 0): look up the local range, zero the rest, all-reduce."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Group = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        local = _local_size(num_embeddings, tp_size, "num_embeddings")
+        self.vocab_start = tp_rank * local
+        self.weight = nn.Parameter(torch.zeros(local, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        local_ids = ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
+        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp_group)
+
+
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """log p(target) = z_target - max - log(sum exp(z - max)), each term reduced over the vocab shards."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits_local: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup, tp_rank: int
+    ) -> torch.Tensor:
+        z = logits_local.float()
+        part = z.shape[-1]
+        global_max = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
+        shifted = z - global_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+        local_targets = targets - tp_rank * part
+        inside = (local_targets >= 0) & (local_targets < part)
+        index = local_targets.masked_fill(~inside, 0).unsqueeze(-1)
+        target_logit = shifted.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
+        target_logit = _all_reduce(target_logit, dist.ReduceOp.SUM, group)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, inside)
+        ctx.input_dtype = logits_local.dtype
+        return target_logit - sum_exp.log()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        # d log p(t) / d z_j = onehot_j(t) - softmax_j(z), restricted to this shard's columns.
+        softmax_local, index, inside = ctx.saved_tensors
+        grad = grad.float()
+        grad_logits = softmax_local * -grad.unsqueeze(-1)
+        grad_logits.scatter_add_(-1, index, (grad * inside).unsqueeze(-1))
+        return grad_logits.to(ctx.input_dtype), None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits_local: torch.Tensor, targets: torch.Tensor, group: Group, *, tp_rank: int | None = None
+) -> torch.Tensor:
+    """log p(targets) in fp32 from vocab-split logits ``[..., V/tp]`` and global target ids ``[...]``."""
+    if group_size(group) == 1:
+        logprobs = torch.log_softmax(logits_local.float(), dim=-1)
+        return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return _VocabParallelLogprobs.apply(logits_local, targets, group, _tp_rank(group, tp_rank))
+
+
+def _argmax_over_shards(scores_local: torch.Tensor, group: Group, tp_rank: int | None) -> torch.Tensor:
+    """Global argmax of vocab-split scores; ties go to the lowest global id, as ``torch.argmax``."""
+    best, index = scores_local.max(dim=-1)
+    if group_size(group) == 1:
+        return index
+    part = scores_local.shape[-1]
+    global_index = index + _tp_rank(group, tp_rank) * part
+    size = group_size(group)
+    all_best = [torch.empty_like(best) for _ in range(size)]
+    all_index = [torch.empty_like(global_index) for _ in range(size)]
+    dist.all_gather(all_best, best.contiguous(), group=group)
+    dist.all_gather(all_index, global_index.contiguous(), group=group)
+    best_rd, index_rd = torch.stack(all_best), torch.stack(all_index)
+    winners = best_rd == best_rd.max(dim=0, keepdim=True).values
+    sentinel = torch.iinfo(index_rd.dtype).max
+    return index_rd.masked_fill(~winners, sentinel).min(dim=0).values
+
+
+def vocab_parallel_argmax(
+    logits_local: torch.Tensor, group: Group, *, tp_rank: int | None = None
+) -> torch.Tensor:
+    """Global ids of the largest logit from vocab-split logits ``[..., V/tp]``."""
+    return _argmax_over_shards(logits_local.float(), group, tp_rank)
+
+
+def vocab_parallel_sample(
+    logits_local: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator,
+    group: Group,
+    *,
+    tp_rank: int | None = None,
+) -> torch.Tensor:
+    """Global ids sampled from softmax(logits / temperature) by Gumbel-max; temperature 0 is argmax.
+
+    ``generator`` must be in the same state on every tp rank; each call advances it
+    by one full-vocab draw per row, on every rank alike (argmax draws nothing).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} is negative; use 0 for greedy or a positive value")
+    if temperature == 0:
+        return vocab_parallel_argmax(logits_local, group, tp_rank=tp_rank)
+    part = logits_local.shape[-1]
+    vocab = part * group_size(group)
+    shape = (*logits_local.shape[:-1], vocab)
+    uniform = torch.rand(shape, generator=generator, device=generator.device, dtype=torch.float32)
+    gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+    start = _tp_rank(group, tp_rank) * part
+    gumbel_local = gumbel[..., start : start + part].to(logits_local.device)
+    return _argmax_over_shards(logits_local.float() / temperature + gumbel_local, group, tp_rank)

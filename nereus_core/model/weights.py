@@ -1,0 +1,158 @@
+"""Full weights by Hugging Face name, and the tensor-parallel shard map over them.
+
+The shard map is Megatron-LM's (Shoeybi et al., 2019, arXiv:1909.08053):
+column-parallel projections (q, k, v, gate, up) and the vocab-parallel
+embedding and lm_head split dim 0 (output rows); row-parallel projections
+(o_proj, down_proj) split dim 1 (input columns); norms are replicated. Every
+split is an equal contiguous chunk, so the local shard of rank ``r`` out of
+``tp`` is chunk ``r``. Because q/k/v rows are ordered head by head, a chunk of
+rows is a run of whole heads: rank ``r`` holds query heads
+``[r*H/tp, (r+1)*H/tp)`` and the kv heads they read (GQA groups stay whole).
+
+Nothing here knows about processes: these are pure functions of the config.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from nereus_core.config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
+
+_COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+_ROW = ("o_proj.weight", "down_proj.weight")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+def layer_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """HF names and full shapes of one decoder layer's parameters, in HF order."""
+    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    p = f"model.layers.{layer}."
+    return {
+        p + "self_attn.q_proj.weight": (q_out, h),
+        p + "self_attn.k_proj.weight": (kv_out, h),
+        p + "self_attn.v_proj.weight": (kv_out, h),
+        p + "self_attn.o_proj.weight": (h, q_out),
+        p + "mlp.gate_proj.weight": (i, h),
+        p + "mlp.up_proj.weight": (i, h),
+        p + "mlp.down_proj.weight": (h, i),
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+    }
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF names and full shapes of every parameter of ``LlamaForCausalLM``, in HF order."""
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (config.vocab_size, config.hidden_size)}
+    for layer in range(config.num_hidden_layers):
+        shapes.update(layer_param_shapes(config, layer))
+    shapes[FINAL_NORM] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        shapes[LM_HEAD] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def init_full_state(config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Seeded fp32 weights with HF names: normal(0, init_std) matrices, norms 1.0; same on every process."""
+    generator = torch.Generator(device="cpu").manual_seed(config.seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in param_shapes(config).items():
+        if is_norm(name):
+            state[name] = torch.ones(shape)
+        else:
+            state[name] = torch.empty(shape).normal_(0.0, config.init_std, generator=generator)
+    return state
+
+
+def shard_dim(name: str) -> int | None:
+    """The tensor dim split under TP: 0 column/vocab-parallel, 1 row-parallel, None replicated."""
+    if name in _VOCAB or name.endswith(_COLUMN):
+        return 0
+    if name.endswith(_ROW):
+        return 1
+    if is_norm(name):
+        return None
+    raise KeyError(f"{name!r} is not a Llama parameter name; expected a Hugging Face LlamaForCausalLM name")
+
+
+def stage_param_names(config: ModelConfig, layers: range, first: bool, last: bool) -> list[str]:
+    """HF names held by one pipeline stage: embed on the first, final norm and lm_head on the last."""
+    if config.tie_word_embeddings and first != last:
+        raise ValueError(
+            "tie_word_embeddings=true needs one stage holding both ends (first and last); "
+            "set tie_word_embeddings: false or pp: 1"
+        )
+    if layers.step != 1 or layers.start < 0 or layers.stop > config.num_hidden_layers:
+        raise ValueError(f"layers={layers} is not a contiguous run inside 0..{config.num_hidden_layers - 1}")
+    names = [EMBED] if first else []
+    for layer in layers:
+        names.extend(layer_param_shapes(config, layer))
+    if last:
+        names.append(FINAL_NORM)
+        if not config.tie_word_embeddings:
+            names.append(LM_HEAD)
+    return names
+
+
+def shard_tensor(full: torch.Tensor, name: str, tp_rank: int, tp: int) -> torch.Tensor:
+    """A contiguous clone of rank ``tp_rank``'s shard of the full tensor ``name``."""
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank={tp_rank} is outside 0..{tp - 1}")
+    dim = shard_dim(name)
+    if dim is None or tp == 1:
+        return full.detach().clone()
+    size = full.shape[dim]
+    if size % tp:
+        raise ValueError(f"{name}: dim {dim} of size {size} does not split into tp={tp} equal shards")
+    part = size // tp
+    return full.detach().narrow(dim, tp_rank * part, part).clone()
+
+
+def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from all tp shards in tp-rank order (replicated names: the first shard)."""
+    if not shards:
+        raise ValueError(f"{name}: no shards given")
+    dim = shard_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    return torch.cat(shards, dim=dim)
+
+
+def hf_config(config: ModelConfig) -> LlamaConfig:
+    """The ``transformers.LlamaConfig`` of the same model (for tests and HF export)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=config.init_std,
+        # Nereus models have no tokenizer: no special ids, so HF generate never stops early.
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )

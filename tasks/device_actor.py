@@ -1,0 +1,187 @@
+"""The device actor: one per Dask worker, the holder of that worker's device slot.
+
+Boundary: the actor owns one ``nereus_core.parallel.device.DeviceContext`` and
+carries out what the driver asks (join or leave the torch.distributed world,
+build a layout's groups, run a core function with the context). It holds no
+policy: which function runs where is decided by the engine in nereus_core, and
+the rendezvous (ranks, master address and port) by ``tasks.device_pool``.
+
+Dask runs the methods of an actor in one dedicated thread on its worker, so the
+blocking torch.distributed calls made here never share a thread with another
+call on the same device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+from distributed import get_worker
+from distributed.comm import get_address_host
+
+from nereus_core.layout import Coord, Layout
+from nereus_core.parallel.device import DeviceContext
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+BACKENDS = ("gloo", "nccl")
+
+
+class RankFailure(Exception):
+    """An exception raised on one device, shipped to the driver as text.
+
+    The original exception may not unpickle on the driver (or may not pickle at
+    all), so the actor sends its type name, message and formatted traceback.
+    """
+
+    def __init__(self, rank: int | None, worker: str, call: str, exc_type: str, message: str, tb: str) -> None:
+        super().__init__(f"{call} failed on rank {rank} ({worker}): {exc_type}: {message}")
+        self.rank = rank
+        self.worker = worker
+        self.call = call
+        self.exc_type = exc_type
+        self.message = message
+        self.traceback_text = tb
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            RankFailure,
+            (self.rank, self.worker, self.call, self.exc_type, self.message, self.traceback_text),
+        )
+
+
+def _reported(method: Callable[P, R]) -> Callable[P, R]:
+    """Turn any exception of an actor method into a ``RankFailure`` with the remote traceback."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except RankFailure:
+            raise
+        except Exception as exc:
+            actor: DeviceActor = args[0]  # type: ignore[assignment]
+            fn = args[1] if method.__name__ == "run" and len(args) > 1 else None
+            call = f"run({_qualname(fn)})" if fn is not None else method.__name__
+            raise RankFailure(
+                actor.rank, actor.worker, call, type(exc).__qualname__, str(exc), traceback.format_exc()
+            ) from None
+
+    return wrapper
+
+
+def _qualname(fn: object) -> str:
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+class DeviceActor:
+    """One device slot: its DeviceContext, driven by the pool through Dask actor calls."""
+
+    def __init__(self, slot_key: str) -> None:
+        self.slot_key = slot_key
+        self.worker = get_worker().address
+        self._ctx: DeviceContext | None = None
+        self._in_world = False
+
+    @property
+    def rank(self) -> int | None:
+        return self._ctx.rank if self._ctx is not None else None
+
+    @_reported
+    def probe(self) -> dict[str, Any]:
+        """What this worker offers: host, pid, CUDA devices."""
+        return {
+            "worker": self.worker,
+            "host": get_address_host(self.worker),
+            "pid": os.getpid(),
+            "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        }
+
+    @_reported
+    def free_port(self) -> int:
+        """A TCP port that was free on this host a moment ago (the rendezvous port when rank 0)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+
+    @_reported
+    def join(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        backend: str,
+        *,
+        local_rank: int = 0,
+        timeout_s: float = 300.0,
+        torch_threads: int | None = 1,
+    ) -> dict[str, Any]:
+        """Join a fresh world as ``rank``; blocks until every rank has joined. Resident objects survive."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+        resident = self._ctx.resident if self._ctx is not None else {}
+        if self._in_world:
+            self.leave()
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        elif torch_threads is not None:
+            # One worker stands in for one device; several per host must not oversubscribe the cores.
+            torch.set_num_threads(torch_threads)
+        ctx = DeviceContext.init_world(
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+        ctx.resident = resident
+        self._ctx = ctx
+        self._in_world = True
+        return self.info()
+
+    @_reported
+    def leave(self) -> None:
+        """Leave the world (its groups die with it); resident objects stay."""
+        if self._ctx is not None and self._in_world:
+            self._ctx.destroy_world()
+        self._in_world = False
+
+    @_reported
+    def build_groups(self, layout: Layout) -> Coord | None:
+        """Create ``layout``'s groups (collective: every rank of the world must call it)."""
+        view = self._context().build_groups(layout)
+        return view.coord if view is not None else None
+
+    @_reported
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn(ctx, *args, **kwargs)`` with this device's context and return its result."""
+        return fn(self._context(), *args, **kwargs)
+
+    @_reported
+    def info(self) -> dict[str, Any]:
+        """Rank, world size, pid, worker address, built layouts and resident keys."""
+        ctx = self._ctx
+        return {
+            "rank": self.rank,
+            "world_size": ctx.world_size if ctx is not None and self._in_world else None,
+            "backend": ctx.backend if ctx is not None else None,
+            "pid": os.getpid(),
+            "worker": self.worker,
+            "in_world": self._in_world,
+            "layouts": sorted(ctx.groups) if ctx is not None else [],
+            "resident": sorted(ctx.resident) if ctx is not None else [],
+        }
+
+    def _context(self) -> DeviceContext:
+        if self._ctx is None or not self._in_world:
+            raise RuntimeError(f"device actor on {self.worker} is not in a world; the pool must join it first")
+        return self._ctx

@@ -1,0 +1,442 @@
+"""The device pool: the one place Nereus talks to Dask.
+
+Boundary: the pool owns the Dask cluster (or a client of an existing scheduler),
+places one ``DeviceActor`` on each worker it uses, and forms the
+torch.distributed world over them. It dispatches calls to the actors and
+gathers results; it never decides what runs where (the engine in nereus_core
+passes top-level functions, the pool runs them on a layout's devices).
+
+World rank = position in the pool's worker order. That order is stable: at
+start the workers are sorted by name (LocalCluster names them 0, 1, ...), a
+grow appends the new workers, a shrink removes the highest ranks, so a
+surviving worker keeps its rank and its actor keeps its resident objects.
+Every change of the device set rebuilds the world (all actors leave, all join
+a fresh rendezvous); the layouts' groups die with it and callers rebuild them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+
+from distributed import Actor, Client, Future, LocalCluster
+from distributed.comm import get_address_host
+
+from nereus_core.layout import Layout
+from tasks.device_actor import DeviceActor, RankFailure
+
+logger = logging.getLogger(__name__)
+
+BACKEND_CHOICES = ("auto", "gloo", "nccl")
+
+
+class DevicePoolError(RuntimeError):
+    """The pool could not be formed or changed (scheduler unreachable, too few workers, timeouts)."""
+
+
+class DeviceRunError(DevicePoolError):
+    """A call failed on one or more devices; carries each rank's remote traceback."""
+
+    def __init__(self, call: str, failures: list[RankFailure]) -> None:
+        ranks = [f.rank for f in failures]
+        first = failures[0]
+        super().__init__(
+            f"{call} failed on rank(s) {ranks}: {first.exc_type}: {first.message}\n"
+            f"--- remote traceback (rank {first.rank}, {first.worker}) ---\n{first.traceback_text}"
+        )
+        self.call = call
+        self.failures = failures
+
+
+class DevicePool:
+    """``devices`` device actors over Dask workers, joined in one torch.distributed world."""
+
+    def __init__(
+        self,
+        devices: int,
+        scheduler_address: str | None = None,
+        backend: str = "auto",
+        *,
+        connect_timeout_s: float = 10.0,
+        worker_timeout_s: float = 120.0,
+        join_timeout_s: float = 180.0,
+        collective_timeout_s: float = 300.0,
+        torch_threads: int | None = 1,
+        failure_grace_s: float = 30.0,
+    ) -> None:
+        if devices < 1:
+            raise ValueError(f"devices={devices}; a pool needs at least 1 device")
+        if backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend={backend!r}; choose one of {BACKEND_CHOICES}")
+        self.scheduler_address = scheduler_address
+        self.requested_backend = backend
+        self.backend: str | None = None
+        self.connect_timeout_s = connect_timeout_s
+        self.worker_timeout_s = worker_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self.torch_threads = torch_threads
+        self.failure_grace_s = failure_grace_s
+        self.timings: list[tuple[str, float]] = []
+        self._cluster: LocalCluster | None = None
+        self._client: Client | None = None
+        self._workers: list[str] = []  # addresses in rank order
+        self._actors: dict[str, Any] = {}  # address -> Actor proxy
+        self._futures: dict[str, Future] = {}  # address -> the actor's key (keeps it alive)
+        self._built: list[str] = []
+        try:
+            with self._timed("start"):
+                self._connect(devices)
+                self._place(self._acquire(devices))
+            with self._timed(f"world {devices}"):
+                self._form_world()
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------- public
+
+    @property
+    def size(self) -> int:
+        """Number of devices (world size)."""
+        return len(self._workers)
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """Worker addresses in rank order."""
+        return tuple(self._workers)
+
+    @property
+    def built_layouts(self) -> tuple[str, ...]:
+        """Keys of the layouts whose groups exist in the current world."""
+        return tuple(self._built)
+
+    def info(self) -> list[dict[str, Any]]:
+        """Each actor's ``info()``, in rank order."""
+        return self._gather("info", [self._call(r, "info") for r in range(self.size)], None)
+
+    def build_groups(self, layout: Layout) -> None:
+        """Create ``layout``'s process groups on every device (collective, issued concurrently)."""
+        error = layout.devices_error(self.size)
+        if error is not None:
+            raise ValueError(f"layout {layout.key}: {error}")
+        if layout.key in self._built:
+            return
+        with self._timed(f"build_groups {layout.key}"):
+            calls = [self._call(r, "build_groups", layout) for r in range(self.size)]
+            self._gather(f"build_groups({layout.key})", calls, self.collective_timeout_s)
+        self._built.append(layout.key)
+
+    def run(
+        self,
+        layout: Layout,
+        fn: Callable[..., Any],
+        /,
+        per_rank_args: Sequence[tuple[Any, ...]] | None = None,
+        **common_kwargs: Any,
+    ) -> list[Any]:
+        """``fn(ctx, *per_rank_args[i], **common_kwargs)`` on ``layout.devices[i]``; results in that order.
+
+        ``layout`` and ``fn`` are positional-only, so ``fn`` may take keywords of those names.
+        """
+        error = layout.devices_error(self.size)
+        if error is not None:
+            raise ValueError(f"layout {layout.key}: {error}")
+        return self.run_on(layout.devices, fn, per_rank_args, **common_kwargs)
+
+    def run_all(
+        self,
+        fn: Callable[..., Any],
+        /,
+        per_rank_args: Sequence[tuple[Any, ...]] | None = None,
+        **common_kwargs: Any,
+    ) -> list[Any]:
+        """``fn`` on every device, results in rank order."""
+        return self.run_on(range(self.size), fn, per_rank_args, **common_kwargs)
+
+    def run_on(
+        self,
+        ranks: Sequence[int],
+        fn: Callable[..., Any],
+        /,
+        per_rank_args: Sequence[tuple[Any, ...]] | None = None,
+        **common_kwargs: Any,
+    ) -> list[Any]:
+        """``fn`` on the given world ranks concurrently; results in the order of ``ranks``."""
+        ranks = list(ranks)
+        if per_rank_args is not None and len(per_rank_args) != len(ranks):
+            raise ValueError(f"per_rank_args has {len(per_rank_args)} entries for {len(ranks)} devices")
+        bad = [r for r in ranks if not 0 <= r < self.size]
+        if bad:
+            raise ValueError(f"rank {bad[0]} is outside the pool; valid ranks are 0..{self.size - 1}")
+        calls = [
+            self._call(r, "run", fn, *(per_rank_args[i] if per_rank_args else ()), **common_kwargs)
+            for i, r in enumerate(ranks)
+        ]
+        return self._gather(f"run({getattr(fn, '__qualname__', fn)})", calls, None)
+
+    def resize(self, devices: int) -> None:
+        """Grow or shrink to ``devices`` and rebuild the world (same size: just rebuild it)."""
+        if devices < 1:
+            raise ValueError(f"devices={devices}; a pool needs at least 1 device")
+        old = self.size
+        with self._timed(f"rebuild {old}->{devices}"):
+            self._prune_lost()
+            self._leave_all()
+            self._built.clear()
+            if devices < self.size:
+                self._release(self._workers[devices:])
+            if devices > self.size:
+                self._place(self._acquire(devices))
+            self._form_world()
+        logger.info("device pool resized %d -> %d", old, devices)
+
+    def close(self) -> None:
+        """Actors leave the world; the client closes; a cluster this pool started shuts down."""
+        if self._actors:
+            try:
+                self._leave_all()
+            except DevicePoolError as exc:  # closing anyway; report and go on
+                logger.warning("device pool close: %s", exc.args[0].splitlines()[0])
+        self._actors.clear()
+        self._futures.clear()
+        self._workers.clear()
+        self._built.clear()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
+
+    def __enter__(self) -> DevicePool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- workers
+
+    def _connect(self, devices: int) -> None:
+        if self.scheduler_address is None:
+            self._cluster = LocalCluster(
+                n_workers=devices,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=None,
+                # The scheduler's HTTP server starts even without a dashboard, on 8787 by default.
+                scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
+                memory_limit=0,
+                silence_logs=logging.ERROR,
+            )
+            self._client = Client(self._cluster, set_as_default=False)
+            return
+        try:
+            self._client = Client(self.scheduler_address, timeout=self.connect_timeout_s, set_as_default=False)
+        except (OSError, TimeoutError) as exc:
+            raise DevicePoolError(
+                f"cannot reach the Dask scheduler at {self.scheduler_address} within "
+                f"{self.connect_timeout_s:g}s ({type(exc).__name__}); check the address or start the scheduler"
+            ) from None
+
+    def _worker_names(self) -> dict[str, Any]:
+        return {a: w.get("name") for a, w in self._client_().scheduler_info()["workers"].items()}
+
+    def _acquire(self, devices: int) -> list[str]:
+        """Addresses of ``devices - size`` workers not yet in the pool, in a stable order."""
+        need = devices - self.size
+        if self._cluster is not None:
+            self._cluster.scale(devices)
+        deadline = time.monotonic() + self.worker_timeout_s
+        while True:
+            names = self._worker_names()
+            free = sorted((a for a in names if a not in self._actors), key=lambda a: _order_key(names[a], a))
+            if len(free) >= need:
+                return free[:need]
+            if time.monotonic() > deadline:
+                where = self.scheduler_address or "the local cluster"
+                raise DevicePoolError(
+                    f"{where} has {len(names)} workers ({len(free)} free) after {self.worker_timeout_s:g}s; "
+                    f"need {devices} devices"
+                )
+            time.sleep(0.1)
+
+    def _place(self, addresses: list[str]) -> None:
+        """One DeviceActor pinned to each address, appended to the rank order."""
+        client = self._client_()
+        futures = {
+            a: client.submit(
+                DeviceActor,
+                a,
+                key=f"nereus-device-actor-{uuid.uuid4().hex}",
+                actor=True,
+                workers=[a],
+                allow_other_workers=False,
+            )
+            for a in addresses
+        }
+        for a, fut in futures.items():
+            fut.result(timeout=self.worker_timeout_s)
+            # Bind the proxy to this pool's client explicitly: a proxy binds to the
+            # "current" client, and this pool's client is deliberately not the default.
+            with client.as_current():
+                self._actors[a] = Actor(DeviceActor, a, fut.key)
+            self._futures[a] = fut
+            self._workers.append(a)
+
+    def _release(self, addresses: list[str]) -> None:
+        """Drop the actors on ``addresses`` (they have left the world) and retire their workers if ours."""
+        for a in addresses:
+            self._workers.remove(a)
+            self._actors.pop(a, None)
+            self._futures.pop(a, None)
+        if self._cluster is None:
+            return  # an external scheduler's workers are not ours to stop
+        self._wait_until(lambda: not any(self._client_().has_what(workers=addresses).values()), 10.0)
+        names = self._worker_names()
+        for a in addresses:
+            self._cluster.worker_spec.pop(names.get(a), None)
+        self._cluster.scale(len(self._cluster.worker_spec))
+        if not self._wait_until(lambda: not set(addresses) & set(self._worker_names()), self.worker_timeout_s):
+            raise DevicePoolError(f"workers {addresses} did not shut down within {self.worker_timeout_s:g}s")
+
+    def _prune_lost(self) -> None:
+        """Forget workers that left the scheduler (lost or stopped by someone else)."""
+        present = self._worker_names()
+        lost = [a for a in self._workers if a not in present]
+        for a in lost:
+            logger.warning("device pool: worker %s is gone; its rank is dropped", a)
+            self._workers.remove(a)
+            self._actors.pop(a, None)
+            self._futures.pop(a, None)
+
+    # ------------------------------------------------------------------ world
+
+    def _form_world(self) -> None:
+        """All actors join a fresh world: rank 0's host is the master, on a port free there."""
+        n = self.size
+        if self.backend is None:
+            self.backend = self._resolve_backend()
+        host = get_address_host(self._workers[0])
+        port = self._gather("free_port", [self._call(0, "free_port")], self.join_timeout_s)[0]
+        local_ranks = _local_ranks(self._workers)
+        calls = [
+            self._call(
+                r,
+                "join",
+                r,
+                n,
+                host,
+                port,
+                self.backend,
+                local_rank=local_ranks[r],
+                timeout_s=self.collective_timeout_s,
+                torch_threads=self.torch_threads,
+            )
+            for r in range(n)
+        ]
+        self._gather("join", calls, self.join_timeout_s)
+        logger.info("device pool: world of %d formed (%s, master %s:%d)", n, self.backend, host, port)
+
+    def _resolve_backend(self) -> str:
+        if self.requested_backend != "auto":
+            return self.requested_backend
+        probes = self._gather("probe", [self._call(r, "probe") for r in range(self.size)], None)
+        return "nccl" if all(p["cuda_devices"] > 0 for p in probes) else "gloo"
+
+    def _leave_all(self) -> None:
+        calls = [self._call(r, "leave") for r in range(self.size)]
+        self._gather("leave", calls, self.join_timeout_s)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _client_(self) -> Client:
+        if self._client is None:
+            raise DevicePoolError("the device pool is closed")
+        return self._client
+
+    def _call(self, rank: int, method: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+        """Issue ``method`` on rank's actor without waiting; a failure to issue is kept for ``_gather``."""
+        try:
+            return rank, getattr(self._actors[self._workers[rank]], method)(*args, **kwargs)
+        except Exception as exc:  # e.g. "Worker holding Actor was lost"
+            return rank, _Failed(exc)
+
+    def _gather(self, call: str, calls: list[tuple[int, Any]], timeout_s: float | None) -> list[Any]:
+        """Await every issued call, then raise if any failed.
+
+        Once one rank has failed, the others get at most ``failure_grace_s`` more:
+        a rank blocked in a collective with the failed one would otherwise wait
+        for the whole collective timeout.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        results: list[Any] = []
+        failures: list[RankFailure] = []
+        for rank, future in calls:
+            if failures:
+                grace = time.monotonic() + self.failure_grace_s
+                deadline = grace if deadline is None else min(deadline, grace)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                results.append(future.result(timeout=left))
+            except RankFailure as exc:
+                failures.append(exc)
+                results.append(None)
+            except Exception as exc:  # timeout, lost worker: no remote traceback to show
+                worker = self._workers[rank] if rank < len(self._workers) else "?"
+                failures.append(RankFailure(rank, worker, call, type(exc).__qualname__, str(exc), ""))
+                results.append(None)
+        if failures:
+            raise DeviceRunError(call, failures)
+        return results
+
+    def _wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    @contextmanager
+    def _timed(self, event: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        self.timings.append((event, seconds))
+        logger.info("device pool: %s took %.3fs", event, seconds)
+
+
+class _Failed:
+    """Stands in for the future of a call that could not be issued."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self.exc
+
+
+def _order_key(name: Any, address: str) -> tuple[int, int, str, str]:
+    """Integer names first, numerically (LocalCluster's 0, 1, ...), then the rest by name and address."""
+    if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
+        return (0, int(name), "", address)
+    return (1, 0, str(name), address)
+
+
+def _local_ranks(addresses: list[str]) -> list[int]:
+    """Position of each worker among the pool's workers on the same host (selects its GPU)."""
+    seen: dict[str, int] = {}
+    out: list[int] = []
+    for a in addresses:
+        host = get_address_host(a)
+        out.append(seen.get(host, 0))
+        seen[host] = out[-1] + 1
+    return out

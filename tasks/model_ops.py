@@ -1,0 +1,89 @@
+"""Model-stage operations on the device pool: load, log-probs, generate, train, full state.
+
+Each function is thin: split the global batch per device (``engine.dispatch``),
+run one ``nereus_core.engine`` function on the layout's devices, stitch the
+answer back. No policy here; the flow decides what runs where.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nereus_core.config import ModelConfig
+from nereus_core.engine import dispatch
+from nereus_core.engine.forward import forward_logprobs, generate
+from nereus_core.engine.shard import OptimizerSettings, drop_shard, load_shard, shard_state
+from nereus_core.engine.train import LossFn, lm_loss, train_step
+from nereus_core.layout import Layout
+from tasks.device_pool import DevicePool
+
+
+def load_model(
+    pool: DevicePool,
+    layout: Layout,
+    *,
+    name: str,
+    config: ModelConfig,
+    optimizer: OptimizerSettings | None = None,
+) -> None:
+    """Build ``name`` on ``layout`` (groups first, collectively), with an optimizer for training."""
+    pool.build_groups(layout)
+    pool.run(layout, load_shard, name=name, layout=layout, config=config, optimizer=optimizer)
+
+
+def unload_model(pool: DevicePool, layout: Layout, *, name: str) -> None:
+    pool.run(layout, drop_shard, name=name)
+
+
+def logprobs(pool: DevicePool, layout: Layout, ids_bs: torch.Tensor, *, name: str) -> torch.Tensor:
+    """Token log-probs ``[b, s-1]`` of ``ids_bs`` under ``name``."""
+    parts = dispatch.per_device(layout, ids_bs)
+    return dispatch.collect(layout, pool.run(layout, forward_logprobs, [(p,) for p in parts], name=name))
+
+
+def sample(
+    pool: DevicePool,
+    layout: Layout,
+    prompts_bs: torch.Tensor,
+    *,
+    name: str,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Generated tokens ``[b, max_new_tokens]`` after each prompt."""
+    parts = dispatch.per_device(layout, prompts_bs)
+    results = pool.run(
+        layout,
+        generate,
+        [(p,) for p in parts],
+        name=name,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+    )
+    return dispatch.collect(layout, results)
+
+
+def train(
+    pool: DevicePool,
+    layout: Layout,
+    batch: dict[str, torch.Tensor],
+    *,
+    name: str,
+    loss_fn: LossFn = lm_loss,
+) -> float:
+    """One optimizer step of ``name`` on ``batch``; returns the mean loss over replicas."""
+    parts = dispatch.per_device_batch(layout, batch)
+    results = pool.run(layout, train_step, [(p,) for p in parts], name=name, loss_fn=loss_fn)
+    losses = [r["loss"] for r in results if r is not None]
+    return sum(losses) / len(losses)
+
+
+def full_state(pool: DevicePool, layout: Layout, *, name: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full HF-named parameters of ``name``, assembled from replica 0."""
+    replica0 = Layout(
+        tp=layout.tp, pp=layout.pp, dp=1, devices=layout.replica_groups()[0], micro_batches=layout.micro_batches
+    )
+    shards = pool.run_on(replica0.devices, shard_state, name=name)
+    return dispatch.assemble_full_state(replica0, config, shards)

@@ -1,0 +1,110 @@
+"""Every layout of the tiny model, run on the Dask device pool, matches Hugging Face transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from nereus_core.config import ModelConfig
+from nereus_core.engine.shard import OptimizerSettings
+from nereus_core.layout import Layout
+from nereus_core.model.weights import hf_config, init_full_state
+from tasks import model_ops
+from tasks.device_pool import DevicePool
+
+# 8 query heads / 4 KV heads so that tp=4 still splits the KV heads (GQA kept).
+CONFIG = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    seed=7,
+)
+FORWARD_LAYOUTS = [
+    (tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2) for dp in (1, 2) if tp * pp * dp <= 4
+]
+TRAIN_LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1)]
+# AdamW's step g/(sqrt(v)+eps) turns rounding in near-zero gradients into lr*|dg|/eps; with
+# eps=1e-8 that amplifies summation-order noise a million-fold. eps=1e-6 keeps the
+# comparison about the parallel math (gradients are also compared directly in test_model).
+ADAMW = OptimizerSettings(lr=1e-3, eps=1e-6, weight_decay=0.01)
+
+
+def _layout(tp: int, pp: int, dp: int) -> Layout:
+    return Layout.contiguous(tp=tp, pp=pp, dp=dp, micro_batches=2 if pp > 1 else 1)
+
+
+def _hf() -> LlamaForCausalLM:
+    model = LlamaForCausalLM(hf_config(CONFIG))
+    model.load_state_dict(init_full_state(CONFIG), strict=not CONFIG.tie_word_embeddings)
+    return model.float()
+
+
+def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DevicePool(4) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp"), FORWARD_LAYOUTS)
+def test_logprobs_and_greedy_generation_match_transformers(pool, ids, tp, pp, dp):
+    layout = _layout(tp, pp, dp)
+    hf = _hf().eval()
+    with torch.no_grad():
+        expected_logp = _token_logprobs(hf(ids).logits, ids)
+        prompts = ids[:, :6]
+        expected_tokens = hf.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6, do_sample=False
+        )[:, 6:]
+    model_ops.load_model(pool, layout, name="actor/infer", config=CONFIG)
+    try:
+        logp = model_ops.logprobs(pool, layout, ids, name="actor/infer")
+        tokens = model_ops.sample(pool, layout, prompts, name="actor/infer", max_new_tokens=6)
+    finally:
+        model_ops.unload_model(pool, layout, name="actor/infer")
+    assert logp.shape == expected_logp.shape
+    assert (logp - expected_logp).abs().max().item() <= 1e-4
+    assert torch.equal(tokens, expected_tokens)
+
+
+def _reference_after_steps(ids: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:
+    model = _hf().train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay
+    )
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = -_token_logprobs(model(ids).logits, ids).mean()
+        loss.backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp"), TRAIN_LAYOUTS)
+def test_two_adamw_steps_match_single_process_reference(pool, ids, tp, pp, dp):
+    layout = _layout(tp, pp, dp)
+    expected = _reference_after_steps(ids, steps=2)
+    model_ops.load_model(pool, layout, name="actor/train", config=CONFIG, optimizer=ADAMW)
+    try:
+        losses = [model_ops.train(pool, layout, {"ids": ids}, name="actor/train") for _ in range(2)]
+        got = model_ops.full_state(pool, layout, name="actor/train", config=CONFIG)
+    finally:
+        model_ops.unload_model(pool, layout, name="actor/train")
+    assert losses[1] < losses[0]
+    assert set(got) == set(expected)
+    worst = max((got[k] - expected[k]).abs().max().item() for k in got)
+    moved = max((expected[k] - init_full_state(CONFIG)[k]).abs().max().item() for k in got)
+    assert moved > 1e-4, "the reference did not move; the comparison would be empty"
+    assert worst <= 1e-5, f"max param diff {worst:.3g} after 2 AdamW steps on {layout.key}"
