@@ -13,6 +13,7 @@ stderr and exit status 2, never a traceback. Flows are imported lazily so that
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -130,6 +131,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     # Until the PPO job flow exists, `run` runs the runtime's self-check on the configured pool.
     print(f"nereus: {cfg.name}: self-check on {cfg.cluster.devices} device slots -> {out}")
+    # The Dask scheduler's and nannies' INFO lines drown the run's own progress.
+    logging.getLogger("distributed").setLevel(logging.WARNING)
     try:
         selfcheck_flow(config=cfg, out_dir=str(out))
     except ConfigError as err:

@@ -67,7 +67,7 @@ def forward_logprobs(ctx: DeviceContext, ids_bs: torch.Tensor, *, name: str) -> 
     for mb in micro_batches(ids_bs.shape[0], groups.layout.micro_batches):
         _, out = stage_forward(shard, ids_bs[mb], positions)
         if groups.is_last_stage:
-            outs.append(vocab_parallel_logprobs(out[:, :-1], ids_bs[mb, 1:], groups.tp_group))
+            outs.append(vocab_parallel_logprobs(out[:, :-1], ids_bs[mb, 1:], groups.tp_group, tp_rank=groups.coord.tp))
     return torch.cat(outs).cpu() if _returns(groups) else None
 
 
@@ -106,7 +106,9 @@ def generate(
         start += ids.shape[1]
         more = step + 1 < max_new_tokens
         if groups.is_last_stage:
-            token_b = vocab_parallel_sample(out[:, -1], temperature, gen, groups.tp_group)
+            token_b = vocab_parallel_sample(
+                out[:, -1], temperature, gen, groups.tp_group, tp_rank=groups.coord.tp
+            )
             tokens.append(token_b)
             if more and groups.layout.pp_enabled:
                 p2p.send(token_b, first_rank)

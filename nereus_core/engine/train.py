@@ -126,7 +126,7 @@ def train_step(
     for mb in slices:
         x, out = stage_forward(shard, ids_bs[mb], positions)
         if groups.is_last_stage:
-            logp = vocab_parallel_logprobs(out[:, :-1], ids_bs[mb, 1:], groups.tp_group)
+            logp = vocab_parallel_logprobs(out[:, :-1], ids_bs[mb, 1:], groups.tp_group, tp_rank=groups.coord.tp)
             out = loss_fn(logp, _slice(batch, mb, ctx.device))
             losses.append(out.detach())
         saved.append((x, out))

@@ -58,9 +58,16 @@ def ids() -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize(("tp", "pp", "dp"), FORWARD_LAYOUTS)
-def test_logprobs_and_greedy_generation_match_transformers(pool, ids, tp, pp, dp):
-    layout = _layout(tp, pp, dp)
+# A layout whose groups list devices out of world-rank order (as after a transition).
+PERMUTED = Layout(tp=2, pp=2, dp=1, devices=(3, 1, 2, 0), micro_batches=2)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [_layout(*dims) for dims in FORWARD_LAYOUTS] + [PERMUTED],
+    ids=lambda layout: layout.key,
+)
+def test_logprobs_and_greedy_generation_match_transformers(pool, ids, layout):
     hf = _hf().eval()
     with torch.no_grad():
         expected_logp = _token_logprobs(hf(ids).logits, ids)
