@@ -47,7 +47,7 @@ def bench_layout(pool: DevicePool, layout: Layout, ids: torch.Tensor, repeats: i
     groups_s = time.perf_counter() - start
     model_ops.load_model(pool, layout, name="bench/train", config=CONFIG, optimizer=OptimizerSettings())
     try:
-        forward_s = median_s(lambda: model_ops.logprobs(pool, layout, ids, name="bench/train"), repeats)
+        forward_s = median_s(lambda: model_ops.forward(pool, layout, ids, name="bench/train"), repeats)
         train_s = median_s(lambda: model_ops.train(pool, layout, {"ids": ids}, name="bench/train"), repeats)
     finally:
         model_ops.unload_model(pool, layout, name="bench/train")

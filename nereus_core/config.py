@@ -52,12 +52,19 @@ class ModelConfig(_Frozen):
     hidden_size: int = Field(default=64, ge=2, description="Model width.")
     intermediate_size: int = Field(default=128, ge=1, description="SwiGLU inner width.")
     num_hidden_layers: int = Field(default=4, ge=1, description="Decoder layers.")
-    num_attention_heads: int = Field(default=8, ge=1, description="Query heads.")
-    num_key_value_heads: int = Field(default=4, ge=1, description="Key/value heads (GQA).")
+    num_attention_heads: int = Field(default=4, ge=1, description="Query heads.")
+    num_key_value_heads: int = Field(default=2, ge=1, description="Key/value heads (GQA).")
     max_position_embeddings: int = Field(default=256, ge=1, description="Longest sequence.")
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base.")
     rms_norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
     tie_word_embeddings: bool = Field(default=False, description="Share lm_head with embed_tokens.")
+    head: Literal["lm", "value"] = Field(
+        default="lm",
+        description=(
+            "lm: next-token logits (LlamaForCausalLM, for actor and reference); value: a scalar per "
+            "token from score.weight (LlamaForSequenceClassification with one label; critic, reward)."
+        ),
+    )
     init_std: float = Field(default=0.02, gt=0, description="Std of the seeded normal init.")
     seed: int = Field(default=0, ge=0, description="Seed of the weights; every rank builds the same.")
 
@@ -98,7 +105,7 @@ class ModelConfig(_Frozen):
         """Why ``pp`` cannot split this model, or None if it can."""
         if pp > self.num_hidden_layers:
             return f"pp={pp} exceeds model.num_hidden_layers={self.num_hidden_layers}; use pp <= layers"
-        if self.tie_word_embeddings and pp > 1:
+        if self.tie_word_embeddings and self.head == "lm" and pp > 1:
             return (
                 "pp>1 with model.tie_word_embeddings=true is not supported yet; "
                 "set tie_word_embeddings: false or pp: 1"

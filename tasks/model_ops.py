@@ -11,7 +11,7 @@ import torch
 
 from nereus_core.config import ModelConfig
 from nereus_core.engine import dispatch
-from nereus_core.engine.forward import forward_logprobs, generate
+from nereus_core.engine.forward import forward_outputs, generate
 from nereus_core.engine.shard import OptimizerSettings, drop_shard, load_shard, shard_state
 from nereus_core.engine.train import LossFn, lm_loss, train_step
 from nereus_core.layout import Layout
@@ -35,10 +35,10 @@ def unload_model(pool: DevicePool, layout: Layout, *, name: str) -> None:
     pool.run(layout, drop_shard, name=name)
 
 
-def logprobs(pool: DevicePool, layout: Layout, ids_bs: torch.Tensor, *, name: str) -> torch.Tensor:
-    """Token log-probs ``[b, s-1]`` of ``ids_bs`` under ``name``."""
+def forward(pool: DevicePool, layout: Layout, ids_bs: torch.Tensor, *, name: str) -> torch.Tensor:
+    """Per-token outputs of ``name`` on ``ids_bs``: log-probs ``[b, s-1]`` (lm head) or values ``[b, s]``."""
     parts = dispatch.per_device(layout, ids_bs)
-    return dispatch.collect(layout, pool.run(layout, forward_logprobs, [(p,) for p in parts], name=name))
+    return dispatch.collect(layout, pool.run(layout, forward_outputs, [(p,) for p in parts], name=name))
 
 
 def sample(

@@ -59,7 +59,7 @@ def check_model_stage(
             expected = reference_greedy(reference, prompts, job.response_len)
             row["max_abs_diff"] = float((tokens != expected).sum())  # tokens that differ
         else:
-            row["forward_s"], logp = _median_time(lambda: model_ops.logprobs(pool, layout, ids, name=stage), repeats)
+            row["forward_s"], logp = _median_time(lambda: model_ops.forward(pool, layout, ids, name=stage), repeats)
             row["max_abs_diff"] = float((logp - reference_logprobs(reference, ids)).abs().max())
         if train:
             row["train_s"], _ = _median_time(lambda: model_ops.train(pool, layout, {"ids": ids}, name=stage), repeats)

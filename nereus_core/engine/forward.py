@@ -56,9 +56,17 @@ def _returns(groups: RankGroups) -> bool:
     return groups.is_last_stage and groups.coord.tp == 0
 
 
+def head_outputs(shard: ModelShard, out: torch.Tensor, ids_bs: torch.Tensor) -> torch.Tensor:
+    """The last stage's per-token outputs: log p(ids[:, t+1]) ``[b, s-1]`` (lm head) or values ``[b, s]``."""
+    if shard.config.head == "value":
+        return out
+    groups = shard.groups
+    return vocab_parallel_logprobs(out[:, :-1], ids_bs[:, 1:], groups.tp_group, tp_rank=groups.coord.tp)
+
+
 @torch.no_grad()
-def forward_logprobs(ctx: DeviceContext, ids_bs: torch.Tensor, *, name: str) -> torch.Tensor | None:
-    """log p(ids[:, t+1] | ids[:, :t+1]) ``[b, s-1]`` for this replica's ids ``[b, s]``."""
+def forward_outputs(ctx: DeviceContext, ids_bs: torch.Tensor, *, name: str) -> torch.Tensor | None:
+    """``head_outputs`` for this replica's ids ``[b, s]``, micro-batch by micro-batch."""
     shard = get_shard(ctx, name)
     groups = shard.groups
     ids_bs = ids_bs.to(ctx.device)
@@ -67,7 +75,7 @@ def forward_logprobs(ctx: DeviceContext, ids_bs: torch.Tensor, *, name: str) -> 
     for mb in micro_batches(ids_bs.shape[0], groups.layout.micro_batches):
         _, out = stage_forward(shard, ids_bs[mb], positions)
         if groups.is_last_stage:
-            outs.append(vocab_parallel_logprobs(out[:, :-1], ids_bs[mb, 1:], groups.tp_group, tp_rank=groups.coord.tp))
+            outs.append(head_outputs(shard, out, ids_bs[mb]))
     return torch.cat(outs).cpu() if _returns(groups) else None
 
 

@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 from nereus_core.engine import p2p
-from nereus_core.engine.forward import micro_batches, stage_forward
+from nereus_core.engine.forward import head_outputs, micro_batches, stage_forward
 from nereus_core.engine.shard import OptimizerSettings, get_shard
 from nereus_core.model.llama import LlamaStage
-from nereus_core.model.tensor_parallel import vocab_parallel_logprobs
 from nereus_core.parallel.device import DeviceContext, RankGroups
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
@@ -98,6 +97,11 @@ def lm_loss(logp_bt: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tens
     return -(logp_bt * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def score_mse_loss(values_bs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean squared error of the last token's value against ``batch['score']`` (reward-model fitting)."""
+    return (values_bs[:, -1] - batch["score"].to(values_bs.dtype)).pow(2).mean()
+
+
 def _slice(batch: dict[str, torch.Tensor], mb: slice, device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v[mb].to(device) for k, v in batch.items()}
 
@@ -111,12 +115,15 @@ def train_step(
 ) -> dict[str, float] | None:
     """One optimizer step on this replica's ``batch`` (``batch['ids']`` ``[b, s]`` plus per-sequence extras).
 
-    The loss of a micro-batch is ``loss_fn(logp [b, s-1], micro-batch)``; the step's
+    The loss of a micro-batch is ``loss_fn(outputs, micro-batch)`` with the head's outputs
+    (``forward.head_outputs``: log-probs ``[b, s-1]`` or values ``[b, s]``); the step's
     loss is their mean over micro-batches and replicas (DeepSpeed averages over DP).
     """
     shard = get_shard(ctx, name)
     if shard.engine is None:
-        raise RuntimeError(f"model-stage {name!r} on device {ctx.rank} has no optimizer; load it for training")
+        raise RuntimeError(
+            f"model-stage {name!r} on device {ctx.rank} has no optimizer; load it for training"
+        )
     engine, groups = shard.engine, shard.groups
     ids_bs = batch["ids"].to(ctx.device)
     positions = torch.arange(ids_bs.shape[1], device=ctx.device)
@@ -126,8 +133,8 @@ def train_step(
     for mb in slices:
         x, out = stage_forward(shard, ids_bs[mb], positions)
         if groups.is_last_stage:
-            logp = vocab_parallel_logprobs(out[:, :-1], ids_bs[mb, 1:], groups.tp_group, tp_rank=groups.coord.tp)
-            out = loss_fn(logp, _slice(batch, mb, ctx.device))
+            outputs = head_outputs(shard, out, ids_bs[mb])
+            out = loss_fn(outputs, _slice(batch, mb, ctx.device))
             losses.append(out.detach())
         saved.append((x, out))
     for x, out in reversed(saved):

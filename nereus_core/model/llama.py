@@ -252,9 +252,13 @@ class LlamaStage(nn.Module):
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(config, **tp) for i in layers})
         if last:
             self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, **tp)
-            if config.tie_word_embeddings:
-                self.lm_head.weight = self.model.embed_tokens.weight
+            if config.head == "value":
+                # Replicated on every tp rank: one row, its gradient is the same on all of them.
+                self.score = nn.Linear(config.hidden_size, 1, bias=False)
+            else:
+                self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, **tp)
+                if config.tie_word_embeddings:
+                    self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def kv_heads_local(self) -> int:
@@ -302,7 +306,8 @@ class LlamaStage(nn.Module):
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Ids ``[b, s]`` (first) or hidden ``[b, s, h]`` -> hidden, or fp32 logits ``[b, s, V/tp]`` (last).
+        """Ids ``[b, s]`` (first) or hidden ``[b, s, h]`` -> hidden; on the last stage fp32 logits
+        ``[b, s, V/tp]`` (lm head) or values ``[b, s]`` (value head).
 
         ``positions`` ``[b, s]`` or ``[s]`` are absolute (RoPE). With ``cache`` the chunk is
         appended and attends to everything cached before it; ``attention_mask``
@@ -324,4 +329,6 @@ class LlamaStage(nn.Module):
             cache.advance(s)
         if not self.last:
             return hidden
+        if self.config.head == "value":
+            return self.score(self.model.norm(hidden)).float().squeeze(-1)
         return self.lm_head(self.model.norm(hidden)).float()

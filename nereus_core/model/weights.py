@@ -30,6 +30,7 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+SCORE = "score.weight"  # the value head, as in HF LlamaForSequenceClassification (num_labels=1)
 
 
 def layer_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -56,9 +57,16 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(config.num_hidden_layers):
         shapes.update(layer_param_shapes(config, layer))
     shapes[FINAL_NORM] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
+    if config.head == "value":
+        shapes[SCORE] = (1, config.hidden_size)
+    elif not config.tie_word_embeddings:
         shapes[LM_HEAD] = (config.vocab_size, config.hidden_size)
     return shapes
+
+
+def ties_embeddings(config: ModelConfig) -> bool:
+    """Whether lm_head shares embed_tokens' weight (only an lm head can)."""
+    return config.tie_word_embeddings and config.head == "lm"
 
 
 def is_norm(name: str) -> bool:
@@ -83,14 +91,14 @@ def shard_dim(name: str) -> int | None:
         return 0
     if name.endswith(_ROW):
         return 1
-    if is_norm(name):
+    if is_norm(name) or name == SCORE:
         return None
     raise KeyError(f"{name!r} is not a Llama parameter name; expected a Hugging Face LlamaForCausalLM name")
 
 
 def stage_param_names(config: ModelConfig, layers: range, first: bool, last: bool) -> list[str]:
     """HF names held by one pipeline stage: embed on the first, final norm and lm_head on the last."""
-    if config.tie_word_embeddings and first != last:
+    if ties_embeddings(config) and first != last:
         raise ValueError(
             "tie_word_embeddings=true needs one stage holding both ends (first and last); "
             "set tie_word_embeddings: false or pp: 1"
@@ -102,7 +110,9 @@ def stage_param_names(config: ModelConfig, layers: range, first: bool, last: boo
         names.extend(layer_param_shapes(config, layer))
     if last:
         names.append(FINAL_NORM)
-        if not config.tie_word_embeddings:
+        if config.head == "value":
+            names.append(SCORE)
+        elif not config.tie_word_embeddings:
             names.append(LM_HEAD)
     return names
 
@@ -147,7 +157,8 @@ def hf_config(config: ModelConfig) -> LlamaConfig:
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=config.tie_word_embeddings,
+        tie_word_embeddings=ties_embeddings(config),
+        num_labels=1,
         attention_bias=False,
         mlp_bias=False,
         initializer_range=config.init_std,

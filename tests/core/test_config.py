@@ -59,13 +59,13 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
         "tp-not-dividing-heads",
         _set("plan.actor/train", _layout(3, 1, 1, [0, 1, 2])),
         "plan.actor/train",
-        ("tp=3 does not divide model.num_attention_heads=4", "valid tp"),
+        ("tp=3 does not divide model.num_attention_heads=8", "valid tp"),
     ),
     (
         "tp-not-dividing-kv-heads",
-        _set("plan.actor/train", _layout(4, 1, 1, [0, 1, 2, 3])),
+        _edits(_set("cluster.devices", 8), _set("plan.actor/train", _layout(8, 1, 1, list(range(8))))),
         "plan.actor/train",
-        ("tp=4 does not divide model.num_key_value_heads=2", "valid tp: [1, 2]"),
+        ("tp=8 does not divide model.num_key_value_heads=4", "valid tp: [1, 2, 4]"),
     ),
     (
         "degrees-over-the-pool",
@@ -107,17 +107,17 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
         "hidden-not-divisible-by-heads",
         _set("model.hidden_size", 66),
         "model.hidden_size",
-        ("model.hidden_size=66", "model.num_attention_heads=4"),
+        ("model.hidden_size=66", "model.num_attention_heads=8"),
     ),
     (
         "heads-not-multiple-of-kv-heads",
         _set("model.num_key_value_heads", 3),
         "model.num_key_value_heads",
-        ("model.num_attention_heads=4", "model.num_key_value_heads=3"),
+        ("model.num_attention_heads=8", "model.num_key_value_heads=3"),
     ),
     (
         "odd-head-dim",
-        _set("model.hidden_size", 12),
+        _set("model.hidden_size", 24),
         "model.hidden_size",
         ("model.hidden_size/model.num_attention_heads=3", "even head_dim"),
     ),
@@ -218,7 +218,7 @@ def test_example_loads() -> None:
     assert cfg.cluster.devices == 4
     assert cfg.cluster.memory_per_device == 2 * 1024**3
     assert (cfg.model.vocab_size, cfg.model.hidden_size, cfg.model.num_hidden_layers) == (256, 64, 4)
-    assert (cfg.model.num_attention_heads, cfg.model.num_key_value_heads) == (4, 2)
+    assert (cfg.model.num_attention_heads, cfg.model.num_key_value_heads) == (8, 4)
     assert cfg.model.intermediate_size == 128
     assert cfg.model.tie_word_embeddings is False
     assert (cfg.job.steps, cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len) == (4, 8, 8, 8)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from nereus_core.config import ModelConfig
 from nereus_core.engine.shard import OptimizerSettings
+from nereus_core.engine.train import score_mse_loss
 from nereus_core.layout import Layout
 from nereus_core.model.weights import hf_config, init_full_state
 from tasks import model_ops
@@ -77,7 +78,7 @@ def test_logprobs_and_greedy_generation_match_transformers(pool, ids, layout):
         )[:, 6:]
     model_ops.load_model(pool, layout, name="actor/infer", config=CONFIG)
     try:
-        logp = model_ops.logprobs(pool, layout, ids, name="actor/infer")
+        logp = model_ops.forward(pool, layout, ids, name="actor/infer")
         tokens = model_ops.sample(pool, layout, prompts, name="actor/infer", max_new_tokens=6)
     finally:
         model_ops.unload_model(pool, layout, name="actor/infer")
@@ -115,3 +116,38 @@ def test_two_adamw_steps_match_single_process_reference(pool, ids, tp, pp, dp):
     moved = max((expected[k] - init_full_state(CONFIG)[k]).abs().max().item() for k in got)
     assert moved > 1e-4, "the reference did not move; the comparison would be empty"
     assert worst <= 1e-5, f"max param diff {worst:.3g} after 2 AdamW steps on {layout.key}"
+
+
+VALUE_CONFIG = CONFIG.model_copy(update={"head": "value"})
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 1), (2, 1, 2)])
+def test_value_head_forward_and_training_match_transformers(pool, ids, tp, pp, dp):
+    layout = _layout(tp, pp, dp)
+    hf = LlamaForSequenceClassification(hf_config(VALUE_CONFIG))
+    hf.load_state_dict(init_full_state(VALUE_CONFIG))
+    score = torch.linspace(0.0, 1.0, ids.shape[0])
+
+    def per_token_values() -> torch.Tensor:  # HF pools one position; the critic needs all of them
+        return hf.score(hf.model(ids).last_hidden_state).squeeze(-1)
+
+    with torch.no_grad():
+        expected_values = per_token_values()
+    opt = torch.optim.AdamW(hf.parameters(), lr=ADAMW.lr, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
+    for _ in range(2):
+        opt.zero_grad()
+        (per_token_values()[:, -1] - score).pow(2).mean().backward()
+        opt.step()
+    model_ops.load_model(pool, layout, name="critic/train", config=VALUE_CONFIG, optimizer=ADAMW)
+    try:
+        values = model_ops.forward(pool, layout, ids, name="critic/train")
+        batch = {"ids": ids, "score": score}
+        for _ in range(2):
+            model_ops.train(pool, layout, batch, name="critic/train", loss_fn=score_mse_loss)
+        got = model_ops.full_state(pool, layout, name="critic/train", config=VALUE_CONFIG)
+    finally:
+        model_ops.unload_model(pool, layout, name="critic/train")
+    assert (values - expected_values).abs().max().item() <= 1e-5
+    expected = hf.state_dict()
+    assert set(got) == set(expected)
+    assert max((got[k] - expected[k]).abs().max().item() for k in got) <= 1e-5
