@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from nereus_core.layout import MODEL_STAGES, Layout, ModelStage
+from nereus_core.ppo import PPOSettings
+from nereus_core.task import MIN_VOCAB, TaskSettings
 
 
 class ConfigError(ValueError):
@@ -121,8 +123,16 @@ class JobConfig(_Frozen):
     batch_size: int = Field(default=8, ge=1, description="Sequences per step (global).")
     prompt_len: int = Field(default=8, ge=1, description="Prompt tokens per sequence.")
     response_len: int = Field(default=8, ge=1, description="Generated tokens per sequence.")
-    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
+    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate of the runtime self-check.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    task: Literal["count"] = Field(default="count", description="The task (nereus_core/task.py).")
+    snapshot_every: int = Field(
+        default=0, ge=0, description="Snapshot every model's state every K steps (0: only at the end)."
+    )
+
+    @property
+    def task_settings(self) -> TaskSettings:
+        return TaskSettings(name=self.task, prompt_len=self.prompt_len, response_len=self.response_len)
 
 
 class NereusConfig(_Frozen):
@@ -132,6 +142,7 @@ class NereusConfig(_Frozen):
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     job: JobConfig = JobConfig()
+    ppo: PPOSettings = PPOSettings()
     plan: dict[ModelStage, Layout] = Field(
         default_factory=dict, description="Initial layout per model-stage, e.g. 'actor/train'."
     )
@@ -146,12 +157,26 @@ class NereusConfig(_Frozen):
             ):
                 if problem:
                     raise ValueError(f"plan.{stage}: {problem}")
-            if (self.job.batch_size % (layout.dp * layout.micro_batches)) != 0:
+            rows = self.job.batch_size
+            if stage.endswith("/train"):
+                if rows % self.ppo.mini_batches:
+                    raise ValueError(
+                        f"job.batch_size={rows} is not divisible by ppo.mini_batches={self.ppo.mini_batches}; "
+                        "choose a batch size that is a multiple of it"
+                    )
+                rows //= self.ppo.mini_batches
+            if rows % (layout.dp * layout.micro_batches) != 0:
+                what = "job.batch_size" if rows == self.job.batch_size else "job.batch_size/ppo.mini_batches"
                 raise ValueError(
-                    f"plan.{stage}: job.batch_size={self.job.batch_size} is not divisible by "
+                    f"plan.{stage}: {what}={rows} is not divisible by "
                     f"dp*micro_batches={layout.dp * layout.micro_batches}; "
                     "choose a batch size that is a multiple of it"
                 )
+        if self.model.vocab_size < MIN_VOCAB:
+            raise ValueError(
+                f"model.vocab_size={self.model.vocab_size} is too small for job.task={self.job.task!r}; "
+                f"use at least {MIN_VOCAB}"
+            )
         total = self.job.prompt_len + self.job.response_len
         if total > self.model.max_position_embeddings:
             raise ValueError(

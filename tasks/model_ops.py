@@ -12,7 +12,14 @@ import torch
 from nereus_core.config import ModelConfig
 from nereus_core.engine import dispatch
 from nereus_core.engine.forward import forward_outputs, generate
-from nereus_core.engine.shard import OptimizerSettings, drop_shard, load_shard, shard_state
+from nereus_core.engine.shard import (
+    OptimizerSettings,
+    alias_shard,
+    drop_shard,
+    load_shard,
+    set_weights,
+    shard_state,
+)
 from nereus_core.engine.train import LossFn, lm_loss, train_step
 from nereus_core.layout import Layout
 from tasks.device_pool import DevicePool
@@ -25,10 +32,33 @@ def load_model(
     name: str,
     config: ModelConfig,
     optimizer: OptimizerSettings | None = None,
+    full_state: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Build ``name`` on ``layout`` (groups first, collectively), with an optimizer for training."""
+    """Build ``name`` on ``layout`` (groups first, collectively), with an optimizer for training.
+
+    Weights come from ``full_state`` when given (sent whole to each device, which keeps its
+    slices: fine for small models; the EMU path moves only slices), else from the seed.
+    """
     pool.build_groups(layout)
-    pool.run(layout, load_shard, name=name, layout=layout, config=config, optimizer=optimizer)
+    pool.run(
+        layout,
+        load_shard,
+        name=name,
+        layout=layout,
+        config=config,
+        optimizer=optimizer,
+        full_state=full_state,
+    )
+
+
+def push_weights(pool: DevicePool, layout: Layout, full_state: dict[str, torch.Tensor], *, name: str) -> None:
+    """Overwrite inference model-stage ``name`` with ``full_state`` (weight sync after training)."""
+    pool.run(layout, set_weights, [(full_state,)] * layout.world_size, name=name)
+
+
+def alias_model(pool: DevicePool, layout: Layout, *, name: str, target: str) -> None:
+    """``name`` shares ``target``'s shards (same layout): nothing to copy or sync."""
+    pool.run(layout, alias_shard, name=name, target=target)
 
 
 def unload_model(pool: DevicePool, layout: Layout, *, name: str) -> None:

@@ -57,8 +57,13 @@ class ModelShard:
         return self.stage.local_state()
 
 
-def build_stage(config: ModelConfig, groups: RankGroups, device: torch.device) -> LlamaStage:
-    """This rank's pipeline stage, with seeded weights (every rank derives the same full model)."""
+def build_stage(
+    config: ModelConfig,
+    groups: RankGroups,
+    device: torch.device,
+    full_state: dict[str, torch.Tensor] | None = None,
+) -> LlamaStage:
+    """This rank's pipeline stage, from ``full_state`` or seeded weights (every rank derives the same)."""
     layout, coord = groups.layout, groups.coord
     stage = LlamaStage(
         config,
@@ -69,7 +74,7 @@ def build_stage(config: ModelConfig, groups: RankGroups, device: torch.device) -
         tp_size=layout.tp,
         tp_group=groups.tp_group if layout.tp_enabled else None,
     )
-    stage.load_full_state(init_full_state(config))
+    stage.load_full_state(init_full_state(config) if full_state is None else full_state)
     return stage.to(device)
 
 
@@ -80,10 +85,14 @@ def load_shard(
     layout: Layout,
     config: ModelConfig,
     optimizer: OptimizerSettings | None = None,
+    full_state: dict[str, torch.Tensor] | None = None,
 ) -> str:
-    """Build ``name`` on this device under ``layout`` (groups built beforehand); returns the layout key."""
+    """Build ``name`` on this device under ``layout`` (groups built beforehand); returns the layout key.
+
+    Weights come from ``full_state`` (HF names) when given, else from the config's seed.
+    """
     groups = ctx.view(layout)
-    stage = build_stage(config, groups, ctx.device)
+    stage = build_stage(config, groups, ctx.device, full_state)
     shard = ModelShard(name=name, config=config, groups=groups, stage=stage)
     if optimizer is not None:
         from nereus_core.engine.train import make_engine
@@ -94,6 +103,20 @@ def load_shard(
         stage.requires_grad_(False)
     ctx.resident[name] = shard
     return layout.key
+
+
+@torch.no_grad()
+def set_weights(ctx: DeviceContext, full_state: dict[str, torch.Tensor], *, name: str) -> None:
+    """Overwrite an inference shard's weights with its slices of ``full_state`` (e.g. after a train step)."""
+    shard = get_shard(ctx, name)
+    if shard.engine is not None:
+        raise RuntimeError(f"{name!r} is a train stage; its weights move with its optimizer state")
+    shard.stage.load_full_state(full_state)
+
+
+def alias_shard(ctx: DeviceContext, *, name: str, target: str) -> None:
+    """Make ``name`` another name for ``target`` on this device (same layout: no copy, no sync)."""
+    ctx.resident[name] = get_shard(ctx, target)
 
 
 def shard_state(ctx: DeviceContext, *, name: str) -> dict[str, torch.Tensor]:

@@ -131,7 +131,7 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
         "unknown-section",
         _set("trainer", {"lr": 1}),
         "trainer",
-        ("unknown field", "valid fields: name, cluster, model, job, plan"),
+        ("unknown field", "valid fields: name, cluster, model, job, ppo, plan"),
     ),
     (
         "unknown-layout-field",
@@ -152,7 +152,7 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
         "batch-not-divisible",
         _set("job.batch_size", 6),
         "job.batch_size",
-        ("job.batch_size=6 is not divisible by dp*micro_batches=4", "plan.critic/infer"),
+        ("job.batch_size/ppo.mini_batches=3 is not divisible by dp*micro_batches=2", "plan.actor/train"),
     ),
     (
         "sequence-over-max-positions",

@@ -76,10 +76,10 @@ def test_run_applies_steps_out_and_typed_sets(calls: list[dict[str, Any]], tmp_p
 
 
 def test_later_sets_replace_earlier_ones(calls: list[dict[str, Any]]) -> None:
-    sets = ["--set", "job=3", "--set", "job.steps=2", "--set", "job.batch_size=4", "--set", "job.steps=1"]
+    sets = ["--set", "job=3", "--set", "job.steps=2", "--set", "job.batch_size=16", "--set", "job.steps=1"]
     assert main(["run", str(EXAMPLE), *sets]) == 0
     job = calls[0]["config"].job
-    assert (job.steps, job.batch_size) == (1, 4)
+    assert (job.steps, job.batch_size) == (1, 16)
 
 
 def test_steps_flag_wins_over_set(calls: list[dict[str, Any]]) -> None:

@@ -1,0 +1,441 @@
+"""Elastic Model Units: where every tensor of a model-stage lives under a layout, and how to move it.
+
+An EMU is the state of one data-parallel replica of a model-stage (DESIGN.md). A *shard map*
+describes all of a layout's EMUs at once: for every tensor (parameters by Hugging Face name;
+for train stages also the AdamW moments ``<param>:exp_avg`` / ``<param>:exp_avg_sq`` and the
+step count ``optimizer:step``) its global shape, the dim split under TP, the pipeline stage
+holding it, and the boxes (per-dim ``[start, stop)``) each device holds. ``plan_reshard``
+turns two shard maps into the slice transfers that carry the old placement to the new one.
+
+Boundary: bookkeeping over shapes only. No tensor data, processes or files: the executor
+(tasks/) moves the bytes as planned and the store (storage/) persists the same boxes.
+
+Optimizer state (Nereus's canonical ZeRO-1 partition). ZeRO-1 (Rajbhandari et al. 2020,
+arXiv:1910.02054) partitions optimizer state over the DP group. Nereus models it per tensor:
+the moment of a parameter on (tp, pp) rank has the same box as that rank's parameter shard;
+flattened row-major (``n`` elements), dp rank ``k`` owns the contiguous range
+``[k*base + min(k, extra), ...)`` with ``base, extra = divmod(n, dp)`` (earlier ranks get the
+remainder). A flat range is written as at most ``2*ndim - 1`` boxes, each contiguous in the
+shard's row-major order (a partial row, whole rows, a partial row), listed in flat order;
+``Piece.offset`` is where a box starts in the device's flat buffer of that tensor. DeepSpeed
+keeps one flat buffer per param group instead: the executor converts between its partitions
+and this one. The step count (one element) is replicated on every device of a train layout.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections import defaultdict
+from dataclasses import dataclass, field
+from operator import sub
+from typing import Literal, NamedTuple
+
+from nereus_core.config import ModelConfig
+from nereus_core.layout import Coord, Layout
+from nereus_core.model.weights import param_shapes, shard_dim, stage_param_names
+
+Kind = Literal["param", "exp_avg", "exp_avg_sq", "step"]
+MOMENTS: tuple[Kind, ...] = ("exp_avg", "exp_avg_sq")
+STEP = "optimizer:step"
+MEMORY_KINDS = ("params", "grads", "optimizer")
+
+
+class Box(NamedTuple):
+    """An N-d region of a tensor: ``start[d] <= i_d < stop[d]`` on every dim (0-d: the one element)."""
+
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    @classmethod
+    def full(cls, shape: tuple[int, ...]) -> Box:
+        return cls((0,) * len(shape), tuple(shape))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(map(sub, self.stop, self.start))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(map(sub, self.stop, self.start))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common region, or None if it is empty."""
+        start = tuple(map(max, self.start, other.start))
+        stop = tuple(map(min, self.stop, other.stop))
+        for a, b in zip(start, stop):  # noqa: B905 (same length by construction; hot path)
+            if a >= b:
+                return None
+        return Box(start, stop)
+
+    def contains(self, other: Box) -> bool:
+        pairs = zip(self.start, self.stop, other.start, other.stop, strict=True)
+        return all(a <= c and d <= b for a, b, c, d in pairs)
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box in the coordinates of ``outer`` (which contains it): a local slice."""
+        return Box(
+            tuple(a - o for a, o in zip(self.start, outer.start, strict=True)),
+            tuple(b - o for b, o in zip(self.stop, outer.start, strict=True)),
+        )
+
+    def subtract(self, other: Box) -> list[Box]:
+        """Disjoint boxes covering ``self`` minus ``other`` (at most ``2*ndim``)."""
+        inter = self.intersect(other)
+        if inter is None:
+            return [self]
+        out: list[Box] = []
+        lo, hi = list(self.start), list(self.stop)
+        for d in range(len(lo)):
+            if lo[d] < inter.start[d]:
+                out.append(Box(tuple(lo), (*hi[:d], inter.start[d], *hi[d + 1 :])))
+                lo[d] = inter.start[d]
+            if inter.stop[d] < hi[d]:
+                out.append(Box((*lo[:d], inter.stop[d], *lo[d + 1 :]), tuple(hi)))
+                hi[d] = inter.stop[d]
+        return out
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index a tensor with ``t[box.slices()]``."""
+        return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSpec:
+    """Where a local tensor sits in its global tensor: the global shape and the box it covers."""
+
+    global_shape: tuple[int, ...]
+    box: Box
+
+
+class Piece(NamedTuple):
+    """One box of one tensor held by one device; ``offset``: its start in the device's flat buffer."""
+
+    device: int
+    coord: Coord
+    box: Box
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a model-stage: shape, TP split dim, pipeline stage and every piece (rank order)."""
+
+    name: str
+    param: str
+    kind: Kind
+    shape: tuple[int, ...]
+    split_dim: int | None
+    pp_rank: int | None  # None: held on every stage (the step count)
+    itemsize: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def slice_spec(self, piece: Piece) -> SliceSpec:
+        return SliceSpec(self.shape, piece.box)
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """Every tensor of one model-stage under one layout, in a fixed order (params in HF order first)."""
+
+    config: ModelConfig
+    layout: Layout
+    train: bool
+    tensors: tuple[TensorSpec, ...]
+    _index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {t.name: t for t in self.tensors})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    def tensor(self, name: str) -> TensorSpec:
+        spec = self._index.get(name)
+        if spec is None:
+            raise KeyError(f"{name!r} is not a tensor of this shard map ({self.layout.key})")
+        return spec
+
+    def pieces_on(self, device: int) -> list[tuple[TensorSpec, Piece]]:
+        """What ``device`` holds, tensor by tensor, pieces in flat-buffer order."""
+        return [(t, p) for t in self.tensors for p in t.pieces if p.device == device]
+
+    def emu(self, dp: int) -> list[tuple[TensorSpec, Piece]]:
+        """The pieces held by replica ``dp`` (its parameters and its ZeRO-1 share of the optimizer)."""
+        return [(t, p) for t in self.tensors for p in t.pieces if p.coord.dp == dp]
+
+    def wanted(self, device: int) -> list[tuple[str, Box]]:
+        """``(name, box)`` of every piece on ``device``: what to ask the store for when rehydrating it."""
+        return [(t.name, p.box) for t, p in self.pieces_on(device)]
+
+
+def state_name(param: str, kind: Kind) -> str:
+    """The tensor name of ``kind`` of ``param``: the HF name itself, ``<param>:exp_avg``, ..."""
+    if kind == "param":
+        return param
+    return STEP if kind == "step" else f"{param}:{kind}"
+
+
+def split_state_name(name: str) -> tuple[str, Kind]:
+    """``(param, kind)`` of a tensor name (``('', 'step')`` for the step count)."""
+    if name == STEP:
+        return "", "step"
+    param, sep, kind = name.rpartition(":")
+    if not sep:
+        return name, "param"
+    if kind not in MOMENTS:
+        raise ValueError(f"{name!r}: unknown state kind {kind!r}; expected one of {MOMENTS}")
+    return param, kind  # type: ignore[return-value]
+
+
+def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
+    """Boxes covering flat elements ``[lo, hi)`` of a row-major ``shape``, in flat order, each contiguous."""
+    if lo >= hi:
+        return []
+    if not shape:
+        return [Box((), ())]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(lo, inner), divmod(hi, inner)
+
+    def rows(r: int, a: int, b: int) -> list[Box]:
+        return [Box((r, *x.start), (r + 1, *x.stop)) for x in flat_range_boxes(shape[1:], a, b)]
+
+    if r0 == r1:
+        return rows(r0, c0, c1)
+    out = rows(r0, c0, inner) if c0 else []
+    first_full = r0 + 1 if c0 else r0
+    if r1 > first_full:
+        out.append(Box((first_full, *(0,) * (len(shape) - 1)), (r1, *shape[1:])))
+    return out + (rows(r1, 0, c1) if c1 else [])
+
+
+def _shift(box: Box, origin: tuple[int, ...]) -> Box:
+    return Box(
+        tuple(a + o for a, o in zip(box.start, origin, strict=True)),
+        tuple(b + o for b, o in zip(box.stop, origin, strict=True)),
+    )
+
+
+def _tp_box(shape: tuple[int, ...], dim: int | None, tp_rank: int, tp: int) -> Box:
+    if dim is None or tp == 1:
+        return Box.full(shape)
+    part = shape[dim] // tp
+    start = tuple(tp_rank * part if d == dim else 0 for d in range(len(shape)))
+    stop = tuple((tp_rank + 1) * part if d == dim else s for d, s in enumerate(shape))
+    return Box(start, stop)
+
+
+def _zero1_pieces(device: int, coord: Coord, shard: Box, dp: int) -> list[Piece]:
+    """The canonical ZeRO-1 share of dp rank ``coord.dp`` of one moment shard (see the module doc)."""
+    base, extra = divmod(shard.numel, dp)
+    lo = coord.dp * base + min(coord.dp, extra)
+    hi = lo + base + (1 if coord.dp < extra else 0)
+    pieces, offset = [], 0
+    for local in flat_range_boxes(shard.shape, lo, hi):
+        pieces.append(Piece(device, coord, _shift(local, shard.start), offset))
+        offset += local.numel
+    return pieces
+
+
+def _param_stages(config: ModelConfig, layout: Layout) -> dict[str, int]:
+    stage_of: dict[str, int] = {}
+    for p in range(layout.pp):
+        layers = layout.stage_layers(config.num_hidden_layers, p)
+        for name in stage_param_names(config, layers, first=p == 0, last=p == layout.pp - 1):
+            stage_of[name] = p
+    return stage_of
+
+
+def shard_map(config: ModelConfig, layout: Layout, *, train: bool, dtype_bytes: int = 4) -> ShardMap:
+    """The shard map of a model-stage under ``layout``; ``train`` adds AdamW state (ZeRO-1 over dp)."""
+    for problem in (config.tp_error(layout.tp), config.pp_error(layout.pp)):
+        if problem:
+            raise ValueError(f"layout {layout.key}: {problem}")
+    stage_of = _param_stages(config, layout)
+    coords = [(device, layout.coord(i)) for i, device in enumerate(layout.devices)]
+    params: list[TensorSpec] = []
+    moments: list[TensorSpec] = []
+    for name, shape in param_shapes(config).items():
+        dim, stage = shard_dim(name), stage_of[name]
+        held = [(d, c, _tp_box(shape, dim, c.tp, layout.tp)) for d, c in coords if c.pp == stage]
+        pieces = tuple(Piece(d, c, box) for d, c, box in held)
+        params.append(TensorSpec(name, name, "param", shape, dim, stage, dtype_bytes, pieces))
+        if train:
+            shares = tuple(p for d, c, box in held for p in _zero1_pieces(d, c, box, layout.dp))
+            for kind in MOMENTS:
+                spec = TensorSpec(state_name(name, kind), name, kind, shape, dim, stage, dtype_bytes, shares)
+                moments.append(spec)
+    if train:
+        steps = tuple(Piece(d, c, Box((), ())) for d, c in coords)
+        moments.append(TensorSpec(STEP, "", "step", (), None, None, dtype_bytes, steps))
+    return ShardMap(config, layout, train, tuple(params + moments))
+
+
+def bytes_per_device(
+    model_config: ModelConfig, layout: Layout, *, train: bool, dtype_bytes: int = 4
+) -> dict[int, dict[str, int]]:
+    """Bytes of ``params``, ``grads`` (train; ZeRO-1 keeps them whole) and ``optimizer`` per device."""
+    smap = shard_map(model_config, layout, train=train, dtype_bytes=dtype_bytes)
+    out = {d: dict.fromkeys(MEMORY_KINDS, 0) for d in layout.devices}
+    for spec in smap.tensors:
+        for piece in spec.pieces:
+            nbytes = piece.box.numel * spec.itemsize
+            if spec.kind == "param":
+                out[piece.device]["params"] += nbytes
+                out[piece.device]["grads"] += nbytes if train else 0
+            else:
+                out[piece.device]["optimizer"] += nbytes
+    return out
+
+
+class Transfer(NamedTuple):
+    """Copy ``region`` (global coordinates) of ``name`` from ``src``'s piece to ``dst``'s piece."""
+
+    name: str
+    src: int
+    dst: int
+    src_piece: Piece
+    dst_piece: Piece
+    region: Box
+    nbytes: int
+
+    @property
+    def src_slice(self) -> Box:
+        """The region in the source piece's local coordinates."""
+        return self.region.relative_to(self.src_piece.box)
+
+    @property
+    def dst_slice(self) -> Box:
+        """The region in the destination piece's local coordinates."""
+        return self.region.relative_to(self.dst_piece.box)
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """Cross-device ``transfers`` and same-device ``local`` copies that build the new placement."""
+
+    old_key: str
+    new_key: str
+    transfers: tuple[Transfer, ...]
+    local: tuple[Transfer, ...]
+    bytes_moved: int
+    bytes_local: int
+
+    def sent_bytes(self) -> dict[int, int]:
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            out[t.src] += t.nbytes
+        return dict(out)
+
+    def received_bytes(self) -> dict[int, int]:
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            out[t.dst] += t.nbytes
+        return dict(out)
+
+
+class _Sources:
+    """The distinct old boxes of one tensor (a partition of it) with their holders, indexed on dim 0."""
+
+    def __init__(self, spec: TensorSpec) -> None:
+        groups: dict[Box, dict[int, Piece]] = {}
+        for piece in spec.pieces:
+            groups.setdefault(piece.box, {})[piece.device] = piece
+        self.boxes = list(groups)
+        self.holders = [groups[b] for b in self.boxes]
+        if sum(b.numel for b in self.boxes) != math.prod(spec.shape):
+            raise ValueError(f"{spec.name}: the old pieces do not partition the tensor; cannot plan")
+        self.bounds: list[int] = []
+        self.buckets: list[list[int]] = []
+        if spec.shape:
+            self.bounds = sorted({b.start[0] for b in self.boxes} | {b.stop[0] for b in self.boxes})
+            self.buckets = [[] for _ in self.bounds[:-1]]
+            for i, b in enumerate(self.boxes):
+                for k in range(bisect_left(self.bounds, b.start[0]), bisect_left(self.bounds, b.stop[0])):
+                    self.buckets[k].append(i)
+
+    def overlapping(self, box: Box) -> list[tuple[Box, dict[int, Piece]]]:
+        """``(region, holders)`` for every old box meeting ``box``, in a fixed order."""
+        ids: set[int] = set(range(len(self.boxes)))  # 0-d: the one box
+        if box.start:
+            lo = max(bisect_right(self.bounds, box.start[0]) - 1, 0)
+            hi = bisect_left(self.bounds, box.stop[0])
+            ids = {i for k in range(lo, hi) for i in self.buckets[k]}
+        out = []
+        for i in sorted(ids):
+            region = self.boxes[i].intersect(box)
+            if region is not None:
+                out.append((region, self.holders[i]))
+        return out
+
+
+def _check_compatible(old: ShardMap, new: ShardMap) -> None:
+    for spec in new.tensors:
+        if spec.name not in old._index:
+            raise ValueError(f"{spec.name}: the new layout needs it but the old shard map has none")
+        before = old.tensor(spec.name)
+        if (before.shape, before.itemsize) != (spec.shape, spec.itemsize):
+            raise ValueError(
+                f"{spec.name}: shape/itemsize {before.shape}/{before.itemsize} before, "
+                f"{spec.shape}/{spec.itemsize} after; a reshard cannot change them"
+            )
+
+
+def plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
+    """The slice transfers that turn ``old_map``'s placement into ``new_map``'s.
+
+    Every destination piece is cut by the old boxes (interval intersection of N-d boxes).
+    A region already on the destination device is a local copy (no bytes over a link);
+    otherwise its source is the holder with the fewest bytes sent so far (ties: lowest
+    device), which spreads replicated tensors (dp replicas, norms across tp) over their holders.
+    """
+    _check_compatible(old_map, new_map)
+    sent: dict[int, int] = defaultdict(int)
+    transfers: list[Transfer] = []
+    local: list[Transfer] = []
+    for spec in new_map.tensors:
+        sources = _Sources(old_map.tensor(spec.name))
+        for piece in spec.pieces:
+            for region, holders in sources.overlapping(piece.box):
+                nbytes = region.numel * spec.itemsize
+                src = piece.device if piece.device in holders else min(holders, key=lambda d: (sent[d], d))
+                move = Transfer(spec.name, src, piece.device, holders[src], piece, region, nbytes)
+                if src == piece.device:
+                    local.append(move)
+                else:
+                    sent[src] += nbytes
+                    transfers.append(move)
+    return ReshardPlan(
+        old_key=old_map.layout.key,
+        new_key=new_map.layout.key,
+        transfers=tuple(transfers),
+        local=tuple(local),
+        bytes_moved=sum(t.nbytes for t in transfers),
+        bytes_local=sum(t.nbytes for t in local),
+    )
+
+
+def min_bytes(old_map: ShardMap, new_map: ShardMap) -> int:
+    """The least cross-device bytes any reshard needs: per destination element, 0 if its device held it.
+
+    Computed device by device (new boxes minus the same device's old boxes, which are disjoint),
+    independently of ``plan_reshard``'s source choice, so the two can check each other.
+    """
+    _check_compatible(old_map, new_map)
+    total = 0
+    for spec in new_map.tensors:
+        old_boxes: dict[int, list[Box]] = defaultdict(list)
+        for piece in old_map.tensor(spec.name).pieces:
+            old_boxes[piece.device].append(piece.box)
+        for piece in spec.pieces:
+            present = 0
+            for box in old_boxes.get(piece.device, ()):
+                inter = box.intersect(piece.box)
+                present += inter.numel if inter is not None else 0
+            total += (piece.box.numel - present) * spec.itemsize
+    return total

@@ -1,0 +1,117 @@
+"""The rollout batch of one PPO step: the one data type that moves between stages.
+
+Alignment: a sequence is ``ids = prompt ++ response`` of length ``s = P + T``.
+The lm head gives ``logp[:, j] = log p(ids[:, j+1] | ids[:, :j+1])`` for
+``j < s-1``, so the response's log-probs are its last ``T`` columns. The value
+head gives ``values[:, j]`` for the state after ``ids[:, :j+1]``; the value of
+the state in which response token ``i`` is chosen is ``values[:, P-1+i]``,
+i.e. columns ``s-T-1 .. s-2``. The objectives below take the head's full
+outputs (as the engine computes them) and slice the response out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from nereus_core import ppo
+
+
+@dataclass
+class Rollout:
+    """Per-sequence tensors of one step; every field's first dim is the batch."""
+
+    prompts: torch.Tensor  # [b, P] token ids
+    responses: torch.Tensor  # [b, T] token ids
+    mask: torch.Tensor  # [b, T] 1.0 for real response tokens
+    rule_score: torch.Tensor | None = None  # [b] the task's verifiable score
+    score: torch.Tensor | None = None  # [b] the reward model's score
+    old_logp: torch.Tensor | None = None  # [b, T] actor log-probs at rollout time
+    ref_logp: torch.Tensor | None = None  # [b, T] reference log-probs
+    values: torch.Tensor | None = None  # [b, T] critic values at rollout time
+    rewards: torch.Tensor | None = None  # [b, T] KL-shaped rewards
+    advantages: torch.Tensor | None = None  # [b, T]
+    returns: torch.Tensor | None = None  # [b, T]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return torch.cat([self.prompts, self.responses], dim=1)
+
+    @property
+    def response_len(self) -> int:
+        return self.responses.shape[1]
+
+    def columns(self) -> dict[str, torch.Tensor]:
+        """The filled fields, by name (for the rollouts table)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def train_batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the train stages need for the given rows: ids plus response-aligned targets."""
+        batch = {"ids": self.ids[rows], "mask": self.mask[rows]}
+        for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
+            value = getattr(self, name)
+            if value is not None:
+                batch[name] = value[rows]
+        return batch
+
+
+def response_logp(logp_full: torch.Tensor, response_len: int) -> torch.Tensor:
+    """The response's log-probs ``[b, T]`` from the lm head's ``[b, s-1]``."""
+    return logp_full[:, -response_len:]
+
+
+def response_values(values_full: torch.Tensor, response_len: int) -> torch.Tensor:
+    """The values of the states choosing each response token ``[b, T]`` from the value head's ``[b, s]``."""
+    return values_full[:, -response_len - 1 : -1]
+
+
+def final_score(values_full: torch.Tensor) -> torch.Tensor:
+    """The reward model's score of a sequence: its value after the last token ``[b]``."""
+    return values_full[:, -1]
+
+
+def compute_advantages(rollout: Rollout, settings: ppo.PPOSettings) -> None:
+    """Fill rewards, advantages and returns (KL-shaped reward, GAE, optional whitening)."""
+    rollout.rewards = ppo.shaped_rewards(
+        rollout.score, rollout.old_logp, rollout.ref_logp, rollout.mask, settings.kl_coef, settings.kl_kind
+    )
+    estimator = ppo.ADVANTAGE_ESTIMATORS[settings.advantage_estimator]
+    advantages, returns = estimator(rollout.rewards, rollout.values, rollout.mask, settings.gamma, settings.lam)
+    if settings.whiten_advantages:
+        advantages = ppo.masked_whiten(advantages, rollout.mask)
+    rollout.advantages, rollout.returns = advantages, returns
+
+
+def actor_objective(
+    logp_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
+) -> torch.Tensor:
+    """The actor's loss on a micro-batch: PPO's clipped surrogate (+ KL loss when enabled)."""
+    mask = batch["mask"]
+    logp = response_logp(logp_full, mask.shape[1])
+    loss, _ = ppo.POLICY_LOSSES[settings.policy_loss](
+        logp, batch["old_logp"], batch["advantages"], mask, settings.clip_ratio
+    )
+    if settings.use_kl_loss:
+        loss = loss + settings.kl_loss_coef * ppo.kl_loss(logp, batch["ref_logp"], mask, settings.kl_loss_kind)
+    return loss
+
+
+def critic_objective(
+    values_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
+) -> torch.Tensor:
+    """The critic's loss on a micro-batch: clipped value loss against the returns."""
+    mask = batch["mask"]
+    values = response_values(values_full, mask.shape[1])
+    loss, _ = ppo.VALUE_LOSSES[settings.value_loss](
+        values, batch["values"], batch["returns"], mask, settings.value_clip
+    )
+    return loss
+
+
+def minibatch_rows(batch: int, mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A seeded shuffle of the rows split into ``mini_batches`` equal parts."""
+    if batch % mini_batches:
+        raise ValueError(f"batch {batch} is not divisible by mini_batches={mini_batches}")
+    order = torch.randperm(batch, generator=generator)
+    return list(order.view(mini_batches, -1))

@@ -1,0 +1,224 @@
+"""EMU snapshots: write a model's shards at a step, list the committed ones, read slices or full state back.
+
+Data flow of the durable path: every device writes its slices (``write_shard_file``, one
+Arrow file per device), one caller commits the manifest (``commit_snapshot``); after a
+layout change each new rank asks ``read_slices(ref, new_map.wanted(device))`` and gets
+exactly its boxes, read only from the record batches that intersect them.
+``write_snapshot`` does both steps in one process. ``read_full_state`` is the DESIGN.md
+contract: full parameters with Hugging Face names.
+
+Boundary: files under ``<run_dir>/state`` (storage/FORMAT.md). Slices are described by
+``nereus_core.emu`` types (``SliceSpec``, ``Box``); which slices a rank needs is the shard
+map's business, not the store's. No pickle: data files are Arrow IPC, manifests JSON.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nereus_core.emu import Box, SliceSpec, split_state_name
+from nereus_core.layout import Layout
+from storage.ipc import DTYPES, SliceReader, write_slices
+from storage.manifest import (
+    FileEntry,
+    Manifest,
+    SliceEntry,
+    SnapshotError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    commit_manifest,
+    fsync_dir,
+    load_manifest,
+    make_dirs,
+    parse_step,
+    state_dir,
+    step_dir,
+)
+
+PathLike = str | os.PathLike[str]
+Slices = Mapping[str, tuple[torch.Tensor, SliceSpec]] | Iterable[tuple[str, torch.Tensor, SliceSpec]]
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    """A committed snapshot: its directory and manifest."""
+
+    path: Path
+    manifest: Manifest
+
+    @property
+    def model(self) -> str:
+        return self.manifest.model
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    def names(self) -> list[str]:
+        """Tensor names in the snapshot, in first-written order."""
+        return list(dict.fromkeys(s.name for f in self.manifest.files for s in f.slices))
+
+
+def _as_triples(slices: Slices) -> list[tuple[str, torch.Tensor, SliceSpec]]:
+    if isinstance(slices, Mapping):
+        return [(name, tensor, spec) for name, (tensor, spec) in slices.items()]
+    return list(slices)
+
+
+def _refuse_committed(directory: Path) -> None:
+    if load_manifest(directory) is not None:
+        raise SnapshotExistsError(f"{directory}: already committed; a snapshot is never rewritten")
+
+
+def write_shard_file(run_dir: PathLike, model: str, step: int, device: int, slices: Slices) -> FileEntry:
+    """Write ``device``'s slices of ``model`` at ``step`` (not yet visible: commit the snapshot next)."""
+    directory = step_dir(run_dir, model, step)
+    make_dirs(directory)
+    _refuse_committed(directory)
+    path = directory / f"device={device}.arrow"
+    entries = write_slices(path, _as_triples(slices))
+    return FileEntry(path=path.name, device=device, size=path.stat().st_size, slices=tuple(entries))
+
+
+def commit_snapshot(
+    run_dir: PathLike,
+    model: str,
+    step: int,
+    files: Sequence[FileEntry],
+    *,
+    layout: Layout | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> SnapshotRef:
+    """Make the snapshot visible: fsync its directory, then commit its manifest atomically."""
+    directory = step_dir(run_dir, model, step)
+    _refuse_committed(directory)
+    for entry in files:
+        if not (directory / entry.path).is_file():
+            raise SnapshotError(
+                f"{directory / entry.path}: missing; write every shard file before committing"
+            )
+    fsync_dir(directory)
+    manifest = Manifest(model=model, step=step, layout=layout, files=tuple(files), meta=dict(meta or {}))
+    commit_manifest(directory, manifest)
+    return SnapshotRef(directory, manifest)
+
+
+def write_snapshot(
+    run_dir: PathLike,
+    model: str,
+    step: int,
+    shards: Mapping[int, Slices],
+    *,
+    layout: Layout | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> SnapshotRef:
+    """Write one file per device (``shards[device]``: name -> (tensor, SliceSpec)) and commit them."""
+    files = [write_shard_file(run_dir, model, step, device, slices) for device, slices in shards.items()]
+    return commit_snapshot(run_dir, model, step, files, layout=layout, meta=meta)
+
+
+def list_snapshots(run_dir: PathLike, model: str) -> list[SnapshotRef]:
+    """Committed snapshots of ``model``, oldest step first; uncommitted directories are invisible."""
+    root = state_dir(run_dir, model)
+    if not root.is_dir():
+        return []
+    steps = sorted(
+        (step, p) for p in root.iterdir() if p.is_dir() and (step := parse_step(p.name)) is not None
+    )
+    refs = []
+    for _, directory in steps:
+        manifest = load_manifest(directory)
+        if manifest is not None:
+            refs.append(SnapshotRef(directory, manifest))
+    return refs
+
+
+def find_snapshot(run_dir: PathLike, model: str, step: int | None = None) -> SnapshotRef:
+    """The committed snapshot of ``model`` at ``step``, or the latest one if ``step`` is None."""
+    refs = list_snapshots(run_dir, model)
+    chosen = refs[-1:] if step is None else [r for r in refs if r.step == step]
+    if not chosen:
+        at = "" if step is None else f" at step {step}"
+        have = [r.step for r in refs]
+        raise SnapshotNotFoundError(
+            f"no committed snapshot of {model}{at} under {state_dir(run_dir, model)}; committed steps: {have}"
+        )
+    return chosen[0]
+
+
+class _Readers:
+    """Data files of one snapshot, each opened (and size-checked) at most once."""
+
+    def __init__(self, ref: SnapshotRef) -> None:
+        self.ref = ref
+        self.open: dict[str, SliceReader] = {}
+
+    def view(self, file: FileEntry, entry: SliceEntry) -> torch.Tensor:
+        reader = self.open.get(file.path)
+        if reader is None:
+            reader = self.open[file.path] = SliceReader(self.ref.path / file.path, file.size)
+        return reader.view(entry)
+
+    def close(self) -> None:
+        for reader in self.open.values():
+            reader.close()
+
+
+def _stored_box(entry: SliceEntry) -> Box:
+    return Box(entry.start, tuple(a + n for a, n in zip(entry.start, entry.shape, strict=True)))
+
+
+def _assemble(
+    readers: _Readers, name: str, box: Box | None, stored: list[tuple[FileEntry, SliceEntry]]
+) -> torch.Tensor:
+    """The ``box`` of ``name`` copied out of the stored slices that intersect it (only those are read)."""
+    if not stored:
+        raise SnapshotError(f"{readers.ref.path}: no tensor {name!r} in this snapshot")
+    global_shape, dtype = stored[0][1].global_shape, DTYPES[stored[0][1].dtype]
+    box = Box.full(global_shape) if box is None else box
+    if not Box.full(global_shape).contains(box):
+        raise SnapshotError(f"{name}: wanted box {box} lies outside its global shape {global_shape}")
+    out = torch.empty(box.shape, dtype=dtype)
+    remaining = [box] if box.numel else []
+    for file, entry in stored:
+        have = _stored_box(entry)
+        hits = [inter for r in remaining if (inter := r.intersect(have)) is not None]
+        if not hits:
+            continue
+        view = readers.view(file, entry)
+        for inter in hits:
+            out[inter.relative_to(box).slices()] = view[inter.relative_to(have).slices()]
+        remaining = [part for r in remaining for part in r.subtract(have)]
+        if not remaining:
+            break
+    if remaining:
+        raise SnapshotError(
+            f"{readers.ref.path}: {name} region {remaining[0]} is in none of its stored slices"
+        )
+    return out
+
+
+def read_slices(ref: SnapshotRef, wanted: Sequence[tuple[str, Box | None]]) -> list[torch.Tensor]:
+    """Fresh tensors of the ``(name, box)`` regions asked for (``None``: the whole tensor), in order."""
+    stored: dict[str, list[tuple[FileEntry, SliceEntry]]] = {}
+    for file in ref.manifest.files:
+        for entry in file.slices:
+            stored.setdefault(entry.name, []).append((file, entry))
+    readers = _Readers(ref)
+    try:
+        return [_assemble(readers, name, box, stored.get(name, [])) for name, box in wanted]
+    finally:
+        readers.close()
+
+
+def read_full_state(run_dir: PathLike, model: str, step: int | None = None) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters of ``model`` with Hugging Face names, at ``step`` or the latest."""
+    ref = find_snapshot(run_dir, model, step)
+    names = [n for n in ref.names() if split_state_name(n)[1] == "param"]
+    return dict(zip(names, read_slices(ref, [(n, None) for n in names]), strict=True))
