@@ -13,6 +13,7 @@ stderr and exit status 2, never a traceback. Flows are imported lazily so that
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -116,28 +117,52 @@ def default_out_dir(cfg: NereusConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str) -> int:
     try:
         cfg = load_config(args.config, sets=args.set, steps=args.steps)
     except ConfigError as err:
         return _fail(args.config, str(err))
     out = args.out or default_out_dir(cfg)
-    try:
-        from flows.selfcheck import selfcheck_flow
-    except ModuleNotFoundError as err:
-        if err.name != "flows.selfcheck":
-            raise
-        print("nereus: error: the runtime self-check (flows.selfcheck) is not built yet", file=sys.stderr)
-        return EXIT_FAILED
-    # Until the PPO job flow exists, `run` runs the runtime's self-check on the configured pool.
-    print(f"nereus: {cfg.name}: self-check on {cfg.cluster.devices} device slots -> {out}")
+    flow_fn = getattr(importlib.import_module(module), flow_name)
+    print(f"nereus: {cfg.name}: {what} on {cfg.cluster.devices} device slots -> {out}")
     # The Dask scheduler's and nannies' INFO lines drown the run's own progress.
     logging.getLogger("distributed").setLevel(logging.WARNING)
     try:
-        selfcheck_flow(config=cfg, out_dir=str(out))
+        flow_fn(config=cfg, out_dir=str(out))
     except ConfigError as err:
         return _fail(args.config, str(err))
     print(f"nereus: done: {out}")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    return _run_flow(args, "flows.ppo_job", "ppo_job", f"PPO for {args.steps or 'the configured'} steps")
+
+
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    return _run_flow(args, "flows.selfcheck", "selfcheck_flow", "runtime self-check")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from storage.export import export_hf
+
+    try:
+        path = export_hf(args.run_dir, model=args.model, step=args.step, out=args.hf)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        return _fail(args.run_dir, str(err).strip("'\""))
+    print(f"nereus: exported {args.model} to {path}")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from flows.report import write_report
+
+    try:
+        paths = write_report(args.run_dir)
+    except FileNotFoundError as err:
+        return _fail(args.run_dir, str(err))
+    for path in paths:
+        print(f"nereus: wrote {path}")
     return EXIT_OK
 
 
@@ -154,18 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nereus {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run the job of CONFIG (today: the runtime self-check)")
-    run.add_argument("config", type=Path, metavar="CONFIG", help="YAML config, e.g. examples/tiny_ppo.yaml")
-    run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default runs/NAME-TIMESTAMP)")
-    run.add_argument("--steps", type=int, metavar="N", help="steps to run (sets job.steps)")
-    run.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set job.batch_size=16 (repeatable; values are YAML)",
-    )
-    run.set_defaults(handler=cmd_run)
+    run = sub.add_parser("run", help="run the PPO job of CONFIG")
+    check = sub.add_parser("selfcheck", help="check every layout of CONFIG against the single-device reference")
+    for cmd, handler in ((run, cmd_run), (check, cmd_selfcheck)):
+        cmd.add_argument("config", type=Path, metavar="CONFIG", help="YAML config, e.g. examples/tiny_ppo.yaml")
+        cmd.add_argument("--out", type=Path, metavar="DIR", help="run directory (default runs/NAME-TIMESTAMP)")
+        cmd.add_argument("--steps", type=int, metavar="N", help="steps to run (sets job.steps)")
+        cmd.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field, e.g. --set job.batch_size=16 (repeatable; values are YAML)",
+        )
+        cmd.set_defaults(handler=handler)
 
     plan = sub.add_parser("plan", help="show the chosen plan and why (not available yet)")
     plan.add_argument("config", type=Path, metavar="CONFIG")
@@ -174,14 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--out", type=Path, metavar="DIR")
     resume = sub.add_parser("resume", help="continue an interrupted run or transition (not available yet)")
     resume.add_argument("run_dir", type=Path, metavar="DIR")
-    report = sub.add_parser("report", help="plot a run into DIR/plots (not available yet)")
+    report = sub.add_parser("report", help="plot a run into DIR/plots")
     report.add_argument("run_dir", type=Path, metavar="DIR")
-    export = sub.add_parser("export", help="write a model in Hugging Face format (not available yet)")
+    report.set_defaults(handler=cmd_report)
+    export = sub.add_parser("export", help="write a model in Hugging Face format")
     export.add_argument("run_dir", type=Path, metavar="DIR")
     export.add_argument("--model", required=True, choices=MODELS)
     export.add_argument("--step", type=int, metavar="N")
     export.add_argument("--hf", required=True, type=Path, metavar="OUT")
-    for cmd in (plan, simulate, resume, report, export):
+    export.set_defaults(handler=cmd_export)
+    for cmd in (plan, simulate, resume):
         cmd.set_defaults(handler=cmd_not_yet)
     return parser
 

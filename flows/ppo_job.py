@@ -1,0 +1,269 @@
+"""The PPO job flow: what `nereus run` does.
+
+    config --> DevicePool (one torch.distributed world over Dask workers)
+           --> fit_reward_model (cached task)  --> load the four models on their layouts
+           --> per step, as tasks (no subflow per step: a subflow costs ~1.3 s here):
+                 prompts -> actor/generate -> rule score, reward/infer, reference/infer,
+                 actor log-probs, critic/infer -> advantages -> actor/train, critic/train
+                 -> weight sync into the inference layouts
+           --> per step: metrics/steps.parquet, rollouts/step=N.parquet, a timing table
+               (run logger and Prefect artifact); snapshots every K steps and at the end
+           --> summary.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+
+from flows.step_report import step_table
+from nereus_core import rollout as ro
+from nereus_core.config import NereusConfig, parse_config
+from nereus_core.engine.shard import OptimizerSettings
+from nereus_core.layout import Layout
+from nereus_core.task import make_prompts
+from storage.run_dir import STEPS_TABLE, RunDir
+from tasks import model_ops
+from tasks import ppo_stages as st
+from tasks.device_pool import DevicePool
+from tasks.snapshots import snapshot_model
+
+# model-stage -> (model, head) ; the order is the order models are loaded in.
+MODEL_STAGES = {
+    "actor/train": ("actor", "lm"),
+    "actor/generate": ("actor", "lm"),
+    "reference/infer": ("reference", "lm"),
+    "reward/infer": ("reward", "value"),
+    "critic/train": ("critic", "value"),
+    "critic/infer": ("critic", "value"),
+}
+# Inference copies of trained models: (inference stage, train stage) share weights or are synced.
+SYNCED = (("actor/generate", "actor/train"), ("critic/infer", "critic/train"))
+SNAPSHOT_SOURCES = {
+    "actor": "actor/train",
+    "critic": "critic/train",
+    "reference": "reference/infer",
+    "reward": "reward/infer",
+}
+
+
+def _resolve(config: NereusConfig | dict[str, Any] | str) -> NereusConfig:
+    if isinstance(config, NereusConfig):
+        return config
+    if isinstance(config, str):
+        config = yaml.safe_load(Path(config).read_text())
+    return parse_config(config)
+
+
+def plan_id(plan: dict[str, Layout]) -> str:
+    blob = json.dumps({k: v.model_dump(mode="json") for k, v in sorted(plan.items())}, sort_keys=True)
+    return "plan-" + hashlib.sha256(blob.encode()).hexdigest()[:8]
+
+
+def default_plan(cfg: NereusConfig) -> dict[str, Layout]:
+    """Every model-stage the config leaves out runs colocated on all devices as pure DP (one replica each)."""
+    plan = dict(cfg.plan)
+    for stage in MODEL_STAGES:
+        plan.setdefault(stage, Layout.contiguous(tp=1, pp=1, dp=1))
+    return plan
+
+
+class Job:
+    """The running job's driver-side state: the pool, the plan, the run directory."""
+
+    def __init__(self, pool: DevicePool, cfg: NereusConfig, run: RunDir) -> None:
+        self.pool, self.cfg, self.run = pool, cfg, run
+        self.plan = default_plan(cfg)
+        self.plan_id = plan_id(self.plan)
+        self.aliased = {inf for inf, src in SYNCED if self.plan[inf] == self.plan[src]}
+        self.rows: list[dict[str, Any]] = []
+        self.t0 = time.perf_counter()
+
+    def config_of(self, stage: str):
+        head = MODEL_STAGES[stage][1]
+        return self.cfg.model.model_copy(update={"head": head})
+
+    def load(self, reward_state: dict[str, torch.Tensor]) -> None:
+        ppo = self.cfg.ppo
+        for stage in MODEL_STAGES:
+            layout = self.plan[stage]
+            if stage in self.aliased:
+                source = dict(SYNCED)[stage]
+                model_ops.alias_model(self.pool, layout, name=stage, target=source)
+                continue
+            model = MODEL_STAGES[stage][0]
+            optimizer = None
+            if stage.endswith("/train"):
+                lr = ppo.actor_lr if model == "actor" else ppo.critic_lr
+                optimizer = OptimizerSettings(lr=lr, weight_decay=self.cfg.job.weight_decay)
+            # The reward model is fitted; the critic starts from it (as OpenRLHF does).
+            full = reward_state if model in ("reward", "critic") else None
+            model_ops.load_model(
+                self.pool, layout, name=stage, config=self.config_of(stage), optimizer=optimizer, full_state=full
+            )
+
+
+def _record(job: Job, step: int, model: str, stage: str, start: float, seconds: float, tokens: int) -> None:
+    job.rows.append(
+        {
+            "step": step,
+            "model": model,
+            "stage": stage,
+            "plan_id": job.plan_id,
+            "start_s": start - job.t0,
+            "duration_s": seconds,
+            "tokens": tokens,
+        }
+    )
+
+
+def _stage(job: Job, step: int, model: str, stage: str, tokens: int, task_fn: Any, *args: Any, **kw: Any) -> Any:
+    start = time.perf_counter()
+    out, inner = task_fn(*args, **kw)
+    _record(job, step, model, stage, start, inner, tokens)
+    return out
+
+
+def run_step(job: Job, step: int) -> dict[str, Any]:
+    """One PPO step; returns its statistics."""
+    cfg, pool, plan = job.cfg, job.pool, job.plan
+    b, p_len, t_len = cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len
+    prompts = make_prompts(cfg.job.task_settings, b, cfg.job.seed, step)
+    gen = dict(max_new_tokens=t_len, temperature=cfg.ppo.temperature, seed=cfg.job.seed * 7919 + step)
+    responses = _stage(
+        job, step, "actor", "generate", b * t_len, st.generate, pool, plan["actor/generate"], prompts,
+        name="actor/generate", **gen,
+    )
+    r = ro.Rollout(prompts=prompts, responses=responses, mask=torch.ones(b, t_len))
+    ids, n_tok = r.ids, b * (p_len + t_len)
+    r.rule_score = _stage(job, step, "task", "rule_score", b, st.score_rule, prompts, responses)
+    values = _stage(job, step, "reward", "infer", n_tok, st.infer, pool, plan["reward/infer"], ids, name="reward/infer")
+    r.score = ro.final_score(values)
+    ref = _stage(job, step, "reference", "infer", n_tok, st.infer, pool, plan["reference/infer"], ids, name="reference/infer")
+    r.ref_logp = ro.response_logp(ref, t_len)
+    old = _stage(job, step, "actor", "infer", n_tok, st.infer, pool, plan["actor/train"], ids, name="actor/train")
+    r.old_logp = ro.response_logp(old, t_len)
+    crit = _stage(job, step, "critic", "infer", n_tok, st.infer, pool, plan["critic/infer"], ids, name="critic/infer")
+    r.values = ro.response_values(crit, t_len)
+    _stage(job, step, "ppo", "advantages", b * t_len, st.advantages, r, cfg.ppo)
+    train_tokens = n_tok * cfg.ppo.ppo_epochs
+    actor_loss = _stage(
+        job, step, "actor", "train", train_tokens, st.train, pool, plan["actor/train"], r,
+        name="actor/train", critic=False, settings=cfg.ppo, seed=cfg.job.seed + step,
+    )
+    critic_loss = _stage(
+        job, step, "critic", "train", train_tokens, st.train, pool, plan["critic/train"], r,
+        name="critic/train", critic=True, settings=cfg.ppo, seed=cfg.job.seed + step,
+    )
+    for inference, source in SYNCED:
+        if inference not in job.aliased:
+            _stage(
+                job, step, MODEL_STAGES[source][0], "sync", 0, st.sync_weights, pool, plan[source], plan[inference],
+                src_name=source, dst_name=inference, config=job.config_of(source),
+            )
+    job.run.write_rollout(step, r.columns())
+    return {
+        "step": step,
+        "score": float(r.score.mean()),
+        "rule_score": float(r.rule_score.mean()),
+        "actor_loss": actor_loss,
+        "critic_loss": critic_loss,
+        "kl": float((r.old_logp - r.ref_logp).mean()),
+        "tokens": b * t_len,
+    }
+
+
+def _snapshot_all(job: Job, step: int) -> float:
+    seconds = 0.0
+    for model, stage in SNAPSHOT_SOURCES.items():
+        _, s = snapshot_model(job.pool, str(job.run.root), model, step, job.plan[stage], job.config_of(stage), stage)
+        seconds += s
+    return seconds
+
+
+def _finish_step(job: Job, stats: dict[str, Any], wall_s: float) -> None:
+    step = stats["step"]
+    rows = [r for r in job.rows if r["step"] == step]
+    inside = sum(r["duration_s"] for r in rows)
+    for r in rows:
+        r["step_wall_s"] = wall_s
+    stats.update(wall_s=wall_s, stage_s=inside, overhead_s=wall_s - inside)
+    job.run.write_rows(STEPS_TABLE, job.rows)
+    table = step_table(rows, stats)
+    get_run_logger().info("step %d/%d\n%s", step + 1, job.cfg.job.steps, table)
+    create_table_artifact(
+        key="nereus-step-timings",
+        table=[{k: r[k] for k in ("step", "model", "stage", "duration_s", "tokens")} for r in rows],
+        description=f"Stage timings of step {step} (wall {wall_s:.3f} s, overhead {wall_s - inside:.3f} s)",
+    )
+
+
+@flow(name="nereus-ppo")
+def ppo_job(config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/ppo") -> dict[str, Any]:
+    """Run PPO for ``config.job.steps`` steps on the device pool; the run directory is ``out_dir``."""
+    cfg = _resolve(config)
+    logger = get_run_logger()
+    run = RunDir.create(out_dir, cfg.model_dump(mode="json"))
+    cache_dir = os.environ.get("NEREUS_CACHE_DIR", str(Path.home() / ".cache" / "nereus"))
+    start = time.perf_counter()
+    history: list[dict[str, Any]] = []
+    with DevicePool(cfg.cluster.devices, scheduler_address=cfg.cluster.scheduler_address, backend=cfg.cluster.backend) as pool:
+        job = Job(pool, cfg, run)
+        run.write_plan(job.plan_id, {k: v.model_dump(mode="json") for k, v in job.plan.items()})
+        fit = st.fit_reward_model(pool, job.plan["reward/infer"], cfg, st.reward_fit_key(cfg), cache_dir)
+        if not Path(fit["path"]).exists():  # the cache outlived its file: fit again
+            fit = st.fit_reward_model.with_options(refresh_cache=True)(
+                pool, job.plan["reward/infer"], cfg, st.reward_fit_key(cfg), cache_dir
+            )
+        logger.info("reward model fitted: mse %s -> %s", fit["first_loss"], fit["last_loss"])
+        job.load(st.load_reward_state(fit["path"]))
+        snapshot_s = 0.0
+        for step in range(cfg.job.steps):
+            t = time.perf_counter()
+            stats = run_step(job, step)
+            _finish_step(job, stats, time.perf_counter() - t)
+            history.append(stats)
+            every = cfg.job.snapshot_every
+            if every and (step + 1) % every == 0 and step + 1 < cfg.job.steps:
+                snapshot_s += _snapshot_all(job, step)
+        snapshot_s += _snapshot_all(job, cfg.job.steps - 1)
+    wall_s = time.perf_counter() - start
+    summary = _summary(cfg, job, history, wall_s, snapshot_s, fit)
+    run.write_summary(summary)
+    logger.info("done: %d steps in %.1f s; rule score %.3f -> %.3f", cfg.job.steps, wall_s,
+                summary["score_first"], summary["score_last"])
+    return summary
+
+
+def _summary(
+    cfg: NereusConfig, job: Job, history: list[dict[str, Any]], wall_s: float, snapshot_s: float, fit: dict[str, Any]
+) -> dict[str, Any]:
+    k = min(5, len(history))
+    mean = lambda key, part: sum(h[key] for h in part) / len(part)  # noqa: E731
+    tokens = sum(h["tokens"] for h in history)
+    return {
+        "status": "completed",
+        "steps": len(history),
+        "wall_s": wall_s,
+        "reward_first": mean("score", history[:k]),
+        "reward_last": mean("score", history[-k:]),
+        "score_first": mean("rule_score", history[:k]),
+        "score_last": mean("rule_score", history[-k:]),
+        "transitions": 0,
+        "transition_s_total": 0.0,
+        "final_plan_id": job.plan_id,
+        "tokens_per_s": tokens / sum(h["wall_s"] for h in history),
+        "overhead_frac": sum(h["overhead_s"] for h in history) / sum(h["wall_s"] for h in history),
+        "snapshot_s": snapshot_s,
+        "reward_fit": {"first_mse": fit["first_loss"], "last_mse": fit["last_loss"]},
+        "history": history,
+    }

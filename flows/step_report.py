@@ -1,0 +1,21 @@
+"""Rendering of one step's stage timings as a readable table (for the run logger and the terminal)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def step_table(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> str:
+    """A plain aligned table: one line per stage with its share of the step, then the totals."""
+    wall = stats["wall_s"]
+    lines = [f"{'model':<10} {'stage':<11} {'seconds':>8} {'share':>6} {'tokens':>7}"]
+    for r in rows:
+        share = r["duration_s"] / wall if wall else 0.0
+        lines.append(f"{r['model']:<10} {r['stage']:<11} {r['duration_s']:>8.3f} {share:>6.1%} {r['tokens']:>7}")
+    lines.append(
+        f"{'step':<10} {'wall':<11} {wall:>8.3f}   overhead {stats['overhead_s']:.3f} s "
+        f"({stats['overhead_s'] / wall:.1%}) | score {stats['score']:.3f} rule {stats['rule_score']:.3f} "
+        f"| kl {stats['kl']:.4f}"
+    )
+    return "\n".join(lines)

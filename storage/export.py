@@ -1,0 +1,34 @@
+"""Export a model of a run directory in Hugging Face format: config.json + model.safetensors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from nereus_core.config import parse_config
+from nereus_core.model.weights import hf_config
+from storage.run_dir import RunDir
+from storage.snapshot import read_full_state
+
+HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
+ARCHITECTURES = {"lm": "LlamaForCausalLM", "value": "LlamaForSequenceClassification"}
+
+
+def export_hf(run_dir: str | os.PathLike[str], *, model: str, step: int | None, out: str | os.PathLike[str]) -> Path:
+    """Write ``model`` at ``step`` (latest snapshot if None) to ``out``; returns ``out``."""
+    if model not in HEADS:
+        raise ValueError(f"model {model!r} is unknown; valid: {', '.join(HEADS)}")
+    run = RunDir(run_dir)
+    if not (run.root / "config.yaml").exists():
+        raise FileNotFoundError(f"{run.root} is not a run directory (no config.yaml)")
+    config = parse_config(run.read_config()).model.model_copy(update={"head": HEADS[model]})
+    state = read_full_state(run.root, model, step)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = hf_config(config)
+    hf.architectures = [ARCHITECTURES[config.head]]
+    hf.to_json_file(str(out / "config.json"))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    return out

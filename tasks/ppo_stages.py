@@ -1,0 +1,160 @@
+"""Prefect tasks of one PPO step: one per stage, each a thin call into nereus_core on the pool.
+
+Every stage task returns ``(result, seconds inside the task)`` so the flow can
+tell the time spent in stages from the orchestration around them. Rollout
+tensors are small (token ids and per-token floats) and stay in the driver; the
+models' weights never leave the devices except for weight sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.cache_policies import INPUTS, NO_CACHE
+from safetensors.torch import load_file, save_file
+
+from nereus_core import rollout as ro
+from nereus_core.config import ModelConfig, NereusConfig
+from nereus_core.engine.shard import OptimizerSettings
+from nereus_core.engine.train import score_mse_loss
+from nereus_core.layout import Layout
+from nereus_core.ppo import PPOSettings
+from nereus_core.task import make_prompts, rule_score, synthetic_responses
+from tasks import model_ops
+from tasks.device_pool import DevicePool
+
+Timed = tuple[Any, float]
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> Timed:
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def reward_fit_key(config: NereusConfig) -> str:
+    """What the fitted reward model depends on, hashed: model, task, fit settings, seed."""
+    parts = {
+        "model": config.model.model_dump(mode="json"),
+        "task": config.job.task_settings.model_dump(mode="json"),
+        "batch": config.job.batch_size,
+        "steps": config.ppo.reward_fit_steps,
+        "lr": config.ppo.reward_fit_lr,
+        "seed": config.job.seed,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@task(
+    cache_policy=INPUTS - "pool" - "layout",
+    persist_result=True,
+    result_serializer="json",
+    retries=1,
+)
+def fit_reward_model(
+    pool: DevicePool, layout: Layout, config: NereusConfig, key: str, cache_dir: str
+) -> dict[str, Any]:
+    """Fit the reward model (value head) to the task's rule score on synthetic responses; cached by key."""
+    value_config = config.model.model_copy(update={"head": "value"})
+    settings = OptimizerSettings(lr=config.ppo.reward_fit_lr)
+    job, task_settings = config.job, config.job.task_settings
+    gen = torch.Generator().manual_seed(job.seed + 17)
+    model_ops.load_model(pool, layout, name="reward/fit", config=value_config, optimizer=settings)
+    losses = []
+    try:
+        for step in range(config.ppo.reward_fit_steps):
+            prompts = make_prompts(task_settings, job.batch_size, job.seed + 1_000_003, step)
+            responses = synthetic_responses(prompts, job.response_len, gen, config.model.vocab_size)
+            batch = {"ids": torch.cat([prompts, responses], 1), "score": rule_score(prompts, responses)}
+            losses.append(model_ops.train(pool, layout, batch, name="reward/fit", loss_fn=score_mse_loss))
+        state = model_ops.full_state(pool, layout, name="reward/fit", config=value_config)
+    finally:
+        model_ops.unload_model(pool, layout, name="reward/fit")
+    path = Path(cache_dir) / f"reward-{key}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return {"path": str(path), "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+
+
+def load_reward_state(path: str) -> dict[str, torch.Tensor]:
+    return load_file(path)
+
+
+@task(cache_policy=NO_CACHE)
+def generate(
+    pool: DevicePool, layout: Layout, prompts: torch.Tensor, *, name: str, max_new_tokens: int, temperature: float, seed: int
+) -> Timed:
+    """actor/generate: sample responses with the KV cache."""
+    return _timed(
+        model_ops.sample,
+        pool,
+        layout,
+        prompts,
+        name=name,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+    )
+
+
+@task(cache_policy=NO_CACHE)
+def infer(pool: DevicePool, layout: Layout, ids: torch.Tensor, *, name: str) -> Timed:
+    """An infer stage: the head's per-token outputs (log-probs or values) on the rollout's sequences."""
+    return _timed(model_ops.forward, pool, layout, ids, name=name)
+
+
+@task(cache_policy=NO_CACHE)
+def score_rule(prompts: torch.Tensor, responses: torch.Tensor) -> Timed:
+    """The task's verifiable score (logged beside the reward model's)."""
+    return _timed(rule_score, prompts, responses)
+
+
+@task(cache_policy=NO_CACHE)
+def advantages(rollout: ro.Rollout, settings: PPOSettings) -> Timed:
+    """KL-shaped rewards, GAE and whitening (pure math in the driver)."""
+    return _timed(ro.compute_advantages, rollout, settings)
+
+
+def _train_epochs(
+    pool: DevicePool, layout: Layout, rollout: ro.Rollout, *, name: str, objective: Any, settings: PPOSettings, seed: int
+) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(settings.ppo_epochs):
+        for rows in ro.minibatch_rows(rollout.prompts.shape[0], settings.mini_batches, gen):
+            batch = rollout.train_batch(rows)
+            losses.append(model_ops.train(pool, layout, batch, name=name, loss_fn=objective))
+    return sum(losses) / len(losses)
+
+
+@task(cache_policy=NO_CACHE)
+def train(
+    pool: DevicePool, layout: Layout, rollout: ro.Rollout, *, name: str, critic: bool, settings: PPOSettings, seed: int
+) -> Timed:
+    """actor/train or critic/train: PPO epochs over shuffled mini-batches; returns the mean loss."""
+    objective = functools.partial(ro.critic_objective if critic else ro.actor_objective, settings=settings)
+    return _timed(
+        _train_epochs, pool, layout, rollout, name=name, objective=objective, settings=settings, seed=seed
+    )
+
+
+def _sync(
+    pool: DevicePool, src: Layout, dst: Layout, *, src_name: str, dst_name: str, config: ModelConfig
+) -> None:
+    state = model_ops.full_state(pool, src, name=src_name, config=config)
+    model_ops.push_weights(pool, dst, state, name=dst_name)
+
+
+@task(cache_policy=NO_CACHE)
+def sync_weights(
+    pool: DevicePool, src: Layout, dst: Layout, *, src_name: str, dst_name: str, config: ModelConfig
+) -> Timed:
+    """Copy trained weights into the inference layout (gathered in the driver: small models only)."""
+    return _timed(_sync, pool, src, dst, src_name=src_name, dst_name=dst_name, config=config)
