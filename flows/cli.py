@@ -166,6 +166,81 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the plan the controller picks for CONFIG, its predicted cost and the runners-up."""
+    from nereus_core.controller import ControllerState, Observation, decide
+    from nereus_core.cost_model import Workload
+    from nereus_core.hardware import get_profile
+    from nereus_core.plan import GlobalPlan
+
+    try:
+        cfg = load_config(args.config, sets=args.set)
+    except ConfigError as err:
+        return _fail(args.config, str(err))
+    profile = get_profile(args.profile)
+    obs = Observation(
+        step=0,
+        remaining_steps=cfg.job.steps,
+        devices=cfg.cluster.devices,
+        memory_per_device=int(cfg.cluster.memory_per_device),
+        workload=Workload.from_job(cfg.job),
+    )
+    fresh = ControllerState.initial(cfg.model, profile)
+    decision = decide(obs, fresh)
+    print(_plan_header(cfg, profile.name, obs, fresh.settings.headroom))
+    if decision.chosen is None:
+        print(f"no plan fits: {decision.reason}")
+    else:
+        print(_plan_table(decision.chosen))
+    initial = GlobalPlan.from_config(cfg)
+    if initial is not None and decision.chosen is not None and initial != decision.chosen.plan:
+        started = ControllerState.initial(cfg.model, profile, plan=initial, devices=obs.devices)
+        from_config = decide(obs, started)
+        current = from_config.current
+        where = f"step {current.step_s:.4g} s, {current.memory_peak / 2**30:.3f} GiB/slot" if current else ""
+        print(f"\nconfig plan {initial.plan_id} ({initial.placement}): {where}")
+        print(f"  a job started on it would {from_config.action}: {from_config.reason}")
+    if decision.alternatives:
+        print("\nrejected alternatives")
+        for alt in decision.alternatives:
+            gib = alt.memory_peak / 2**30
+            print(f"  {alt.plan_id}  step {alt.step_s:9.4g} s  {gib:7.2f} GiB/slot  {alt.reason}")
+            print(f"      {alt.description}")
+            print(f"      why: {alt.detail}")
+    return EXIT_OK if decision.chosen is not None else EXIT_FAILED
+
+
+def _plan_header(cfg: NereusConfig, profile: str, obs: Any, headroom: float) -> str:
+    gib = obs.memory_per_device / 2**30
+    w = obs.workload
+    return (
+        f"nereus plan: {cfg.name} on {obs.devices} slots x {gib:.2f} GiB ({profile} profile, "
+        f"{headroom:.0%} headroom)\nworkload: batch {w.batch}, prompt {w.prompt_len}, "
+        f"response mean {w.response_mean:g} (high {w.response_high})"
+    )
+
+
+def _plan_table(chosen: Any) -> str:
+    plan = chosen.plan
+    lines = [
+        f"\nchosen {plan.plan_id}  {plan.placement}  step {chosen.step_s:.4g} s "
+        f"(weight sync {chosen.sync_s:.3g} s)",
+        f"  {'model-stage':<16} {'tp':>3} {'pp':>3} {'dp':>4} {'mb':>4}  {'slots':<12} {'latency s':>10} "
+        f"{'GiB/slot':>9}",
+    ]
+    for stage, layout in plan.layouts.items():
+        est = chosen.stages[stage]
+        slots = f"{layout.devices[0]}..{layout.devices[-1]}"
+        lines.append(
+            f"  {stage:<16} {layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.micro_batches:>4}  "
+            f"{slots:<12} {est.seconds:>10.4g} {est.memory.total / 2**30:>9.3f}"
+        )
+    lines.append(
+        f"  busiest slot: {chosen.memory_peak / 2**30:.3f} GiB of {chosen.usable / 2**30:.2f} GiB usable"
+    )
+    return "\n".join(lines)
+
+
 def cmd_not_yet(args: argparse.Namespace) -> int:
     print(f"nereus: {args.command} is not available yet", file=sys.stderr)
     return EXIT_USAGE
@@ -194,8 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         cmd.set_defaults(handler=handler)
 
-    plan = sub.add_parser("plan", help="show the chosen plan and why (not available yet)")
+    plan = sub.add_parser("plan", help="show the plan the controller picks for CONFIG and why (no execution)")
     plan.add_argument("config", type=Path, metavar="CONFIG")
+    plan.add_argument("--profile", choices=("cpu", "h100"), default="cpu", help="hardware profile (default cpu)")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    plan.set_defaults(handler=cmd_plan)
     simulate = sub.add_parser("simulate", help="simulate the strategies on a trace (not available yet)")
     simulate.add_argument("config", type=Path, metavar="CONFIG")
     simulate.add_argument("--out", type=Path, metavar="DIR")
@@ -210,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, metavar="N")
     export.add_argument("--hf", required=True, type=Path, metavar="OUT")
     export.set_defaults(handler=cmd_export)
-    for cmd in (plan, simulate, resume):
+    for cmd in (simulate, resume):
         cmd.set_defaults(handler=cmd_not_yet)
     return parser
 

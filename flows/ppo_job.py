@@ -183,6 +183,8 @@ def run_step(job: Job, step: int) -> dict[str, Any]:
 
 
 def _snapshot_all(job: Job, step: int) -> float:
+    """Snapshot every model as ``step``: the state after ``step`` steps, i.e. the one that
+    generates (and scores) the rollout of step ``step``."""
     seconds = 0.0
     for model, stage in SNAPSHOT_SOURCES.items():
         _, s = snapshot_model(job.pool, str(job.run.root), model, step, job.plan[stage], job.config_of(stage), stage)
@@ -234,8 +236,8 @@ def ppo_job(config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/pp
             history.append(stats)
             every = cfg.job.snapshot_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.job.steps:
-                snapshot_s += _snapshot_all(job, step)
-        snapshot_s += _snapshot_all(job, cfg.job.steps - 1)
+                snapshot_s += _snapshot_all(job, step + 1)
+        snapshot_s += _snapshot_all(job, cfg.job.steps)
     wall_s = time.perf_counter() - start
     summary = _summary(cfg, job, history, wall_s, snapshot_s, fit)
     run.write_summary(summary)

@@ -266,9 +266,10 @@ class PPOSettings(BaseModel):
     actor_lr: float = Field(default=1e-3, gt=0, description="Actor AdamW learning rate.")
     critic_lr: float = Field(default=1e-3, gt=0, description="Critic AdamW learning rate.")
     reward_fit_steps: int = Field(
-        default=150, ge=0, description="Supervised steps fitting the reward model to the rule score."
+        default=300, ge=0, description="Supervised steps fitting the reward model to the rule score."
     )
-    reward_fit_lr: float = Field(default=3e-3, gt=0, description="Learning rate of the reward-model fit.")
+    reward_fit_lr: float = Field(default=1e-3, gt=0, description="Learning rate of the reward-model fit.")
+    reward_fit_batch: int = Field(default=64, ge=1, description="Sequences per reward-model fitting step.")
 
     @field_validator("advantage_estimator")
     @classmethod

@@ -44,7 +44,7 @@ def reward_fit_key(config: NereusConfig) -> str:
     parts = {
         "model": config.model.model_dump(mode="json"),
         "task": config.job.task_settings.model_dump(mode="json"),
-        "batch": config.job.batch_size,
+        "batch": config.ppo.reward_fit_batch,
         "steps": config.ppo.reward_fit_steps,
         "lr": config.ppo.reward_fit_lr,
         "seed": config.job.seed,
@@ -70,7 +70,7 @@ def fit_reward_model(
     losses = []
     try:
         for step in range(config.ppo.reward_fit_steps):
-            prompts = make_prompts(task_settings, job.batch_size, job.seed + 1_000_003, step)
+            prompts = make_prompts(task_settings, config.ppo.reward_fit_batch, job.seed + 1_000_003, step)
             responses = synthetic_responses(prompts, job.response_len, gen, config.model.vocab_size)
             batch = {"ids": torch.cat([prompts, responses], 1), "score": rule_score(prompts, responses)}
             losses.append(model_ops.train(pool, layout, batch, name="reward/fit", loss_fn=score_mse_loss))

@@ -274,7 +274,7 @@ def test_ppo_settings_defaults() -> None:
     )
     assert (s.use_kl_loss, s.kl_loss_coef, s.ppo_epochs, s.mini_batches) == (False, 0.0, 2, 2)
     assert (s.whiten_advantages, s.temperature, s.actor_lr, s.critic_lr) == (True, 1.0, 1e-3, 1e-3)
-    assert (s.reward_fit_steps, s.reward_fit_lr) == (150, 3e-3)
+    assert (s.reward_fit_steps, s.reward_fit_lr, s.reward_fit_batch) == (300, 1e-3, 64)
     assert ADVANTAGE_ESTIMATORS[s.advantage_estimator] is gae
     for name, field in PPOSettings.model_fields.items():
         assert field.description, f"{name} has no description"
