@@ -118,6 +118,9 @@ def default_out_dir(cfg: NereusConfig) -> Path:
 
 
 def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str) -> int:
+    # Prefect's embedded server gets 20 s to start by default; a busy 2-core machine can need more.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         cfg = load_config(args.config, sets=args.set, steps=args.steps)
     except ConfigError as err:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,9 @@ class Job:
             )
 
 
-def _record(job: Job, step: int, model: str, stage: str, start: float, seconds: float, tokens: int) -> None:
+def _record(
+    job: Job, step: int, model: str, stage: str, start: float, seconds: float, tokens: int, outer: float
+) -> None:
     job.rows.append(
         {
             "step": step,
@@ -122,6 +125,7 @@ def _record(job: Job, step: int, model: str, stage: str, start: float, seconds: 
             "start_s": start - job.t0,
             "duration_s": seconds,
             "tokens": tokens,
+            "task_overhead_s": outer - seconds,  # Prefect's share: the task call minus its body
         }
     )
 
@@ -129,7 +133,7 @@ def _record(job: Job, step: int, model: str, stage: str, start: float, seconds: 
 def _stage(job: Job, step: int, model: str, stage: str, tokens: int, task_fn: Any, *args: Any, **kw: Any) -> Any:
     start = time.perf_counter()
     out, inner = task_fn(*args, **kw)
-    _record(job, step, model, stage, start, inner, tokens)
+    _record(job, step, model, stage, start, inner, tokens, time.perf_counter() - start)
     return out
 
 
@@ -266,6 +270,7 @@ def _summary(
         "tokens_per_s": tokens / sum(h["wall_s"] for h in history),
         "overhead_frac": sum(h["overhead_s"] for h in history) / sum(h["wall_s"] for h in history),
         "snapshot_s": snapshot_s,
+        "task_overhead_median_s": statistics.median(r["task_overhead_s"] for r in job.rows),
         "reward_fit": {"first_mse": fit["first_loss"], "last_mse": fit["last_loss"]},
         "history": history,
     }

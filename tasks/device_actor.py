@@ -8,7 +8,9 @@ the rendezvous (ranks, master address and port) by ``tasks.device_pool``.
 
 Dask runs the methods of an actor in one dedicated thread on its worker, so the
 blocking torch.distributed calls made here never share a thread with another
-call on the same device.
+call on the same device. Failures come back to the driver as ``RankFailure``
+(type, message and the remote traceback as text); ``gather`` turns the failures
+of one call on several devices into one ``DeviceRunError``.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -40,7 +43,9 @@ class RankFailure(Exception):
     all), so the actor sends its type name, message and formatted traceback.
     """
 
-    def __init__(self, rank: int | None, worker: str, call: str, exc_type: str, message: str, tb: str) -> None:
+    def __init__(
+        self, rank: int | None, worker: str, call: str, exc_type: str, message: str, tb: str
+    ) -> None:
         super().__init__(f"{call} failed on rank {rank} ({worker}): {exc_type}: {message}")
         self.rank = rank
         self.worker = worker
@@ -54,6 +59,81 @@ class RankFailure(Exception):
             RankFailure,
             (self.rank, self.worker, self.call, self.exc_type, self.message, self.traceback_text),
         )
+
+
+class DevicePoolError(RuntimeError):
+    """The pool could not be formed or changed (scheduler unreachable, too few workers, timeouts)."""
+
+
+class DeviceRunError(DevicePoolError):
+    """A call failed on one or more devices; carries each rank's remote traceback."""
+
+    def __init__(self, call: str, failures: list[RankFailure]) -> None:
+        ranks = [f.rank for f in failures]
+        first = failures[0]
+        super().__init__(
+            f"{call} failed on rank(s) {ranks}: {first.exc_type}: {first.message}\n"
+            f"--- remote traceback (rank {first.rank}, {first.worker}) ---\n{first.traceback_text}"
+        )
+        self.call = call
+        self.failures = failures
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DeviceRunError, (self.call, self.failures))
+
+
+def issue(actor: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``method`` on an actor proxy without waiting; a failure to issue comes back from ``gather``."""
+    try:
+        return getattr(actor, method)(*args, **kwargs)
+    except Exception as exc:  # e.g. "Worker holding Actor was lost"
+        return _Failed(exc)
+
+
+def gather(
+    call: str,
+    calls: list[tuple[int, Any]],
+    workers: Sequence[str],
+    *,
+    timeout_s: float | None,
+    grace_s: float,
+) -> list[Any]:
+    """Await every issued ``(rank, future)``, then raise ``DeviceRunError`` if any failed.
+
+    Once one rank has failed, the others get at most ``grace_s`` more: a rank
+    blocked in a collective with the failed one would otherwise wait for the
+    whole collective timeout.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    results: list[Any] = []
+    failures: list[RankFailure] = []
+    for rank, future in calls:
+        if failures:
+            grace = time.monotonic() + grace_s
+            deadline = grace if deadline is None else min(deadline, grace)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            results.append(future.result(timeout=left))
+        except RankFailure as exc:
+            failures.append(exc)
+            results.append(None)
+        except Exception as exc:  # timeout, lost worker: no remote traceback to show
+            worker = workers[rank] if rank < len(workers) else "?"
+            failures.append(RankFailure(rank, worker, call, type(exc).__qualname__, str(exc), ""))
+            results.append(None)
+    if failures:
+        raise DeviceRunError(call, failures)
+    return results
+
+
+class _Failed:
+    """Stands in for the future of a call that could not be issued."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self.exc
 
 
 def _reported(method: Callable[P, R]) -> Callable[P, R]:
@@ -142,6 +222,7 @@ class DeviceActor:
             master_port=master_port,
             backend=backend,
             timeout_s=timeout_s,
+            local_rank=local_rank,
         )
         ctx.resident = resident
         self._ctx = ctx
@@ -183,5 +264,7 @@ class DeviceActor:
 
     def _context(self) -> DeviceContext:
         if self._ctx is None or not self._in_world:
-            raise RuntimeError(f"device actor on {self.worker} is not in a world; the pool must join it first")
+            raise RuntimeError(
+                f"device actor on {self.worker} is not in a world; the pool must join it first"
+            )
         return self._ctx

@@ -16,7 +16,9 @@ a fresh rendezvous); the layouts' groups die with it and callers rebuild them.
 
 from __future__ import annotations
 
+import gc
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -28,29 +30,13 @@ from distributed import Actor, Client, Future, LocalCluster
 from distributed.comm import get_address_host
 
 from nereus_core.layout import Layout
-from tasks.device_actor import DeviceActor, RankFailure
+from tasks.device_actor import DeviceActor, DevicePoolError, DeviceRunError, RankFailure, gather, issue
+
+__all__ = ["DevicePool", "DevicePoolError", "DeviceRunError", "RankFailure"]
 
 logger = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
-
-
-class DevicePoolError(RuntimeError):
-    """The pool could not be formed or changed (scheduler unreachable, too few workers, timeouts)."""
-
-
-class DeviceRunError(DevicePoolError):
-    """A call failed on one or more devices; carries each rank's remote traceback."""
-
-    def __init__(self, call: str, failures: list[RankFailure]) -> None:
-        ranks = [f.rank for f in failures]
-        first = failures[0]
-        super().__init__(
-            f"{call} failed on rank(s) {ranks}: {first.exc_type}: {first.message}\n"
-            f"--- remote traceback (rank {first.rank}, {first.worker}) ---\n{first.traceback_text}"
-        )
-        self.call = call
-        self.failures = failures
 
 
 class DevicePool:
@@ -89,6 +75,9 @@ class DevicePool:
         self._actors: dict[str, Any] = {}  # address -> Actor proxy
         self._futures: dict[str, Future] = {}  # address -> the actor's key (keeps it alive)
         self._built: list[str] = []
+        # Ranks an operation is using; see _hold. "*" marks a whole-pool operation.
+        self._busy: set[int | str] = set()
+        self._idle = threading.Condition()
         try:
             with self._timed("start"):
                 self._connect(devices)
@@ -118,7 +107,8 @@ class DevicePool:
 
     def info(self) -> list[dict[str, Any]]:
         """Each actor's ``info()``, in rank order."""
-        return self._gather("info", [self._call(r, "info") for r in range(self.size)], None)
+        with self._hold():
+            return self._gather("info", [self._call(r, "info") for r in range(self.size)], None)
 
     def build_groups(self, layout: Layout) -> None:
         """Create ``layout``'s process groups on every device (collective, issued concurrently)."""
@@ -127,7 +117,7 @@ class DevicePool:
             raise ValueError(f"layout {layout.key}: {error}")
         if layout.key in self._built:
             return
-        with self._timed(f"build_groups {layout.key}"):
+        with self._hold(), self._timed(f"build_groups {layout.key}"):
             calls = [self._call(r, "build_groups", layout) for r in range(self.size)]
             self._gather(f"build_groups({layout.key})", calls, self.collective_timeout_s)
         self._built.append(layout.key)
@@ -174,18 +164,19 @@ class DevicePool:
         bad = [r for r in ranks if not 0 <= r < self.size]
         if bad:
             raise ValueError(f"rank {bad[0]} is outside the pool; valid ranks are 0..{self.size - 1}")
-        calls = [
-            self._call(r, "run", fn, *(per_rank_args[i] if per_rank_args else ()), **common_kwargs)
-            for i, r in enumerate(ranks)
-        ]
-        return self._gather(f"run({getattr(fn, '__qualname__', fn)})", calls, None)
+        with self._hold(ranks):
+            calls = [
+                self._call(r, "run", fn, *(per_rank_args[i] if per_rank_args else ()), **common_kwargs)
+                for i, r in enumerate(ranks)
+            ]
+            return self._gather(f"run({getattr(fn, '__qualname__', fn)})", calls, None)
 
     def resize(self, devices: int) -> None:
         """Grow or shrink to ``devices`` and rebuild the world (same size: just rebuild it)."""
         if devices < 1:
             raise ValueError(f"devices={devices}; a pool needs at least 1 device")
         old = self.size
-        with self._timed(f"rebuild {old}->{devices}"):
+        with self._hold(), self._timed(f"rebuild {old}->{devices}"):
             self._prune_lost()
             self._leave_all()
             self._built.clear()
@@ -198,6 +189,10 @@ class DevicePool:
 
     def close(self) -> None:
         """Actors leave the world; the client closes; a cluster this pool started shuts down."""
+        with self._hold():
+            self._close()
+
+    def _close(self) -> None:
         if self._actors:
             try:
                 self._leave_all()
@@ -239,11 +234,14 @@ class DevicePool:
             self._client = Client(self._cluster, set_as_default=False)
             return
         try:
-            self._client = Client(self.scheduler_address, timeout=self.connect_timeout_s, set_as_default=False)
+            self._client = Client(
+                self.scheduler_address, timeout=self.connect_timeout_s, set_as_default=False
+            )
         except (OSError, TimeoutError) as exc:
             raise DevicePoolError(
                 f"cannot reach the Dask scheduler at {self.scheduler_address} within "
-                f"{self.connect_timeout_s:g}s ({type(exc).__name__}); check the address or start the scheduler"
+                f"{self.connect_timeout_s:g}s ({type(exc).__name__}); "
+                "check the address or start the scheduler"
             ) from None
 
     def _worker_names(self) -> dict[str, Any]:
@@ -297,6 +295,9 @@ class DevicePool:
             self._workers.remove(a)
             self._actors.pop(a, None)
             self._futures.pop(a, None)
+        # Actor proxies sit in reference cycles (their call closures); collect them so that
+        # their keys are released and the scheduler forgets the actors before retiring workers.
+        gc.collect()
         if self._cluster is None:
             return  # an external scheduler's workers are not ours to stop
         self._wait_until(lambda: not any(self._client_().has_what(workers=addresses).values()), 10.0)
@@ -304,7 +305,9 @@ class DevicePool:
         for a in addresses:
             self._cluster.worker_spec.pop(names.get(a), None)
         self._cluster.scale(len(self._cluster.worker_spec))
-        if not self._wait_until(lambda: not set(addresses) & set(self._worker_names()), self.worker_timeout_s):
+        if not self._wait_until(
+            lambda: not set(addresses) & set(self._worker_names()), self.worker_timeout_s
+        ):
             raise DevicePoolError(f"workers {addresses} did not shut down within {self.worker_timeout_s:g}s")
 
     def _prune_lost(self) -> None:
@@ -327,19 +330,9 @@ class DevicePool:
         host = get_address_host(self._workers[0])
         port = self._gather("free_port", [self._call(0, "free_port")], self.join_timeout_s)[0]
         local_ranks = _local_ranks(self._workers)
+        opts = {"timeout_s": self.collective_timeout_s, "torch_threads": self.torch_threads}
         calls = [
-            self._call(
-                r,
-                "join",
-                r,
-                n,
-                host,
-                port,
-                self.backend,
-                local_rank=local_ranks[r],
-                timeout_s=self.collective_timeout_s,
-                torch_threads=self.torch_threads,
-            )
+            self._call(r, "join", r, n, host, port, self.backend, local_rank=local_ranks[r], **opts)
             for r in range(n)
         ]
         self._gather("join", calls, self.join_timeout_s)
@@ -363,39 +356,10 @@ class DevicePool:
         return self._client
 
     def _call(self, rank: int, method: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
-        """Issue ``method`` on rank's actor without waiting; a failure to issue is kept for ``_gather``."""
-        try:
-            return rank, getattr(self._actors[self._workers[rank]], method)(*args, **kwargs)
-        except Exception as exc:  # e.g. "Worker holding Actor was lost"
-            return rank, _Failed(exc)
+        return rank, issue(self._actors[self._workers[rank]], method, *args, **kwargs)
 
     def _gather(self, call: str, calls: list[tuple[int, Any]], timeout_s: float | None) -> list[Any]:
-        """Await every issued call, then raise if any failed.
-
-        Once one rank has failed, the others get at most ``failure_grace_s`` more:
-        a rank blocked in a collective with the failed one would otherwise wait
-        for the whole collective timeout.
-        """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        results: list[Any] = []
-        failures: list[RankFailure] = []
-        for rank, future in calls:
-            if failures:
-                grace = time.monotonic() + self.failure_grace_s
-                deadline = grace if deadline is None else min(deadline, grace)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                results.append(future.result(timeout=left))
-            except RankFailure as exc:
-                failures.append(exc)
-                results.append(None)
-            except Exception as exc:  # timeout, lost worker: no remote traceback to show
-                worker = self._workers[rank] if rank < len(self._workers) else "?"
-                failures.append(RankFailure(rank, worker, call, type(exc).__qualname__, str(exc), ""))
-                results.append(None)
-        if failures:
-            raise DeviceRunError(call, failures)
-        return results
+        return gather(call, calls, self._workers, timeout_s=timeout_s, grace_s=self.failure_grace_s)
 
     def _wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -406,22 +370,36 @@ class DevicePool:
         return True
 
     @contextmanager
+    def _hold(self, ranks: Sequence[int] | None = None) -> Iterator[None]:
+        """Hold ``ranks`` (None: the whole pool) for one operation, waiting for operations using them.
+
+        Each actor runs its calls one at a time in arrival order, and calls issued
+        from different driver threads may arrive in different orders on different
+        actors; two collective operations sharing devices could then deadlock.
+        Operations on disjoint devices (disaggregated model-stages) still overlap.
+        """
+        want: set[int | str] = {"*"} if ranks is None else set(ranks)
+
+        def free() -> bool:
+            return not self._busy or ("*" not in want and "*" not in self._busy and not want & self._busy)
+
+        with self._idle:
+            self._idle.wait_for(free)
+            self._busy |= want
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._busy -= want
+                self._idle.notify_all()
+
+    @contextmanager
     def _timed(self, event: str) -> Iterator[None]:
         start = time.perf_counter()
         yield
         seconds = time.perf_counter() - start
         self.timings.append((event, seconds))
         logger.info("device pool: %s took %.3fs", event, seconds)
-
-
-class _Failed:
-    """Stands in for the future of a call that could not be issued."""
-
-    def __init__(self, exc: Exception) -> None:
-        self.exc = exc
-
-    def result(self, timeout: float | None = None) -> Any:
-        raise self.exc
 
 
 def _order_key(name: Any, address: str) -> tuple[int, int, str, str]:

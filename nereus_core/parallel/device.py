@@ -79,13 +79,15 @@ class DeviceContext:
         master_port: int,
         backend: str = "gloo",
         timeout_s: float = 300.0,
+        local_rank: int | None = None,
     ) -> DeviceContext:
-        """Join the world as ``rank``; every rank must call this with the same address."""
+        """Join the world as ``rank`` (``local_rank``: its index on its machine, default ``rank``);
+        every rank must call this with the same address."""
         # DeepSpeed reads these when it attaches to an existing world.
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
+            LOCAL_RANK=str(rank if local_rank is None else local_rank),
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
         )

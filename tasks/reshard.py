@@ -1,0 +1,147 @@
+"""Resharding a model-stage on the device pool: plan on the driver, move the state on the devices.
+
+    old layout ─┬─ live:    every device of either layout runs engine.reshard.live_reshard
+                │           (P2P slices between actors) ──────────────────────────────┐
+                └─ durable: old devices write their pieces (ArrowStateStore),         │
+                            the driver commits the snapshot, every device runs        ├─> new layout
+                            engine.reshard.durable_read (new devices read their boxes)┘
+
+Boundary: the driver side. It builds the new layout's groups, plans with
+``nereus_core.emu.plan_reshard``, runs the device functions and adds up their figures; the
+moving itself is ``nereus_core.engine.reshard``'s. ``ArrowStateStore`` is the ``StateStore``
+the durable path writes through: the Arrow snapshot store of storage/, under ``run_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from nereus_core.config import ModelConfig
+from nereus_core.emu import Box, ShardMap, SliceSpec, plan_reshard, shard_map
+from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S
+from nereus_core.engine.reshard import ReshardJob, durable_read, durable_write, live_reshard, write_assignment
+from nereus_core.engine.shard import OptimizerSettings
+from nereus_core.engine.state import assemble_state, collect_pieces
+from nereus_core.layout import Layout
+from storage import FileEntry, commit_snapshot, find_snapshot, read_slices, write_shard_file
+from tasks.device_pool import DevicePool
+
+Path = Literal["live", "durable"]
+PATHS: tuple[str, ...] = ("live", "durable")
+
+
+@dataclass(frozen=True)
+class ArrowStateStore:
+    """The durable path's store: snapshot ``state/<model>/step=<step>`` of ``run_dir`` (storage/FORMAT.md)."""
+
+    run_dir: str
+    model: str
+    step: int
+
+    def write_pieces(self, device: int, pieces: Sequence[tuple[str, torch.Tensor, SliceSpec]]) -> FileEntry:
+        return write_shard_file(self.run_dir, self.model, self.step, device, list(pieces))
+
+    def read_pieces(self, wanted: Sequence[tuple[str, Box]]) -> list[torch.Tensor]:
+        return read_slices(find_snapshot(self.run_dir, self.model, self.step), list(wanted))
+
+
+def _maps(config: ModelConfig, old: Layout, new: Layout, *, train: bool) -> tuple[ShardMap, ShardMap]:
+    return shard_map(config, old, train=train), shard_map(config, new, train=train)
+
+
+def reshard(
+    pool: DevicePool,
+    name: str,
+    config: ModelConfig,
+    old_layout: Layout,
+    new_layout: Layout,
+    *,
+    path: Path = "live",
+    optimizer: OptimizerSettings | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    store_model: str | None = None,
+    step: int = 0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Move model-stage ``name`` (resident on ``old_layout``) to ``new_layout``, state and all.
+
+    ``optimizer`` (the stage's AdamW settings) marks a train stage: its moments and step count
+    move too and a new DeepSpeed engine is built on the new layout. The durable path writes
+    the snapshot ``state/<store_model>/step=<step>`` under ``run_dir`` (``store_model``
+    defaults to ``name`` with ``/`` as ``-``). Every exchange waits at most ``timeout_s``; a
+    failure raises ``DeviceRunError`` and leaves the world to be rebuilt (``pool.resize``).
+    Returns ``seconds``, ``bytes_moved`` and ``bytes_local`` (the plan's), and per-path figures.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path={path!r}; choose one of {PATHS}")
+    if path == "durable" and run_dir is None:
+        raise ValueError("the durable path needs run_dir: the snapshot is written under it")
+    start = time.perf_counter()
+    old_map, new_map = _maps(config, old_layout, new_layout, train=optimizer is not None)
+    plan = plan_reshard(old_map, new_map)
+    job = ReshardJob(name, config, old_map, new_map, optimizer, timeout_s)
+    pool.build_groups(new_layout)
+    stats: dict[str, Any] = {"path": path, "bytes_moved": plan.bytes_moved, "bytes_local": plan.bytes_local}
+    if path == "live":
+        stats.update(_live(pool, job, plan))
+    else:
+        model = store_model if store_model is not None else name.replace("/", "-")
+        stats.update(_durable(pool, job, ArrowStateStore(os.fspath(run_dir), model, step)))  # type: ignore[arg-type]
+    stats["seconds"] = time.perf_counter() - start
+    return stats
+
+
+def _devices(job: ReshardJob) -> list[int]:
+    return sorted(set(job.old_map.layout.devices) | set(job.new_map.layout.devices))
+
+
+def _live(pool: DevicePool, job: ReshardJob, plan: Any) -> dict[str, Any]:
+    figures = pool.run_on(_devices(job), live_reshard, job=job, plan=plan)
+    return {
+        "bytes_sent": sum(f["sent"] for f in figures),
+        "messages": sum(f["messages"] for f in figures),
+        "exchange_s": max(f["exchange_s"] for f in figures),
+        "prepare_s": max(f["prepare_s"] for f in figures),
+        "install_s": max(f["install_s"] for f in figures),
+    }
+
+
+def _durable(pool: DevicePool, job: ReshardJob, store: ArrowStateStore) -> dict[str, Any]:
+    old = job.old_map.layout
+    assignment = write_assignment(job.old_map)
+    t0 = time.perf_counter()
+    files = pool.run(old, durable_write, [(assignment[d],) for d in old.devices], job=job, store=store)
+    meta = {"model_stage": job.name, "reshard_to": job.new_map.layout.key}
+    commit_snapshot(store.run_dir, store.model, store.step, files, layout=old, meta=meta)
+    t1 = time.perf_counter()
+    figures = pool.run_on(_devices(job), durable_read, job=job, store=store)
+    return {
+        "bytes_written": sum(f.size for f in files),
+        "bytes_read": sum(f["read"] for f in figures),
+        "write_s": t1 - t0,
+        "read_s": max(f["read_s"] for f in figures),
+        "install_s": max(f["install_s"] for f in figures),
+    }
+
+
+def gather_state(
+    pool: DevicePool,
+    layout: Layout,
+    *,
+    name: str,
+    config: ModelConfig,
+    train: bool,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, torch.Tensor]:
+    """The full state of ``name`` on the driver: parameters, and for train stages every moment
+    (from every device's canonical ZeRO-1 share) and the step count; replicas must agree bitwise."""
+    smap = shard_map(config, layout, train=train)
+    results = pool.run(layout, collect_pieces, name=name, smap=smap, timeout_s=timeout_s)
+    pieces = [(d, n, box, t) for d, got in zip(layout.devices, results, strict=True) for n, box, t in got]
+    return assemble_state(smap, pieces)
