@@ -61,7 +61,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
-    ids = torch.randint(0, CONFIG.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, CONFIG.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
+    )
     rows = []
     with DevicePool(args.devices) as pool:
         world_s = dict(pool.timings)[f"world {args.devices}"]
@@ -84,7 +86,10 @@ def main() -> None:
         "cpu_cores": os.cpu_count(),
         "devices": args.devices,
         "world_formation_s": world_s,
-        "rebuild_world_s": {f"{args.devices}->2": rebuild["2"], f"2->{args.devices}": rebuild[str(args.devices)]},
+        "rebuild_world_s": {
+            f"{args.devices}->2": rebuild["2"],
+            f"2->{args.devices}": rebuild[str(args.devices)],
+        },
         "layouts": rows,
         "physical_limit": f"{os.cpu_count()} cores shared by {args.devices} device processes",
     }

@@ -258,10 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the PPO job of CONFIG")
-    check = sub.add_parser("selfcheck", help="check every layout of CONFIG against the single-device reference")
+    check = sub.add_parser(
+        "selfcheck", help="check every layout of CONFIG against the single-device reference"
+    )
     for cmd, handler in ((run, cmd_run), (check, cmd_selfcheck)):
-        cmd.add_argument("config", type=Path, metavar="CONFIG", help="YAML config, e.g. examples/tiny_ppo.yaml")
-        cmd.add_argument("--out", type=Path, metavar="DIR", help="run directory (default runs/NAME-TIMESTAMP)")
+        cmd.add_argument(
+            "config", type=Path, metavar="CONFIG", help="YAML config, e.g. examples/tiny_ppo.yaml"
+        )
+        cmd.add_argument(
+            "--out", type=Path, metavar="DIR", help="run directory (default runs/NAME-TIMESTAMP)"
+        )
         cmd.add_argument("--steps", type=int, metavar="N", help="steps to run (sets job.steps)")
         cmd.add_argument(
             "--set",
@@ -274,8 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="show the plan the controller picks for CONFIG and why (no execution)")
     plan.add_argument("config", type=Path, metavar="CONFIG")
-    plan.add_argument("--profile", choices=("cpu", "h100"), default="cpu", help="hardware profile (default cpu)")
-    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    plan.add_argument(
+        "--profile", choices=("cpu", "h100"), default="cpu", help="hardware profile (default cpu)"
+    )
+    plan.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
     plan.set_defaults(handler=cmd_plan)
     simulate = sub.add_parser("simulate", help="simulate the strategies on a trace (not available yet)")
     simulate.add_argument("config", type=Path, metavar="CONFIG")

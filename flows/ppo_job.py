@@ -1,14 +1,14 @@
 """The PPO job flow: what `nereus run` does.
 
-    config --> DevicePool (one torch.distributed world over Dask workers)
-           --> fit_reward_model (cached task)  --> load the four models on their layouts
-           --> per step, as tasks (no subflow per step: a subflow costs ~1.3 s here):
-                 prompts -> actor/generate -> rule score, reward/infer, reference/infer,
-                 actor log-probs, critic/infer -> advantages -> actor/train, critic/train
-                 -> weight sync into the inference layouts
-           --> per step: metrics/steps.parquet, rollouts/step=N.parquet, a timing table
-               (run logger and Prefect artifact); snapshots every K steps and at the end
-           --> summary.json
+config --> DevicePool (one torch.distributed world over Dask workers)
+       --> fit_reward_model (cached task)  --> load the four models on their layouts
+       --> per step, as tasks (no subflow per step: a subflow costs ~1.3 s here):
+             prompts -> actor/generate -> rule score, reward/infer, reference/infer,
+             actor log-probs, critic/infer -> advantages -> actor/train, critic/train
+             -> weight sync into the inference layouts
+       --> per step: metrics/steps.parquet, rollouts/step=N.parquet, a timing table
+           (run logger and Prefect artifact); snapshots every K steps and at the end
+       --> summary.json
 """
 
 from __future__ import annotations
@@ -109,7 +109,12 @@ class Job:
             # The reward model is fitted; the critic starts from it (as OpenRLHF does).
             full = reward_state if model in ("reward", "critic") else None
             model_ops.load_model(
-                self.pool, layout, name=stage, config=self.config_of(stage), optimizer=optimizer, full_state=full
+                self.pool,
+                layout,
+                name=stage,
+                config=self.config_of(stage),
+                optimizer=optimizer,
+                full_state=full,
             )
 
 
@@ -130,7 +135,9 @@ def _record(
     )
 
 
-def _stage(job: Job, step: int, model: str, stage: str, tokens: int, task_fn: Any, *args: Any, **kw: Any) -> Any:
+def _stage(
+    job: Job, step: int, model: str, stage: str, tokens: int, task_fn: Any, *args: Any, **kw: Any
+) -> Any:
     start = time.perf_counter()
     out, inner = task_fn(*args, **kw)
     _record(job, step, model, stage, start, inner, tokens, time.perf_counter() - start)
@@ -144,35 +151,93 @@ def run_step(job: Job, step: int) -> dict[str, Any]:
     prompts = make_prompts(cfg.job.task_settings, b, cfg.job.seed, step)
     gen = dict(max_new_tokens=t_len, temperature=cfg.ppo.temperature, seed=cfg.job.seed * 7919 + step)
     responses = _stage(
-        job, step, "actor", "generate", b * t_len, st.generate, pool, plan["actor/generate"], prompts,
-        name="actor/generate", **gen,
+        job,
+        step,
+        "actor",
+        "generate",
+        b * t_len,
+        st.generate,
+        pool,
+        plan["actor/generate"],
+        prompts,
+        name="actor/generate",
+        **gen,
     )
     r = ro.Rollout(prompts=prompts, responses=responses, mask=torch.ones(b, t_len))
     ids, n_tok = r.ids, b * (p_len + t_len)
     r.rule_score = _stage(job, step, "task", "rule_score", b, st.score_rule, prompts, responses)
-    values = _stage(job, step, "reward", "infer", n_tok, st.infer, pool, plan["reward/infer"], ids, name="reward/infer")
+    values = _stage(
+        job, step, "reward", "infer", n_tok, st.infer, pool, plan["reward/infer"], ids, name="reward/infer"
+    )
     r.score = ro.final_score(values)
-    ref = _stage(job, step, "reference", "infer", n_tok, st.infer, pool, plan["reference/infer"], ids, name="reference/infer")
+    ref = _stage(
+        job,
+        step,
+        "reference",
+        "infer",
+        n_tok,
+        st.infer,
+        pool,
+        plan["reference/infer"],
+        ids,
+        name="reference/infer",
+    )
     r.ref_logp = ro.response_logp(ref, t_len)
-    old = _stage(job, step, "actor", "infer", n_tok, st.infer, pool, plan["actor/train"], ids, name="actor/train")
+    old = _stage(
+        job, step, "actor", "infer", n_tok, st.infer, pool, plan["actor/train"], ids, name="actor/train"
+    )
     r.old_logp = ro.response_logp(old, t_len)
-    crit = _stage(job, step, "critic", "infer", n_tok, st.infer, pool, plan["critic/infer"], ids, name="critic/infer")
+    crit = _stage(
+        job, step, "critic", "infer", n_tok, st.infer, pool, plan["critic/infer"], ids, name="critic/infer"
+    )
     r.values = ro.response_values(crit, t_len)
     _stage(job, step, "ppo", "advantages", b * t_len, st.advantages, r, cfg.ppo)
     train_tokens = n_tok * cfg.ppo.ppo_epochs
     actor_loss = _stage(
-        job, step, "actor", "train", train_tokens, st.train, pool, plan["actor/train"], r,
-        name="actor/train", critic=False, settings=cfg.ppo, seed=cfg.job.seed + step,
+        job,
+        step,
+        "actor",
+        "train",
+        train_tokens,
+        st.train,
+        pool,
+        plan["actor/train"],
+        r,
+        name="actor/train",
+        critic=False,
+        settings=cfg.ppo,
+        seed=cfg.job.seed + step,
     )
     critic_loss = _stage(
-        job, step, "critic", "train", train_tokens, st.train, pool, plan["critic/train"], r,
-        name="critic/train", critic=True, settings=cfg.ppo, seed=cfg.job.seed + step,
+        job,
+        step,
+        "critic",
+        "train",
+        train_tokens,
+        st.train,
+        pool,
+        plan["critic/train"],
+        r,
+        name="critic/train",
+        critic=True,
+        settings=cfg.ppo,
+        seed=cfg.job.seed + step,
     )
     for inference, source in SYNCED:
         if inference not in job.aliased:
             _stage(
-                job, step, MODEL_STAGES[source][0], "sync", 0, st.sync_weights, pool, plan[source], plan[inference],
-                src_name=source, dst_name=inference, config=job.config_of(source),
+                job,
+                step,
+                MODEL_STAGES[source][0],
+                "sync",
+                0,
+                st.sync_weights,
+                pool,
+                plan[source],
+                plan[inference],
+                src_name=source,
+                dst_name=inference,
+                config=job.config_of(source),
             )
     job.run.write_rollout(step, r.columns())
     return {
@@ -191,7 +256,9 @@ def _snapshot_all(job: Job, step: int) -> float:
     generates (and scores) the rollout of step ``step``."""
     seconds = 0.0
     for model, stage in SNAPSHOT_SOURCES.items():
-        _, s = snapshot_model(job.pool, str(job.run.root), model, step, job.plan[stage], job.config_of(stage), stage)
+        _, s = snapshot_model(
+            job.pool, str(job.run.root), model, step, job.plan[stage], job.config_of(stage), stage
+        )
         seconds += s
     return seconds
 
@@ -222,7 +289,9 @@ def ppo_job(config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/pp
     cache_dir = os.environ.get("NEREUS_CACHE_DIR", str(Path.home() / ".cache" / "nereus"))
     start = time.perf_counter()
     history: list[dict[str, Any]] = []
-    with DevicePool(cfg.cluster.devices, scheduler_address=cfg.cluster.scheduler_address, backend=cfg.cluster.backend) as pool:
+    with DevicePool(
+        cfg.cluster.devices, scheduler_address=cfg.cluster.scheduler_address, backend=cfg.cluster.backend
+    ) as pool:
         job = Job(pool, cfg, run)
         run.write_plan(job.plan_id, {k: v.model_dump(mode="json") for k, v in job.plan.items()})
         fit = st.fit_reward_model(pool, job.plan["reward/infer"], cfg, st.reward_fit_key(cfg), cache_dir)
@@ -245,13 +314,23 @@ def ppo_job(config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/pp
     wall_s = time.perf_counter() - start
     summary = _summary(cfg, job, history, wall_s, snapshot_s, fit)
     run.write_summary(summary)
-    logger.info("done: %d steps in %.1f s; rule score %.3f -> %.3f", cfg.job.steps, wall_s,
-                summary["score_first"], summary["score_last"])
+    logger.info(
+        "done: %d steps in %.1f s; rule score %.3f -> %.3f",
+        cfg.job.steps,
+        wall_s,
+        summary["score_first"],
+        summary["score_last"],
+    )
     return summary
 
 
 def _summary(
-    cfg: NereusConfig, job: Job, history: list[dict[str, Any]], wall_s: float, snapshot_s: float, fit: dict[str, Any]
+    cfg: NereusConfig,
+    job: Job,
+    history: list[dict[str, Any]],
+    wall_s: float,
+    snapshot_s: float,
+    fit: dict[str, Any],
 ) -> dict[str, Any]:
     k = min(5, len(history))
     mean = lambda key, part: sum(h[key] for h in part) / len(part)  # noqa: E731

@@ -9,9 +9,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir  # noqa: E402
+from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 
 
 def _scores(run: RunDir, out: Path) -> Path:

@@ -1,10 +1,10 @@
 """The runtime self-check flow: what `nereus run` does until the PPO job exists.
 
-    config --> DevicePool (Dask LocalCluster or an existing scheduler; one torch.distributed world)
-           --> check_model_stage task, once per model-stage of config.plan
-                 (build groups, load seeded weights, forward / generate / train step,
-                  compare with the single-device reference)
-           --> one table: run logger, terminal, Prefect artifact; summary.json in the run dir
+config --> DevicePool (Dask LocalCluster or an existing scheduler; one torch.distributed world)
+       --> check_model_stage task, once per model-stage of config.plan
+             (build groups, load seeded weights, forward / generate / train step,
+              compare with the single-device reference)
+       --> one table: run logger, terminal, Prefect artifact; summary.json in the run dir
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def _render(rows: list[dict[str, Any]]) -> Table:
 
 
 @flow(name="nereus-selfcheck", log_prints=False)
-def selfcheck_flow(config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/selfcheck") -> dict[str, Any]:
+def selfcheck_flow(
+    config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/selfcheck"
+) -> dict[str, Any]:
     """Check every model-stage layout of ``config`` on the device pool against the reference."""
     cfg = _resolve(config)
     logger = get_run_logger()
@@ -65,7 +67,11 @@ def selfcheck_flow(config: NereusConfig | dict[str, Any] | str, out_dir: str = "
     ) as pool:
         world_s = dict(pool.timings).get(f"world {cfg.cluster.devices}", float("nan"))
         logger.info("device pool of %d slots up; world formed in %.2f s", pool.size, world_s)
-        rows = [check_model_stage(pool, stage, cfg.plan[stage], cfg) for stage in MODEL_STAGES if stage in cfg.plan]
+        rows = [
+            check_model_stage(pool, stage, cfg.plan[stage], cfg)
+            for stage in MODEL_STAGES
+            if stage in cfg.plan
+        ]
     wall_s = time.perf_counter() - start
     Console(width=130).print(_render(rows))
     create_table_artifact(

@@ -77,7 +77,9 @@ def compute_advantages(rollout: Rollout, settings: ppo.PPOSettings) -> None:
         rollout.score, rollout.old_logp, rollout.ref_logp, rollout.mask, settings.kl_coef, settings.kl_kind
     )
     estimator = ppo.ADVANTAGE_ESTIMATORS[settings.advantage_estimator]
-    advantages, returns = estimator(rollout.rewards, rollout.values, rollout.mask, settings.gamma, settings.lam)
+    advantages, returns = estimator(
+        rollout.rewards, rollout.values, rollout.mask, settings.gamma, settings.lam
+    )
     if settings.whiten_advantages:
         advantages = ppo.masked_whiten(advantages, rollout.mask)
     rollout.advantages, rollout.returns = advantages, returns
@@ -93,7 +95,9 @@ def actor_objective(
         logp, batch["old_logp"], batch["advantages"], mask, settings.clip_ratio
     )
     if settings.use_kl_loss:
-        loss = loss + settings.kl_loss_coef * ppo.kl_loss(logp, batch["ref_logp"], mask, settings.kl_loss_kind)
+        loss = loss + settings.kl_loss_coef * ppo.kl_loss(
+            logp, batch["ref_logp"], mask, settings.kl_loss_kind
+        )
     return loss
 
 

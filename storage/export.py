@@ -16,7 +16,9 @@ HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
 ARCHITECTURES = {"lm": "LlamaForCausalLM", "value": "LlamaForSequenceClassification"}
 
 
-def export_hf(run_dir: str | os.PathLike[str], *, model: str, step: int | None, out: str | os.PathLike[str]) -> Path:
+def export_hf(
+    run_dir: str | os.PathLike[str], *, model: str, step: int | None, out: str | os.PathLike[str]
+) -> Path:
     """Write ``model`` at ``step`` (latest snapshot if None) to ``out``; returns ``out``."""
     if model not in HEADS:
         raise ValueError(f"model {model!r} is unknown; valid: {', '.join(HEADS)}")

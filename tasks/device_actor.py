@@ -20,6 +20,7 @@ import os
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -208,6 +209,8 @@ class DeviceActor:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
         resident = self._ctx.resident if self._ctx is not None else {}
+        # DeepSpeed calls torch.distributed's deprecated names on every step; the warnings drown the logs.
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         if self._in_world:
             self.leave()
         if backend == "nccl":

@@ -110,10 +110,16 @@ def train(
     return sum(losses) / len(losses)
 
 
-def full_state(pool: DevicePool, layout: Layout, *, name: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+def full_state(
+    pool: DevicePool, layout: Layout, *, name: str, config: ModelConfig
+) -> dict[str, torch.Tensor]:
     """Full HF-named parameters of ``name``, assembled from replica 0."""
     replica0 = Layout(
-        tp=layout.tp, pp=layout.pp, dp=1, devices=layout.replica_groups()[0], micro_batches=layout.micro_batches
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=1,
+        devices=layout.replica_groups()[0],
+        micro_batches=layout.micro_batches,
     )
     shards = pool.run_on(replica0.devices, shard_state, name=name)
     return dispatch.assemble_full_state(replica0, config, shards)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from prefect import task
-from prefect.cache_policies import INPUTS, NO_CACHE
+from prefect.cache_policies import NO_CACHE
 from safetensors.torch import load_file, save_file
 
 from nereus_core import rollout as ro
@@ -52,8 +52,12 @@ def reward_fit_key(config: NereusConfig) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _fit_cache_key(_: Any, parameters: dict[str, Any]) -> str:
+    return f"nereus-reward-fit-{parameters['key']}"
+
+
 @task(
-    cache_policy=INPUTS - "pool" - "layout",
+    cache_key_fn=_fit_cache_key,
     persist_result=True,
     result_serializer="json",
     retries=1,
@@ -80,7 +84,11 @@ def fit_reward_model(
     path = Path(cache_dir) / f"reward-{key}.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-    return {"path": str(path), "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+    return {
+        "path": str(path),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+    }
 
 
 def load_reward_state(path: str) -> dict[str, torch.Tensor]:
@@ -89,7 +97,14 @@ def load_reward_state(path: str) -> dict[str, torch.Tensor]:
 
 @task(cache_policy=NO_CACHE)
 def generate(
-    pool: DevicePool, layout: Layout, prompts: torch.Tensor, *, name: str, max_new_tokens: int, temperature: float, seed: int
+    pool: DevicePool,
+    layout: Layout,
+    prompts: torch.Tensor,
+    *,
+    name: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
 ) -> Timed:
     """actor/generate: sample responses with the KV cache."""
     return _timed(
@@ -123,7 +138,14 @@ def advantages(rollout: ro.Rollout, settings: PPOSettings) -> Timed:
 
 
 def _train_epochs(
-    pool: DevicePool, layout: Layout, rollout: ro.Rollout, *, name: str, objective: Any, settings: PPOSettings, seed: int
+    pool: DevicePool,
+    layout: Layout,
+    rollout: ro.Rollout,
+    *,
+    name: str,
+    objective: Any,
+    settings: PPOSettings,
+    seed: int,
 ) -> float:
     gen = torch.Generator().manual_seed(seed)
     losses = []
@@ -136,7 +158,14 @@ def _train_epochs(
 
 @task(cache_policy=NO_CACHE)
 def train(
-    pool: DevicePool, layout: Layout, rollout: ro.Rollout, *, name: str, critic: bool, settings: PPOSettings, seed: int
+    pool: DevicePool,
+    layout: Layout,
+    rollout: ro.Rollout,
+    *,
+    name: str,
+    critic: bool,
+    settings: PPOSettings,
+    seed: int,
 ) -> Timed:
     """actor/train or critic/train: PPO epochs over shuffled mini-batches; returns the mean loss."""
     objective = functools.partial(ro.critic_objective if critic else ro.actor_objective, settings=settings)

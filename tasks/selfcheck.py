@@ -38,7 +38,9 @@ def check_model_stage(
     """Load ``stage`` on ``layout``, time it and compare its outputs with the reference."""
     job, model = config.job, config.model
     gen = torch.Generator().manual_seed(job.seed)
-    ids = torch.randint(0, model.vocab_size, (job.batch_size, job.prompt_len + job.response_len), generator=gen)
+    ids = torch.randint(
+        0, model.vocab_size, (job.batch_size, job.prompt_len + job.response_len), generator=gen
+    )
     reference = reference_model(model)
     train = stage.endswith("/train")
     optimizer = OptimizerSettings(lr=job.lr, weight_decay=job.weight_decay) if train else None
@@ -59,14 +61,22 @@ def check_model_stage(
             expected = reference_greedy(reference, prompts, job.response_len)
             row["max_abs_diff"] = float((tokens != expected).sum())  # tokens that differ
         else:
-            row["forward_s"], logp = _median_time(lambda: model_ops.forward(pool, layout, ids, name=stage), repeats)
+            row["forward_s"], logp = _median_time(
+                lambda: model_ops.forward(pool, layout, ids, name=stage), repeats
+            )
             row["max_abs_diff"] = float((logp - reference_logprobs(reference, ids)).abs().max())
         if train:
-            row["train_s"], _ = _median_time(lambda: model_ops.train(pool, layout, {"ids": ids}, name=stage), repeats)
+            row["train_s"], _ = _median_time(
+                lambda: model_ops.train(pool, layout, {"ids": ids}, name=stage), repeats
+            )
     finally:
         model_ops.unload_model(pool, layout, name=stage)
     row["ok"] = row["max_abs_diff"] <= TOLERANCE
     get_run_logger().info(
-        "%s on %s: max diff %.2e (%s)", stage, layout.key, row["max_abs_diff"], "ok" if row["ok"] else "MISMATCH"
+        "%s on %s: max diff %.2e (%s)",
+        stage,
+        layout.key,
+        row["max_abs_diff"],
+        "ok" if row["ok"] else "MISMATCH",
     )
     return row

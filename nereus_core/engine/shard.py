@@ -57,13 +57,8 @@ class ModelShard:
         return self.stage.local_state()
 
 
-def build_stage(
-    config: ModelConfig,
-    groups: RankGroups,
-    device: torch.device,
-    full_state: dict[str, torch.Tensor] | None = None,
-) -> LlamaStage:
-    """This rank's pipeline stage, from ``full_state`` or seeded weights (every rank derives the same)."""
+def new_stage(config: ModelConfig, groups: RankGroups, device: torch.device) -> LlamaStage:
+    """This rank's pipeline stage with placeholder weights, for the caller to fill (e.g. a reshard)."""
     layout, coord = groups.layout, groups.coord
     stage = LlamaStage(
         config,
@@ -74,8 +69,19 @@ def build_stage(
         tp_size=layout.tp,
         tp_group=groups.tp_group if layout.tp_enabled else None,
     )
-    stage.load_full_state(init_full_state(config) if full_state is None else full_state)
     return stage.to(device)
+
+
+def build_stage(
+    config: ModelConfig,
+    groups: RankGroups,
+    device: torch.device,
+    full_state: dict[str, torch.Tensor] | None = None,
+) -> LlamaStage:
+    """This rank's pipeline stage, from ``full_state`` or seeded weights (every rank derives the same)."""
+    stage = new_stage(config, groups, device)
+    stage.load_full_state(init_full_state(config) if full_state is None else full_state)
+    return stage
 
 
 def load_shard(

@@ -56,7 +56,14 @@ def monkeypatch_module():
 def test_run_directory_has_every_documented_file(run_dir):
     summary = RunDir(run_dir).read_summary()
     assert summary["status"] == "completed" and summary["steps"] == 2
-    for key in ("wall_s", "reward_first", "reward_last", "transitions", "transition_s_total", "final_plan_id"):
+    for key in (
+        "wall_s",
+        "reward_first",
+        "reward_last",
+        "transitions",
+        "transition_s_total",
+        "final_plan_id",
+    ):
         assert key in summary
     assert (run_dir / "config.yaml").exists()
     assert (run_dir / "plans" / f"{summary['final_plan_id']}.json").exists()

@@ -24,9 +24,7 @@ CONFIG = ModelConfig(
     num_key_value_heads=4,
     seed=7,
 )
-FORWARD_LAYOUTS = [
-    (tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2) for dp in (1, 2) if tp * pp * dp <= 4
-]
+FORWARD_LAYOUTS = [(tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2) for dp in (1, 2) if tp * pp * dp <= 4]
 TRAIN_LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1)]
 # AdamW's step g/(sqrt(v)+eps) turns rounding in near-zero gradients into lr*|dg|/eps; with
 # eps=1e-8 that amplifies summation-order noise a million-fold. eps=1e-6 keeps the

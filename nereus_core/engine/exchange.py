@@ -1,0 +1,148 @@
+"""Batched point-to-point exchange of tensor segments between device actors, with bounded waits.
+
+Both ends of a pair list the segments they exchange in the same agreed order (each side
+derives it from the same plan), so only payload bytes travel: no shapes, no headers. The
+segments of one direction of a pair become few messages: runs of small segments are packed
+into one contiguous buffer, a large segment travels alone and, when its view is contiguous,
+straight from the source tensor into the destination tensor (no staging copy). Message
+boundaries depend only on segment sizes and dtypes, which both ends know, so they agree.
+
+Every send and receive is posted at once (``dist.batch_isend_irecv``; with gloo, one
+non-blocking op each) before anything is awaited, so no order of peers can deadlock. Each
+wait is bounded by one deadline: a peer that died or never posted its side raises here
+(gloo closes the pair after a timeout, so the world must be rebuilt after a failure).
+
+Boundary: bytes between world ranks. Which segments to exchange is the caller's business
+(``nereus_core.engine.reshard`` for a reshard plan, ``nereus_core.engine.state`` for ZeRO's
+partitions); this module knows no shard maps or models.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# A segment at least this large travels as its own message (no packing copy when contiguous).
+DIRECT_BYTES = 1 << 18
+DEFAULT_TIMEOUT_S = 120.0
+
+Segments = Mapping[int, Sequence[torch.Tensor]]
+
+
+class ExchangeError(RuntimeError):
+    """A point-to-point exchange failed or timed out (a peer died, or never posted its side)."""
+
+
+@dataclass(frozen=True)
+class ExchangeStats:
+    """Bytes this rank sent and received, messages posted, and seconds spent."""
+
+    sent: int
+    received: int
+    messages: int
+    seconds: float
+
+
+def _messages(views: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Group segments into messages: runs of small same-dtype segments, large segments alone."""
+    run: list[torch.Tensor] = []
+    for view in views:
+        if view.numel() == 0:
+            continue
+        big = view.numel() * view.element_size() >= DIRECT_BYTES
+        if run and (big or view.dtype != run[0].dtype):
+            yield run
+            run = []
+        if big:
+            yield [view]
+        else:
+            run.append(view)
+    if run:
+        yield run
+
+
+def _send_buffer(message: list[torch.Tensor]) -> torch.Tensor:
+    if len(message) == 1:
+        return message[0].contiguous().view(-1)
+    out = torch.empty(sum(v.numel() for v in message), dtype=message[0].dtype, device=message[0].device)
+    offset = 0
+    for view in message:
+        out[offset : offset + view.numel()].view(view.shape).copy_(view)
+        offset += view.numel()
+    return out
+
+
+def _recv_buffer(message: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """The buffer to receive ``message`` into and what to do with it afterwards (None: nothing)."""
+    if len(message) == 1 and message[0].is_contiguous():
+        return message[0].view(-1), None
+    buffer = torch.empty(sum(v.numel() for v in message), dtype=message[0].dtype, device=message[0].device)
+
+    def unpack() -> None:
+        offset = 0
+        for view in message:
+            view.copy_(buffer[offset : offset + view.numel()].view(view.shape))
+            offset += view.numel()
+
+    return buffer, unpack
+
+
+def exchange(
+    outgoing: Segments,
+    incoming: Segments,
+    *,
+    tag: int = 0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    group: dist.ProcessGroup | None = None,
+) -> ExchangeStats:
+    """Send ``outgoing[peer]`` segments to each peer and fill ``incoming[peer]`` from each, concurrently.
+
+    Peers are world ranks. The peer on the other side must list the same segments (same
+    sizes, dtypes and order) in its ``incoming``/``outgoing`` for this rank, with the same
+    ``tag``. Raises ``ExchangeError`` if any message is not through within ``timeout_s``.
+    ``group`` (default: the world) is the process group whose connections carry the bytes.
+    """
+    start = time.perf_counter()
+    ops: list[dist.P2POp] = []
+    unpacks: list[Callable[[], None]] = []
+    keep: list[torch.Tensor] = []  # send buffers must outlive the ops
+    sent = received = 0
+    for peer in sorted(outgoing):
+        for i, message in enumerate(_messages(outgoing[peer])):
+            buffer = _send_buffer(message)
+            keep.append(buffer)
+            sent += buffer.numel() * buffer.element_size()
+            ops.append(dist.P2POp(dist.isend, buffer, peer, group, tag=tag + i))
+    for peer in sorted(incoming):
+        for i, message in enumerate(_messages(incoming[peer])):
+            buffer, unpack = _recv_buffer(message)
+            received += buffer.numel() * buffer.element_size()
+            ops.append(dist.P2POp(dist.irecv, buffer, peer, group, tag=tag + i))
+            if unpack is not None:
+                unpacks.append(unpack)
+    _wait_all(ops, timeout_s)
+    for unpack in unpacks:
+        unpack()
+    return ExchangeStats(sent, received, len(ops), time.perf_counter() - start)
+
+
+def _wait_all(ops: list[dist.P2POp], timeout_s: float) -> None:
+    if not ops:
+        return
+    deadline = time.monotonic() + timeout_s
+    try:
+        works = dist.batch_isend_irecv(ops)
+        for work in works:
+            left = max(deadline - time.monotonic(), 0.001)
+            work.wait(timedelta(seconds=left))
+    except RuntimeError as exc:  # gloo: timeout, or "Connection closed by peer"
+        peers = sorted({op.peer for op in ops})
+        raise ExchangeError(
+            f"rank {dist.get_rank()}: point-to-point exchange with ranks {peers} failed within "
+            f"{timeout_s:g}s: {str(exc).splitlines()[0]}"
+        ) from exc

@@ -1,0 +1,180 @@
+"""Carrying out a reshard plan on the devices: live (slices sent between device actors) or durable.
+
+A reshard moves a model-stage's whole state (parameters; for train stages also AdamW's
+moments and step count) from one layout to another, as ``nereus_core.emu.plan_reshard`` says:
+
+- live: every device of either layout runs ``live_reshard`` at once. Old devices read their
+  pieces (``state.extract_state``; weights without a copy), new devices build an empty stage
+  and view its weights as destination pieces, same-device regions are copied, and the rest
+  travels in one batched point-to-point exchange (``engine.exchange``). Then the old shard is
+  dropped and the new one installed (a new DeepSpeed engine for train stages).
+- durable: old devices write their pieces to a ``StateStore`` (``durable_write``; each box of
+  a replicated tensor by one holder only, ``write_assignment``), the caller commits the
+  snapshot, and every device runs ``durable_read``: the old shard is dropped, new devices read
+  exactly their boxes back and install them.
+
+Boundary: device-side functions over one ``DeviceContext`` (the pool in tasks/ runs them on
+the right devices). The store is a Protocol: nereus_core never imports storage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from nereus_core.config import ModelConfig
+from nereus_core.emu import Box, ReshardPlan, ShardMap, SliceSpec
+from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, exchange
+from nereus_core.engine.shard import OptimizerSettings, get_shard, new_stage
+from nereus_core.engine.state import DeviceState, empty_state, extract_state, install_state
+from nereus_core.model.llama import LlamaStage
+from nereus_core.parallel.device import DeviceContext
+
+LIVE_TAG = 3 << 20
+Wanted = list[tuple[str, Box]]
+
+
+class StateStore(Protocol):
+    """Where the durable path puts a device's pieces and gets boxes back (storage/ implements it)."""
+
+    def write_pieces(self, device: int, pieces: Sequence[tuple[str, torch.Tensor, SliceSpec]]) -> Any:
+        """Persist ``device``'s pieces; returns a picklable receipt the driver commits."""
+        ...
+
+    def read_pieces(self, wanted: Sequence[tuple[str, Box]]) -> list[torch.Tensor]:
+        """Fresh tensors of the ``(name, box)`` regions asked for, in order, from the committed snapshot."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReshardJob:
+    """What every device needs to know about one reshard of model-stage ``name``."""
+
+    name: str
+    config: ModelConfig
+    old_map: ShardMap
+    new_map: ShardMap
+    optimizer: OptimizerSettings | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.old_map.train != self.new_map.train:
+            raise ValueError("a reshard keeps the stage kind: both shard maps must agree on train")
+        if self.new_map.train != (self.optimizer is not None):
+            need = "needs optimizer settings" if self.new_map.train else "takes no optimizer settings"
+            raise ValueError(f"{self.name}: a train={self.new_map.train} reshard {need}")
+
+
+def _old_state(ctx: DeviceContext, job: ReshardJob) -> DeviceState:
+    """This device's pieces under the old layout (none if it is not in it)."""
+    if ctx.rank not in job.old_map.layout.devices:
+        return DeviceState(pieces={})
+    return extract_state(ctx, get_shard(ctx, job.name), job.old_map, timeout_s=job.timeout_s)
+
+
+def _new_target(ctx: DeviceContext, job: ReshardJob) -> tuple[LlamaStage | None, DeviceState]:
+    """A placeholder stage of the new layout and its pieces as destinations (none off the new layout)."""
+    if ctx.rank not in job.new_map.layout.devices:
+        return None, DeviceState(pieces={})
+    stage = new_stage(job.config, ctx.view(job.new_map.layout), ctx.device)
+    return stage, empty_state(stage, job.new_map, ctx.rank)
+
+
+def _install(ctx: DeviceContext, job: ReshardJob, stage: LlamaStage | None, state: DeviceState) -> None:
+    """Make the filled new stage resident (collective over the new layout's groups), if there is one."""
+    if stage is not None:
+        install_state(
+            ctx,
+            name=job.name,
+            config=job.config,
+            groups=ctx.view(job.new_map.layout),
+            stage=stage,
+            state=state,
+            optimizer=job.optimizer,
+            timeout_s=job.timeout_s,
+        )
+
+
+def live_reshard(ctx: DeviceContext, job: ReshardJob, plan: ReshardPlan) -> dict[str, float]:
+    """Run ``plan`` on this device (every device of either layout at once); returns this rank's figures.
+
+    The new layout's groups must exist. After a failure the world must be rebuilt (a gloo pair
+    that timed out is closed) and the old shard may be gone from devices that got that far.
+    """
+    start = time.perf_counter()
+    me = ctx.rank
+    source = _old_state(ctx, job).pieces
+    stage, target = _new_target(ctx, job)
+    prepared = time.perf_counter()
+    outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)
+    incoming: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for t in plan.local:
+        if t.dst == me:
+            dst = target.pieces[(t.name, t.dst_piece.box)][t.dst_slice.slices()]
+            dst.copy_(source[(t.name, t.src_piece.box)][t.src_slice.slices()])
+    for t in plan.transfers:
+        if t.src == me:
+            outgoing[t.dst].append(source[(t.name, t.src_piece.box)][t.src_slice.slices()])
+        elif t.dst == me:
+            incoming[t.src].append(target.pieces[(t.name, t.dst_piece.box)][t.dst_slice.slices()])
+    moved = exchange(outgoing, incoming, tag=LIVE_TAG, timeout_s=job.timeout_s)
+    del source, outgoing
+    exchanged = time.perf_counter()
+    ctx.resident.pop(job.name, None)
+    _install(ctx, job, stage, target)
+    return {
+        "sent": moved.sent,
+        "received": moved.received,
+        "messages": moved.messages,
+        "prepare_s": prepared - start,
+        "exchange_s": exchanged - prepared,
+        "install_s": time.perf_counter() - exchanged,
+    }
+
+
+def write_assignment(smap: ShardMap) -> dict[int, Wanted]:
+    """Which device writes which ``(name, box)``: one holder per distinct box (replicas written once),
+    the one with the fewest bytes assigned so far (ties: lowest device), so writing is spread."""
+    load: dict[int, int] = dict.fromkeys(smap.layout.devices, 0)
+    out: dict[int, Wanted] = {d: [] for d in smap.layout.devices}
+    for spec in smap.tensors:
+        holders: dict[Box, list[int]] = defaultdict(list)
+        for piece in spec.pieces:
+            holders[piece.box].append(piece.device)
+        for box, devices in holders.items():
+            writer = min(devices, key=lambda d: (load[d], d))
+            load[writer] += box.numel * spec.itemsize
+            out[writer].append((spec.name, box))
+    return out
+
+
+def durable_write(ctx: DeviceContext, mine: Wanted, *, job: ReshardJob, store: StateStore) -> Any:
+    """Write this old device's assigned pieces to ``store`` (all old devices at once); returns the receipt."""
+    if ctx.rank not in job.old_map.layout.devices:
+        raise ValueError(f"device {ctx.rank} is not in the old layout {job.old_map.layout.key}")
+    source = _old_state(ctx, job).pieces
+    pieces = [
+        (name, source[(name, box)], SliceSpec(job.old_map.tensor(name).shape, box)) for name, box in mine
+    ]
+    return store.write_pieces(ctx.rank, pieces)
+
+
+def durable_read(ctx: DeviceContext, *, job: ReshardJob, store: StateStore) -> dict[str, float]:
+    """Drop the old shard (the snapshot is committed); on new devices read exactly this device's boxes
+    and install them."""
+    start = time.perf_counter()
+    ctx.resident.pop(job.name, None)
+    stage, target = _new_target(ctx, job)
+    wanted = job.new_map.wanted(ctx.rank) if stage is not None else []
+    read = 0
+    for (name, box), tensor in zip(wanted, store.read_pieces(wanted) if wanted else [], strict=True):
+        target.pieces[(name, box)].copy_(tensor.view(box.shape))
+        read += tensor.numel() * tensor.element_size()
+    loaded = time.perf_counter()
+    _install(ctx, job, stage, target)
+    return {"read": read, "read_s": loaded - start, "install_s": time.perf_counter() - loaded}
