@@ -150,9 +150,11 @@ class NereusConfig(_Frozen):
     @model_validator(mode="after")
     def _check_plan(self) -> NereusConfig:
         for stage, layout in self.plan.items():
+            # critic and reward carry a value head (never tied); actor and reference an lm head.
+            head = "value" if stage.split("/")[0] in ("critic", "reward") else "lm"
             for problem in (
                 self.model.tp_error(layout.tp),
-                self.model.pp_error(layout.pp),
+                self.model.model_copy(update={"head": head}).pp_error(layout.pp),
                 layout.devices_error(self.cluster.devices),
             ):
                 if problem:

@@ -156,9 +156,9 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
     ),
     (
         "sequence-over-max-positions",
-        _set("job.response_len", 250),
+        _set("job.response_len", 253),
         "job.response_len",
-        ("job.prompt_len+job.response_len=258", "model.max_position_embeddings=256"),
+        ("job.prompt_len+job.response_len=257", "model.max_position_embeddings=256"),
     ),
     (
         "memory-unparsable",
@@ -186,9 +186,9 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
     ("empty-name", _set("name", ""), "name", ("at least 1 character",)),
     (
         "tied-embeddings-with-pp",
-        _set("model.tie_word_embeddings", True),
+        _edits(_set("model.tie_word_embeddings", True), _set("plan.actor/train", _layout(1, 2, 2, [0, 1, 2, 3]))),
         "model.tie_word_embeddings",
-        ("plan.critic/infer", "pp>1"),
+        ("plan.actor/train", "pp>1"),
     ),
 ]
 
@@ -217,11 +217,11 @@ def test_example_loads() -> None:
     assert cfg.name == "tiny-ppo"
     assert cfg.cluster.devices == 4
     assert cfg.cluster.memory_per_device == 2 * 1024**3
-    assert (cfg.model.vocab_size, cfg.model.hidden_size, cfg.model.num_hidden_layers) == (256, 64, 4)
+    assert (cfg.model.vocab_size, cfg.model.hidden_size, cfg.model.num_hidden_layers) == (32, 64, 4)
     assert (cfg.model.num_attention_heads, cfg.model.num_key_value_heads) == (8, 4)
     assert cfg.model.intermediate_size == 128
     assert cfg.model.tie_word_embeddings is False
-    assert (cfg.job.steps, cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len) == (4, 8, 8, 8)
+    assert (cfg.job.steps, cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len) == (40, 64, 4, 6)
     assert set(cfg.plan) == set(MODEL_STAGES)
     gen, train = cfg.plan["actor/generate"], cfg.plan["actor/train"]
     assert (gen.tp, gen.pp, gen.dp, gen.devices) == (2, 1, 1, (0, 1))
