@@ -26,13 +26,15 @@ import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
+from flows import adapt
 from flows.step_report import step_table
+from flows.transition import transition_flow
 from nereus_core import rollout as ro
 from nereus_core.config import NereusConfig, parse_config
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from nereus_core.task import make_prompts
-from storage.run_dir import STEPS_TABLE, RunDir
+from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 from tasks import model_ops
 from tasks import ppo_stages as st
 from tasks.device_pool import DevicePool
@@ -87,7 +89,16 @@ class Job:
         self.plan_id = plan_id(self.plan)
         self.aliased = {inf for inf, src in SYNCED if self.plan[inf] == self.plan[src]}
         self.rows: list[dict[str, Any]] = []
+        self.transitions: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
+        self.controller = adapt.initial_state(cfg, self.plan, pool.size) if cfg.job.adapt else None
+        self.last_transition = None
+
+    def switch_to(self, plan: dict[str, Layout]) -> None:
+        self.plan = plan
+        self.plan_id = plan_id(plan)
+        self.aliased = {inf for inf, src in SYNCED if plan[inf] == plan[src]}
+        self.run.write_plan(self.plan_id, {k: v.model_dump(mode="json") for k, v in plan.items()})
 
     def config_of(self, stage: str):
         head = MODEL_STAGES[stage][1]
@@ -251,6 +262,60 @@ def run_step(job: Job, step: int) -> dict[str, Any]:
     }
 
 
+def _adapt(job: Job, step: int) -> None:
+    """Ask the controller; run the transition it admits (a plan the job cannot run is refused)."""
+    rows = [r for r in job.rows if r["step"] == step]
+    obs = adapt.observation(
+        job.cfg, job.plan, rows, step=step, devices=job.pool.size, last_transition=job.last_transition
+    )
+    decision = adapt.controller_step(obs, job.controller)
+    job.controller, job.last_transition = decision.state, None
+    adapt.log_decision(decision, step)
+    if decision.action != "switch" or decision.plan is None:
+        return
+    new_plan = dict(decision.plan.layouts)
+    problem = adapt.runnable(job.cfg, new_plan)
+    if problem:
+        get_run_logger().warning("controller's plan refused, keeping %s: %s", job.plan_id, problem)
+        return
+    transition_id = f"t{len(job.transitions):03d}-step{step}"
+    old_id = job.plan_id
+    stats, status = {}, "committed"
+    try:
+        stats = transition_flow(
+            job.pool,
+            job.cfg,
+            str(job.run.root),
+            transition_id,
+            job.plan,
+            new_plan,
+            step=step,
+            reason=decision.reason,
+        )
+    except Exception as err:
+        status = f"failed: {type(err).__name__}"
+        raise
+    finally:
+        job.transitions.append(
+            adapt.transition_row(transition_id, step, old_id, plan_id(new_plan), decision, stats, status)
+        )
+        job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
+    job.switch_to(new_plan)
+    if decision.transition is not None:
+        job.last_transition = adapt.TransitionTiming(
+            predicted=decision.transition, seconds=max(stats["seconds"], 1e-6)
+        )
+    get_run_logger().info(
+        "transition %s: %s -> %s in %.2f s (predicted %.2f s), %d bytes moved",
+        transition_id,
+        old_id,
+        job.plan_id,
+        stats["seconds"],
+        decision.transition.seconds if decision.transition else float("nan"),
+        stats["bytes_moved"],
+    )
+
+
 def _snapshot_all(job: Job, step: int) -> float:
     """Snapshot every model as ``step``: the state after ``step`` steps, i.e. the one that
     generates (and scores) the rollout of step ``step``."""
@@ -307,6 +372,8 @@ def ppo_job(config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/pp
             stats = run_step(job, step)
             _finish_step(job, stats, time.perf_counter() - t)
             history.append(stats)
+            if job.controller is not None and step + 1 < cfg.job.steps:
+                _adapt(job, step)
             every = cfg.job.snapshot_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.job.steps:
                 snapshot_s += _snapshot_all(job, step + 1)
@@ -343,8 +410,8 @@ def _summary(
         "reward_last": mean("score", history[-k:]),
         "score_first": mean("rule_score", history[:k]),
         "score_last": mean("rule_score", history[-k:]),
-        "transitions": 0,
-        "transition_s_total": 0.0,
+        "transitions": sum(t["status"] == "committed" for t in job.transitions),
+        "transition_s_total": sum(t["actual_s"] for t in job.transitions),
         "final_plan_id": job.plan_id,
         "tokens_per_s": tokens / sum(h["wall_s"] for h in history),
         "overhead_frac": sum(h["overhead_s"] for h in history) / sum(h["wall_s"] for h in history),

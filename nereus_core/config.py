@@ -129,6 +129,13 @@ class JobConfig(_Frozen):
     snapshot_every: int = Field(
         default=0, ge=0, description="Snapshot every model's state every K steps (0: only at the end)."
     )
+    adapt: bool = Field(
+        default=False,
+        description="Ask the controller after every step and switch plans when it admits a transition.",
+    )
+    profile: Literal["cpu", "h100"] = Field(
+        default="cpu", description="Hardware profile the controller's cost model starts from."
+    )
 
     @property
     def task_settings(self) -> TaskSettings:
