@@ -1,6 +1,6 @@
 """flows.cli: bad input ends with one line on stderr and exit status 2; good input reaches the flow.
 
-The flow itself is replaced by a fake ``flows.selfcheck`` module: these tests need
+The flows themselves are replaced by fake ``flows.ppo_job`` / ``flows.selfcheck`` modules: these tests need
 neither Prefect nor Dask.
 """
 
@@ -24,11 +24,12 @@ EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict[str, Any]]:
-    """Record the calls of a fake ``flows.selfcheck.selfcheck_flow``; run in an empty directory."""
+    """Record the calls of fake ``ppo_job`` and ``selfcheck_flow`` flows; run in an empty directory."""
     recorded: list[dict[str, Any]] = []
-    fake = types.ModuleType("flows.selfcheck")
-    fake.selfcheck_flow = lambda **kwargs: recorded.append(kwargs)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "flows.selfcheck", fake)
+    for module, name in (("flows.ppo_job", "ppo_job"), ("flows.selfcheck", "selfcheck_flow")):
+        fake = types.ModuleType(module)
+        setattr(fake, name, lambda **kwargs: recorded.append(kwargs))
+        monkeypatch.setitem(sys.modules, module, fake)
     monkeypatch.delenv(SCHEDULER_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
     return recorded
@@ -57,7 +58,7 @@ def test_run_passes_the_validated_config_to_the_flow(calls: list[dict[str, Any]]
     [call] = calls
     cfg = call["config"]
     assert isinstance(cfg, NereusConfig)
-    assert cfg.name == "tiny-ppo" and cfg.job.steps == 4 and cfg.cluster.scheduler_address is None
+    assert cfg.name == "tiny-ppo" and cfg.job.steps == 40 and cfg.cluster.scheduler_address is None
     out_dir = Path(call["out_dir"])
     assert out_dir.parent == Path("runs") and out_dir.name.startswith("tiny-ppo-")
     assert str(out_dir) in capsys.readouterr().out
@@ -147,18 +148,20 @@ def test_bad_overrides(calls, capsys, extra: list[str], needles: tuple[str, ...]
     assert calls == []
 
 
+def test_resume_is_not_built_yet_and_says_so(calls, capsys) -> None:
+    assert_one_line_error(capsys, main(["resume", "runs/x"]), "nereus: resume is not available yet")
+
+
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "expected"),
     [
-        ["plan", "cfg.yaml"],
-        ["simulate", "cfg.yaml", "--out", "o"],
-        ["resume", "runs/x"],
-        ["report", "runs/x"],
-        ["export", "runs/x", "--model", "actor", "--hf", "out"],
+        (["plan", "cfg.yaml"], "cfg.yaml: no such file"),
+        (["report", "runs/x"], "runs/x has no summary.json"),
+        (["export", "runs/x", "--model", "actor", "--hf", "out"], "runs/x is not a run directory"),
     ],
 )
-def test_commands_not_built_yet_say_so(calls, capsys, argv: list[str]) -> None:
-    assert_one_line_error(capsys, main(argv), f"nereus: {argv[0]} is not available yet")
+def test_commands_on_missing_inputs_fail_with_one_line(calls, capsys, argv: list[str], expected: str) -> None:
+    assert_one_line_error(capsys, main(argv), expected)
 
 
 def test_no_command_prints_help(capsys) -> None:
