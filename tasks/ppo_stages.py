@@ -53,7 +53,9 @@ def reward_fit_key(config: NereusConfig) -> str:
 
 
 def _fit_cache_key(_: Any, parameters: dict[str, Any]) -> str:
-    return f"nereus-reward-fit-{parameters['key']}"
+    # The result is a path inside cache_dir: another cache directory is another cache.
+    where = hashlib.sha256(str(Path(parameters["cache_dir"]).resolve()).encode()).hexdigest()[:8]
+    return f"nereus-reward-fit-{parameters['key']}-{where}"
 
 
 @task(
