@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,9 @@ def fit_reward_model(
         model_ops.unload_model(pool, layout, name="reward/fit")
     path = Path(cache_dir) / f"reward-{key}.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    os.replace(tmp, path)  # readers never see a half-written file
     return {
         "path": str(path),
         "first_loss": losses[0] if losses else None,
