@@ -1,0 +1,386 @@
+"""The analytic formulas of the cost model, vectorized over candidate layouts.
+
+Boundary: numbers in, numbers out. ``stage_tables`` evaluates every latency term
+and memory part of one model-stage for an array of candidate layouts at once
+(one entry per candidate), so the controller can rank thousands of layouts in a
+few numpy operations; ``cost_model.estimate`` calls it with a single layout.
+The formulas and their sources are listed in ``cost_model``'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+import numpy as np
+
+from nereus_core.config import ModelConfig
+from nereus_core.hardware import COST_TERMS, HardwareProfile
+from nereus_core.layout import Layout
+from nereus_core.model.weights import param_shapes
+
+if TYPE_CHECKING:
+    from nereus_core.cost_model import Workload
+
+TERMS = COST_TERMS
+MEMORY_PARTS: tuple[str, ...] = ("weights", "gradients", "optimizer", "activations", "kv_cache")
+PERSISTENT = np.array([p in ("weights", "optimizer") for p in MEMORY_PARTS])  # the rest is transient
+StageKind = Literal["generate", "infer", "train"]
+Num = np.ndarray | float  # a scalar, or one value per candidate layout
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Counts derived once from a ``ModelConfig``."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    logit_width: int  # vocab for an lm head, 1 for a value head
+    layer_params: int
+    embed_params: int
+    head_params: int  # lm_head (or the tied embedding's reuse) / value head
+    norm_params: int
+    total_params: int
+
+    @property
+    def flop_params(self) -> int:
+        """Parameters in matmuls (the 2*params rule; the embedding lookup is not a matmul)."""
+        return self.layers * self.layer_params + self.head_params
+
+    def kv_bytes_per_token(self, bytes_per_value: int) -> int:
+        """2 * layers * kv_heads * head_dim * bytes (hardware.md, "KV cache bytes/token")."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
+
+
+@lru_cache(maxsize=64)
+def model_stats(model: ModelConfig) -> ModelStats:
+    shapes = param_shapes(model)
+    numel = {name: math.prod(shape) for name, shape in shapes.items()}
+    per_layer = sum(v for k, v in numel.items() if k.startswith("model.layers.0."))
+    value_head = getattr(model, "head", "lm") == "value"
+    head = model.hidden_size if value_head else model.vocab_size * model.hidden_size
+    return ModelStats(
+        layers=model.num_hidden_layers,
+        hidden=model.hidden_size,
+        heads=model.num_attention_heads,
+        kv_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        logit_width=1 if value_head else model.vocab_size,
+        layer_params=per_layer,
+        embed_params=model.vocab_size * model.hidden_size,
+        head_params=head,
+        norm_params=model.hidden_size * (2 * model.num_hidden_layers + 1),
+        total_params=sum(numel.values()),
+    )
+
+
+@lru_cache(maxsize=4096)
+def pipeline_split(stats: ModelStats, pp: int, tp: int) -> tuple[int, int, float]:
+    """(layers, matmul params, weight params per device) of the busiest pipeline stage.
+
+    Earlier stages get the extra layers (``Layout.stage_layers``); the first holds the
+    embedding, the last the final norm and head. Norms are replicated under TP.
+    """
+    base, extra = divmod(stats.layers, pp)
+    norm_layer = 2 * stats.hidden
+    tied = stats.total_params < stats.layers * stats.layer_params + stats.embed_params + stats.head_params
+    best = (0, 0, 0.0)
+    for rank in range(pp):
+        n = base + (1 if rank < extra else 0)
+        flops = n * stats.layer_params + (stats.head_params if rank == pp - 1 else 0)
+        sharded = n * (stats.layer_params - norm_layer)
+        replicated = n * norm_layer
+        if rank == 0:
+            sharded += stats.embed_params
+        if rank == pp - 1:
+            replicated += stats.hidden
+            if stats.logit_width == 1:
+                replicated += stats.head_params
+            elif not tied:
+                sharded += stats.head_params
+        weights = sharded / tp + replicated
+        best = (max(best[0], n), max(best[1], flops), max(best[2], weights))
+    return best
+
+
+class Geometry(NamedTuple):
+    """Candidate layouts as arrays (one entry each): degrees, busiest-stage sizes, links."""
+
+    tp: np.ndarray
+    pp: np.ndarray
+    dp: np.ndarray
+    m: np.ndarray
+    stage_layers: np.ndarray
+    stage_flop_params: np.ndarray
+    device_params: np.ndarray
+    tp_bw: np.ndarray
+    pp_bw: np.ndarray
+    dp_bw: np.ndarray
+    per_node: np.ndarray  # slots of the layout on its busiest node
+
+
+def split_arrays(stats: ModelStats, tp: np.ndarray, pp: np.ndarray) -> tuple[np.ndarray, ...]:
+    keys, inverse = np.unique(pp * 65536 + tp, return_inverse=True)
+    rows = np.array([pipeline_split(stats, int(k // 65536), int(k % 65536)) for k in keys], dtype=float)
+    rows = rows[inverse.reshape(-1)]
+    return rows[:, 0], rows[:, 1], rows[:, 2]
+
+
+def _within(first: np.ndarray, block: np.ndarray, count: np.ndarray, per_node: int) -> np.ndarray:
+    """Whether every one of ``count`` contiguous blocks of ``block`` slots from ``first`` is inside a node."""
+    offset = first % per_node
+    return (offset + block * count <= per_node) | ((first % block == 0) & (per_node % block == 0))
+
+
+def contiguous_geometry(
+    stats: ModelStats,
+    profile: HardwareProfile,
+    tp: Num,
+    pp: Num,
+    dp: Num,
+    m: Num,
+    first: int = 0,
+    split: tuple[np.ndarray, ...] | None = None,
+) -> Geometry:
+    """Geometry of layouts on consecutive slots from ``first`` (how the controller places them);
+    ``split`` is ``pipeline_split`` over the candidates when the caller already has it."""
+    tp, pp, dp, m = (np.atleast_1d(np.asarray(x, dtype=np.int64)) for x in (tp, pp, dp, m))
+    first_a = np.full_like(tp, first)
+    world = tp * pp * dp
+    dpn = profile.devices_per_node
+    tp_in = _within(first_a, tp, pp * dp, dpn)
+    pp_in = _within(first_a, tp * pp, dp, dpn)
+    dp_in = _within(first_a, world, np.ones_like(world), dpn)
+    layers, flops, weights = split if split is not None else split_arrays(stats, tp, pp)
+    per_node = np.minimum(world, dpn - first % dpn)
+    bw = {True: profile.intra_bw, False: profile.inter_bw}
+    return Geometry(
+        tp, pp, dp, m, layers, flops, weights,
+        np.where(tp_in, bw[True], bw[False]),
+        np.where(pp_in, bw[True], bw[False]),
+        np.where(dp_in, bw[True], bw[False]),
+        per_node.astype(float),
+    )  # fmt: skip
+
+
+def is_contiguous(layout: Layout) -> bool:
+    """Whether the layout's slots are ``first, first + 1, ...`` in order."""
+    first = layout.devices[0]
+    return layout.devices == tuple(range(first, first + len(layout.devices)))
+
+
+def slots(layout: Layout) -> np.ndarray:
+    """The layout's slots as an array (an arange when consecutive: converting 1,024 ints is slow)."""
+    if is_contiguous(layout):
+        return np.arange(layout.devices[0], layout.devices[0] + len(layout.devices))
+    return np.fromiter(layout.devices, dtype=np.int64, count=len(layout.devices))
+
+
+def layout_geometry(stats: ModelStats, profile: HardwareProfile, layout: Layout) -> Geometry:
+    """Geometry of one concrete layout: links from the nodes its groups actually span."""
+    nodes = (slots(layout) // profile.devices_per_node).reshape(layout.dp, layout.pp, layout.tp)
+
+    def bw(axis: int) -> float:
+        spans = bool((nodes.max(axis=axis) != nodes.min(axis=axis)).any())
+        return profile.inter_bw if spans else profile.intra_bw
+
+    per_node = int(np.bincount(nodes.ravel()).max())
+    layers, flops, weights = pipeline_split(stats, layout.pp, layout.tp)
+
+    def one(x: float) -> np.ndarray:
+        return np.array([x], dtype=float)
+
+    return Geometry(
+        one(layout.tp), one(layout.pp), one(layout.dp), one(layout.micro_batches),
+        one(layers), one(flops), one(weights), one(bw(2)), one(bw(1)), one(bw(0)),
+        one(per_node),
+    )  # fmt: skip
+
+
+def ring_bytes(nbytes: Num, n: Num) -> Num:
+    """Bytes each device sends in a ring all-reduce of ``nbytes`` over ``n`` devices: 2(n-1)/n."""
+    return 2.0 * (n - 1) / n * nbytes
+
+
+def bubble_fraction(p: Num, m: Num) -> Num:
+    """Share of a pipelined pass spent idle: (p-1)/(m+p-1) (Narayanan et al. 2021)."""
+    return (p - 1) / (m + p - 1)
+
+
+def korthikanti_bytes(
+    stats: ModelStats, batch: Num, seq: Num, activation_bytes: int, recompute: str = "none"
+) -> Num:
+    """Stored activations of one layer (Korthikanti et al. 2022), s*b*h*(34 + 5*a*s/h) bytes in
+    16-bit; selective recomputation drops the 5*a*s/h attention part, full recomputation keeps
+    only the layer input, 2*s*b*h."""
+    h = stats.hidden
+    per_value = {"none": 34.0 + 5.0 * stats.heads * seq / h, "selective": 34.0, "full": 2.0}[recompute]
+    return seq * batch * h * per_value * activation_bytes / 2.0
+
+
+def stage_tables(
+    kind: StageKind, geo: Geometry, work: Workload, stats: ModelStats, profile: HardwareProfile
+) -> tuple[np.ndarray, np.ndarray]:
+    """Unscaled term seconds ``[len(TERMS), n]`` and memory bytes ``[len(MEMORY_PARTS), n]``."""
+    n = geo.tp.shape[0]
+    raw = np.zeros((len(TERMS), n))
+    mem = np.zeros((len(MEMORY_PARTS), n))
+    if kind == "generate":
+        _generate(raw, mem, geo, work, stats, profile)
+    else:
+        _forward_backward(raw, mem, kind == "train", geo, work, stats, profile)
+    # One dispatch per stage call, plus one per device it reaches (tasks/device_pool.py).
+    world = geo.tp * geo.pp * geo.dp
+    raw[TERMS.index("dispatch")] = profile.call_overhead_s + world * profile.dispatch_per_device_s
+    for term, scale in profile.term_scales.items():
+        raw[TERMS.index(term)] *= scale
+    mem[MEMORY_PARTS.index("weights")] = geo.device_params * profile.weight_bytes
+    return raw, mem
+
+
+def _slowdown(profile: HardwareProfile, busy: np.ndarray) -> np.ndarray:
+    """``HardwareProfile.busy_slowdown`` over an array of busy slots per node."""
+    if profile.cores_per_node is None:
+        return np.ones_like(busy, dtype=float)
+    ratio = np.maximum(busy / profile.cores_per_node, 1.0)
+    return ratio ** np.log2(profile.oversubscribed_slowdown)
+
+
+def _set(table: np.ndarray, names: tuple[str, ...], **values: np.ndarray | float) -> None:
+    for name, value in values.items():
+        table[names.index(name)] = value
+
+
+def _generate(
+    raw: np.ndarray,
+    mem: np.ndarray,
+    geo: Geometry,
+    work: Workload,
+    stats: ModelStats,
+    profile: HardwareProfile,
+) -> None:
+    """Prefill, then one decode step per response token through every pipeline stage, per wave.
+
+    A replica's batch runs in ``m`` waves of b/m sequences (m = 1 on the CPU runtime),
+    each wave holding its own KV cache. Pipeline stages run one after another for
+    every token, so compute and weight reads cover the whole model, split over tp only.
+    """
+    tp, pp = geo.tp, geo.pp
+    slow = _slowdown(profile, geo.per_node / pp)  # one pipeline stage per replica works at a time
+    waves = np.minimum(geo.m, profile.max_generate_waves)
+    h, layers = stats.hidden, stats.layers
+    b = np.ceil(work.batch / geo.dp)
+    bw_ = np.ceil(b / waves)  # sequences per wave
+    prompt, resp = work.prompt_len, work.response_mean
+    ctx = prompt + resp / 2.0  # mean context a decode step attends to
+    flops = profile.flops * tp / slow
+    # hardware.md "Training FLOPs": forward ~ 2*params per token + attention 4*L*h*s.
+    prefill = b * prompt * (2.0 * stats.flop_params + 4.0 * layers * h * prompt)
+    decode_flops = resp * b * (2.0 * stats.flop_params + 4.0 * layers * h * ctx)
+    kv_token = stats.kv_bytes_per_token(profile.kv_bytes)
+    tp_kv = np.minimum(tp, stats.kv_heads)
+    # hardware.md "Decode is memory-bound": (weight bytes / tp + KV bytes read) / HBM bandwidth.
+    step_bytes = stats.total_params * profile.weight_bytes / tp + bw_ * ctx * kv_token / tp_kv
+    passes = waves * (resp + 1.0)  # one prefill and resp decode steps per wave
+    alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
+    act = profile.activation_bytes
+    # Per pass: 2 all-reduces per layer, 1 for the vocab-parallel embedding, 2 gathers to sample.
+    tp_latency = passes * (2 * layers + 3) * 2.0 * (tp - 1) * alpha
+    tp_bytes = 2 * layers * ring_bytes(b * h * act * (prompt + resp), tp) / geo.tp_bw
+    # Per pass: p-1 hidden-state sends forward and the sampled token back to the first stage.
+    pp_comm = (pp > 1) * (passes * pp * alpha + (pp - 1) * b * h * act * (prompt + resp) / geo.pp_bw)
+    _set(
+        raw,
+        TERMS,
+        compute=(prefill + decode_flops) / flops,
+        decode=waves * resp * step_bytes * slow / profile.hbm,
+        tp_comm=(tp > 1) * (tp_latency + tp_bytes),
+        pp_comm=pp_comm,
+        overhead=passes * layers * profile.layer_overhead_s * slow,
+    )
+    seq_high = prompt + work.response_high
+    share = geo.stage_layers / layers
+    logits = bw_ * stats.logit_width / tp * 4.0  # fp32 logits of the last position of each sequence
+    prefill_act = korthikanti_bytes(stats, bw_, prompt, act, profile.activation_recompute) / tp
+    _set(
+        mem,
+        MEMORY_PARTS,
+        activations=prefill_act + logits,
+        kv_cache=bw_ * seq_high * kv_token * share / tp_kv,
+    )
+
+
+def _forward_backward(
+    raw: np.ndarray,
+    mem: np.ndarray,
+    train: bool,
+    geo: Geometry,
+    work: Workload,
+    stats: ModelStats,
+    profile: HardwareProfile,
+) -> None:
+    """A pipelined pass over prompt + response (infer), plus backward and the Adam step (train)."""
+    tp, pp, dp, m = geo.tp, geo.pp, geo.dp, geo.m
+    slow = _slowdown(profile, geo.per_node * np.minimum(pp, m) / pp)  # stages of a replica work together
+    h, layers = stats.hidden, geo.stage_layers
+    b = np.ceil(work.batch / dp)
+    bm = np.ceil(b / m)
+    seq = work.prompt_len + work.response_mean
+    epochs = work.ppo_epochs if train else 1
+    alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
+    act = profile.activation_bytes
+    # hardware.md "Training FLOPs": 2*params + 4*L*h*s per token forward, 6*params + 12*L*h*s train.
+    mult, attn = (6.0, 12.0) if train else (2.0, 4.0)
+    if train and profile.activation_recompute == "full":
+        mult, attn = 8.0, 16.0  # one more forward per micro-batch
+    compute_mb = (
+        bm * seq * (mult * geo.stage_flop_params + attn * layers * h * seq) * slow / (profile.flops * tp)
+    )
+    # hardware.md "TP traffic": 2 all-reduces per layer forward (+2 backward) of b*s*h values;
+    # plus the vocab-parallel embedding (1) and log-prob (3) all-reduces (Megatron-LM).
+    reduces = (4 if train else 2) * layers
+    tp_mb = (tp > 1) * (
+        (reduces + 4) * 2.0 * (tp - 1) * alpha + reduces * ring_bytes(bm * seq * h * act, tp) / geo.tp_bw
+    )
+    overhead_mb = (3.0 if train else 1.0) * layers * profile.layer_overhead_s * slow
+    # Narayanan et al. 2021: with m micro-batches a pass takes (m+p-1) stage slots, m of them busy;
+    # the idle (p-1) slots are the bubble, (p-1)/(m+p-1) of the pass.
+    bubble = (pp - 1) * (compute_mb + tp_mb + overhead_mb)
+    sends = (2.0 if train else 1.0) * (m + pp - 2) * (alpha + bm * seq * h * act / geo.pp_bw)
+    _set(
+        raw,
+        TERMS,
+        compute=epochs * m * compute_mb,
+        tp_comm=epochs * m * tp_mb,
+        pp_comm=epochs * (bubble + (pp > 1) * sends),
+        overhead=epochs * m * overhead_mb,
+    )
+    seq_high = work.prompt_len + work.response_high
+    per_layer = korthikanti_bytes(stats, bm, seq_high, act, profile.activation_recompute) / tp
+    logits = bm * seq_high * stats.logit_width / tp * 4.0  # fp32 log-softmax input on the last stage
+    if not train:
+        _set(mem, MEMORY_PARTS, activations=per_layer + logits)
+        return
+    grads = geo.device_params * profile.grad_bytes
+    buckets = np.ceil(grads / profile.gradient_bucket_bytes)
+    # ZeRO-1 (Rajbhandari et al. 2020): reduce-scatter + all-gather = one ring all-reduce volume.
+    dp_comm = (dp > 1) * (ring_bytes(grads, dp) / geo.dp_bw + buckets * 2.0 * (dp - 1) * alpha)
+    # Adam reads and writes its state shard, reads the gradient shard, writes weights (all-gathered).
+    opt_bytes = geo.device_params * (
+        (2.0 * profile.optimizer_bytes + profile.grad_bytes + profile.weight_bytes) / dp
+        + profile.weight_bytes
+    )
+    _set(raw, TERMS, dp_comm=epochs * dp_comm, optimizer=epochs * opt_bytes * slow / profile.hbm)
+    in_flight = m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp)
+    _set(
+        mem,
+        MEMORY_PARTS,
+        gradients=grads,
+        optimizer=np.ceil(geo.device_params / dp) * profile.optimizer_bytes,
+        activations=in_flight * layers * per_layer + 2.0 * logits,
+    )

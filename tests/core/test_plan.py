@@ -1,0 +1,117 @@
+"""nereus_core.plan: plan ids, placement, plan-level sums; and the `nereus plan` command that shows them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nereus_core.config import ModelConfig, parse_config
+from nereus_core.cost_model import MemoryEstimate
+from nereus_core.layout import MODEL_STAGES, Layout
+from nereus_core.plan import GlobalPlan, infer_placement, memory_per_device, models_for, step_seconds
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"
+
+
+def colocated(tp: int = 1, dp: int = 2, m: int = 1) -> GlobalPlan:
+    layout = Layout.contiguous(tp=tp, dp=dp, micro_batches=m)
+    return GlobalPlan(placement="colocated", layouts=dict.fromkeys(MODEL_STAGES, layout))
+
+
+def test_plan_id_is_stable_and_names_every_layout() -> None:
+    a, b = colocated(), colocated()
+    assert a.plan_id == b.plan_id and a == b and hash(a) == hash(b)
+    assert a.plan_id.startswith("plan-") and len(a.plan_id) == 17
+    assert colocated(m=2).plan_id != a.plan_id  # micro-batches are part of the plan
+    assert colocated(tp=2, dp=1).plan_id != a.plan_id
+    reordered = GlobalPlan(placement="colocated", layouts=dict(reversed(list(a.layouts.items()))))
+    assert reordered.plan_id == a.plan_id
+    again = GlobalPlan.model_validate_json(a.model_dump_json())
+    assert again == a and again.plan_id == a.plan_id
+    assert a.describe().startswith("colocated | actor/generate tp1.pp1.dp2 m1 @0..1 | actor/train")
+
+
+def test_placement_from_the_config_plan() -> None:
+    import yaml
+
+    cfg = parse_config(yaml.safe_load(EXAMPLE.read_text()))
+    plan = GlobalPlan.from_config(cfg)
+    assert (
+        plan is not None and plan.placement == "disaggregated"
+    )  # the example puts stages on different slots
+    assert plan.devices == (0, 1, 2, 3)
+    assert GlobalPlan.from_config(parse_config({})) is None  # no initial plan given
+    assert infer_placement(colocated().layouts) == "colocated"
+    with pytest.raises(ValueError, match="at least one model-stage"):
+        GlobalPlan(placement="colocated", layouts={})
+
+
+def test_memory_per_device_sums_resident_state_and_takes_the_largest_transient() -> None:
+    plan = GlobalPlan(
+        placement="disaggregated",
+        layouts={"actor/generate": Layout.contiguous(dp=2), "actor/train": Layout.contiguous(first=1)},
+    )
+    memory = {
+        "actor/generate": MemoryEstimate(weights=10, kv_cache=7),
+        "actor/train": MemoryEstimate(weights=10, optimizer=30, gradients=10, activations=5),
+    }
+    assert memory_per_device(plan, memory) == {0: 10 + 7, 1: 10 + 40 + max(7, 15)}
+
+
+def test_step_time_by_placement() -> None:
+    times = {"actor/generate": 5.0, "actor/train": 3.0, "critic/train": 1.0}
+    assert step_seconds("colocated", times, 0.5, overlap=True) == 9.5
+    assert step_seconds("disaggregated", times, 0.5, overlap=False) == 9.5
+    assert step_seconds("disaggregated", times, 0.5, overlap=True) == 5.5
+    assert (
+        step_seconds("disaggregated", {"actor/generate": 1.0, "actor/train": 3.0}, 0.5, overlap=True) == 3.0
+    )
+
+
+def test_problems_name_what_cannot_run() -> None:
+    models = models_for(ModelConfig())
+    bad = GlobalPlan(placement="colocated", layouts={"actor/train": Layout.contiguous(tp=3, dp=2)})
+    problems = bad.problems(models, devices=4, batch=8)
+    assert any("tp=3 does not divide" in p for p in problems)
+    assert any("not divisible by dp*micro_batches" in p for p in bad.problems(models, devices=4, batch=9))
+    assert colocated().problems(models, devices=4, batch=8) == []
+    assert colocated(dp=4).problems(models, devices=2, batch=8)  # slots beyond the pool
+
+
+def test_models_for_gives_critic_and_reward_a_value_head_when_heads_exist() -> None:
+    models = models_for(ModelConfig())
+    if "head" in ModelConfig.model_fields:
+        assert models["critic"].head == "value" and models["actor"].head == "lm"
+    assert set(models) == {"actor", "critic", "reference", "reward"}
+
+
+# ---------------------------------------------------------------------------- `nereus plan CONFIG`
+
+
+def test_cli_plan_prints_the_chosen_plan_and_alternatives(capsys: pytest.CaptureFixture[str]) -> None:
+    from flows.cli import main
+
+    assert main(["plan", str(EXAMPLE)]) == 0
+    out = capsys.readouterr().out
+    assert "chosen plan-" in out and "step" in out
+    for stage in MODEL_STAGES:
+        assert stage in out
+    assert "GiB" in out
+    assert main(["plan", str(EXAMPLE), "--profile", "h100"]) == 0
+    assert "h100-sxm" in capsys.readouterr().out
+
+
+def test_cli_plan_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flows.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: {devices: 0}\n")
+    assert main(["plan", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "cluster.devices" in err
+    assert main(["plan", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
