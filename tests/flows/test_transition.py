@@ -1,0 +1,74 @@
+"""A transition of the running job moves every model's state bit for bit, and the job goes on."""
+
+from __future__ import annotations
+
+import torch
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.ppo_job import Job
+from flows.transition import OWN_STATE, transition_flow
+from nereus_core.config import parse_config
+from nereus_core.engine.train import lm_loss, score_mse_loss
+from nereus_core.layout import Layout
+from nereus_core.model.weights import init_full_state
+from storage.journal import Journal
+from storage.run_dir import RunDir
+from tasks import model_ops
+from tasks.device_pool import DevicePool
+from tasks.reshard import gather_state
+
+from .test_ppo_job import SMALL
+
+PLAN_B = {
+    "actor/generate": Layout(tp=1, pp=1, dp=1, devices=(0,)),
+    "actor/train": Layout(tp=1, pp=2, dp=2, devices=(1, 0, 3, 2)),
+    "critic/train": Layout(tp=2, pp=1, dp=1, devices=(2, 3)),
+    "critic/infer": Layout(tp=2, pp=1, dp=1, devices=(2, 3)),
+    "reference/infer": Layout(tp=2, pp=1, dp=1, devices=(0, 1)),
+    "reward/infer": Layout(tp=1, pp=1, dp=1, devices=(3,)),
+}
+
+
+def _state(job: Job, plan: dict[str, Layout]) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        stage: gather_state(
+            job.pool, plan[stage], name=stage, config=job.config_of(stage), train=stage.endswith("/train")
+        )
+        for stage in OWN_STATE
+    }
+
+
+def test_transition_moves_all_state_bitwise_and_training_goes_on(tmp_path) -> None:
+    cfg = parse_config(SMALL)
+    ids = torch.randint(1, 11, (8, 8), generator=torch.Generator().manual_seed(3))
+    batch_critic = {"ids": ids, "score": torch.linspace(0, 1, 8)}
+    with prefect_test_harness(server_startup_timeout=300), DevicePool(4) as pool:
+        job = Job(pool, cfg, RunDir.create(tmp_path, cfg.model_dump(mode="json")))
+        job.load(init_full_state(job.config_of("reward/infer")))
+        plan_a = dict(job.plan)
+        # One step each so the AdamW moments and step counts are not trivial.
+        model_ops.train(pool, plan_a["actor/train"], {"ids": ids}, name="actor/train", loss_fn=lm_loss)
+        model_ops.train(
+            pool, plan_a["critic/train"], batch_critic, name="critic/train", loss_fn=score_mse_loss
+        )
+        before = _state(job, plan_a)
+        logp_before = model_ops.forward(pool, plan_a["actor/train"], ids, name="actor/train")
+        stats = transition_flow(pool, cfg, str(tmp_path), "t-test", plan_a, PLAN_B, step=1, reason="test")
+        job.switch_to(PLAN_B)
+        after = _state(job, PLAN_B)
+        logp_after = model_ops.forward(pool, PLAN_B["actor/train"], ids, name="actor/train")
+        # The generation copy follows the trained actor after the transition.
+        logp_gen = model_ops.forward(pool, PLAN_B["actor/generate"], ids, name="actor/generate")
+        loss_after = model_ops.train(
+            pool, PLAN_B["actor/train"], {"ids": ids}, name="actor/train", loss_fn=lm_loss
+        )
+    assert Journal(tmp_path, "t-test").status() == "committed"
+    assert stats["bytes_moved"] > 0
+    for stage in OWN_STATE:
+        assert before[stage].keys() == after[stage].keys(), stage
+        for name, tensor in before[stage].items():
+            assert torch.equal(tensor, after[stage][name]), f"{stage} {name} changed in the transition"
+    assert any(":exp_avg" in name for name in before["actor/train"])
+    assert (logp_before - logp_after).abs().max().item() <= 1e-5
+    assert (logp_gen - logp_after).abs().max().item() <= 1e-5
+    assert torch.isfinite(torch.tensor(loss_after))
