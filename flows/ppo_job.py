@@ -300,6 +300,10 @@ def _adapt(job: Job, step: int) -> None:
             adapt.transition_row(transition_id, step, old_id, plan_id(new_plan), decision, stats, status)
         )
         job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
+    if stats.get("status") == "refused":
+        job.transitions[-1]["status"] = "refused"
+        job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
+        return  # nothing moved: plan A stays in force
     job.switch_to(new_plan)
     if decision.transition is not None:
         job.last_transition = adapt.TransitionTiming(

@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 
 from nereus_core.config import NereusConfig
 from nereus_core.engine.shard import OptimizerSettings
+from nereus_core.gtg import TransitionInfeasible, build_gtg
 from nereus_core.layout import Layout
 from storage.journal import ABORT, COMMIT, DONE, START, Journal
 from tasks import model_ops
@@ -66,14 +67,33 @@ def transition_flow(
     """Move every model-stage whose layout differs from ``old`` to ``new``; returns the figures."""
     logger = get_run_logger()
     journal = Journal(run_dir, transition_id)
+    capacities = {d: int(cfg.cluster.memory_per_device) for d in range(pool.size)}
+    models = {s: (_config(cfg, s), s.endswith("/train")) for s in OWN_STATE}
+    try:
+        # The GTG orders the moves so no device overflows, and routes through the store when it must.
+        graph = build_gtg({s: old[s] for s in OWN_STATE}, {s: new[s] for s in OWN_STATE}, models, capacities)
+    except TransitionInfeasible as err:
+        journal.record("transition", ABORT, step=step, reason=reason, error=str(err))
+        logger.warning("transition %s refused before any move: %s", transition_id, err)
+        return {"seconds": 0.0, "bytes_moved": 0, "operations": 0, "status": "refused", "error": str(err)}
     journal.record(
         "transition",
         START,
         step=step,
         reason=reason,
         path=path,
+        route=graph.route,
+        route_reason=graph.reason,
+        critical_path_s=graph.critical_path_s,
         old={k: v.model_dump(mode="json") for k, v in old.items()},
         new={k: v.model_dump(mode="json") for k, v in new.items()},
+    )
+    logger.info(
+        "GTG: route %s (%s), %d ops, critical path %.3f s",
+        graph.route,
+        graph.reason,
+        len(graph.ops),
+        graph.critical_path_s,
     )
     start = time.perf_counter()
     moved, ops = 0, 0
@@ -124,4 +144,11 @@ def transition_flow(
         raise
     seconds = time.perf_counter() - start
     journal.record("transition", COMMIT, seconds=seconds, bytes_moved=moved)
-    return {"seconds": seconds, "bytes_moved": moved, "operations": ops}
+    return {
+        "seconds": seconds,
+        "bytes_moved": moved,
+        "operations": ops,
+        "status": "committed",
+        "route": graph.route,
+        "gtg_critical_path_s": graph.critical_path_s,
+    }

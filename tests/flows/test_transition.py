@@ -72,3 +72,24 @@ def test_transition_moves_all_state_bitwise_and_training_goes_on(tmp_path) -> No
     assert (logp_before - logp_after).abs().max().item() <= 1e-5
     assert (logp_gen - logp_after).abs().max().item() <= 1e-5
     assert torch.isfinite(torch.tensor(loss_after))
+
+
+class _NoDevices:
+    """Stands in for the pool: a refused transition must not touch a device."""
+
+    size = 4
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the refused transition used the pool ({name})")
+
+
+def test_transition_that_cannot_fit_is_refused_before_any_move(tmp_path) -> None:
+    data = dict(SMALL, cluster={"devices": 4, "memory_per_device": "64KiB"})
+    cfg = parse_config(data)
+    plan_a = {k: Layout.model_validate(v) for k, v in SMALL["plan"].items()}
+    with prefect_test_harness(server_startup_timeout=300):
+        stats = transition_flow(
+            _NoDevices(), cfg, str(tmp_path), "t-tight", plan_a, PLAN_B, step=0, reason="test"
+        )
+    assert stats["status"] == "refused" and stats["bytes_moved"] == 0
+    assert Journal(tmp_path, "t-tight").status() == "aborted"
