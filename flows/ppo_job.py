@@ -176,7 +176,8 @@ def run_step(job: Job, step: int) -> dict[str, Any]:
     )
     r = ro.Rollout(prompts=prompts, responses=responses, mask=torch.ones(b, t_len))
     ids, n_tok = r.ids, b * (p_len + t_len)
-    r.rule_score = _stage(job, step, "task", "rule_score", b, st.score_rule, prompts, responses)
+    # The rule score is a microsecond of tensor math: a plain call, not a task (a task costs ~5-15 ms).
+    r.rule_score = _stage(job, step, "task", "rule_score", b, st.timed_rule_score, prompts, responses)
     values = _stage(
         job, step, "reward", "infer", n_tok, st.infer, pool, plan["reward/infer"], ids, name="reward/infer"
     )

@@ -130,8 +130,7 @@ def infer(pool: DevicePool, layout: Layout, ids: torch.Tensor, *, name: str) -> 
     return _timed(model_ops.forward, pool, layout, ids, name=name)
 
 
-@task(cache_policy=NO_CACHE)
-def score_rule(prompts: torch.Tensor, responses: torch.Tensor) -> Timed:
+def timed_rule_score(prompts: torch.Tensor, responses: torch.Tensor) -> Timed:
     """The task's verifiable score (logged beside the reward model's)."""
     return _timed(rule_score, prompts, responses)
 
