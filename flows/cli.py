@@ -244,6 +244,29 @@ def _plan_table(chosen: Any) -> str:
     return "\n".join(lines)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the trace-driven simulation of CONFIG (flows/simulate.py) into DIR."""
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.simulate import read_sim_config, run_simulation
+    from nereus_core.sim.engine import SimError
+
+    try:
+        cfg = read_sim_config(args.config)
+    except ConfigError as err:
+        return _fail(args.config, str(err))
+    out = args.out or Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    print(f"nereus: {cfg.name}: simulating {len(cfg.traces)} traces x {len(cfg.seeds)} seeds -> {out}")
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    started = datetime.now()
+    try:
+        run_simulation(args.config, out)
+    except (ConfigError, SimError) as err:
+        return _fail(args.config, str(err))
+    print(f"nereus: done in {(datetime.now() - started).total_seconds():.0f} s: {out}/summary.json")
+    return EXIT_OK
+
+
 def cmd_not_yet(args: argparse.Namespace) -> int:
     print(f"nereus: {args.command} is not available yet", file=sys.stderr)
     return EXIT_USAGE
@@ -287,9 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
     )
     plan.set_defaults(handler=cmd_plan)
-    simulate = sub.add_parser("simulate", help="simulate the strategies on a trace (not available yet)")
-    simulate.add_argument("config", type=Path, metavar="CONFIG")
-    simulate.add_argument("--out", type=Path, metavar="DIR")
+    simulate = sub.add_parser("simulate", help="trace-driven simulation of every strategy of CONFIG")
+    simulate.add_argument("config", type=Path, metavar="CONFIG", help="e.g. examples/paper_sim.yaml")
+    simulate.add_argument("--out", type=Path, metavar="DIR", help="output folder (default runs/NAME-TIME)")
+    simulate.set_defaults(handler=cmd_simulate)
     resume = sub.add_parser("resume", help="continue an interrupted run or transition (not available yet)")
     resume.add_argument("run_dir", type=Path, metavar="DIR")
     report = sub.add_parser("report", help="plot a run into DIR/plots")
@@ -301,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, metavar="N")
     export.add_argument("--hf", required=True, type=Path, metavar="OUT")
     export.set_defaults(handler=cmd_export)
-    for cmd in (simulate, resume):
+    for cmd in (resume,):
         cmd.set_defaults(handler=cmd_not_yet)
     return parser
 

@@ -1,0 +1,9 @@
+"""The trace-driven simulator: a PPO job replayed step by step through the real controller and cost model.
+
+Boundary: a trace (devices, capacity and lengths per step) and a hidden "truth"
+(the analytic cost model times seeded per-term factors and per-stage noise) go in;
+per-step records and per-strategy summaries come out. The strategies call the same
+``controller``, ``plan`` and ``cost_model`` code a running job does; nothing here
+reads files, starts processes or knows Prefect or Dask (``tasks/sim_tasks.py`` and
+``flows/simulate.py`` do that).
+"""

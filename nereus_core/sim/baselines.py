@@ -1,0 +1,299 @@
+"""verl and OpenRLHF as fixed-plan strategies, modelled from shared/reference/baselines.md.
+
+Both keep one plan for the whole run (neither changes TP/PP while it runs), pay the
+weight sync from the trainer to the rollout engine every step, and run through the
+same engine and true cost as Nereus. Every open choice is taken in their favour:
+their config is picked offline by an oracle that knows the hidden true cost and the
+whole trace (``tune_steps`` steps sampled from it), and micro-batch counts (vLLM's
+waves, verl's dynamic batch size) are re-picked every step at the true cost.
+
+- ``verl`` (HybridFlow, ``main_ppo.py``): every role colocated in one pool and
+  time-shared, so a step is the sum of its stages plus the colocated reshard of the
+  actor into the rollout layout (3D-HybridEngine; ``cost_model.weight_sync_s``).
+  Training and inference may use Megatron TP/PP (verl supports it), so their layouts
+  are the controller's own search run with the true cost, colocated only; the rollout
+  is vLLM with a launch-time ``tensor_model_parallel_size`` and no pipeline.
+- ``openrlhf`` (``train_ppo_ray.py``): vLLM engines of one TP size on their own GPUs;
+  DeepSpeed ZeRO for the rest (data parallel, optional AutoTP with one TP size for all
+  DeepSpeed models, no pipeline). Placements (its flags): ``separate`` (each model its
+  own GPUs, the default), ``paired`` (actor+reference, critic+reward) and ``colocated``
+  (all models and vLLM time-share every GPU). Pool sizes are powers of two. Weight sync
+  after every update: NCCL broadcast into the vLLM ranks (disaggregated; the cost model's
+  per-receiver bound, not the per-parameter broadcast the issues measure), CUDA IPC
+  when colocated. Within a step: generation, then the inference stages, then training;
+  models on different GPUs run those phases concurrently (OpenRLHF calls their Ray
+  actors together), models sharing GPUs one after another, and pools idle otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from nereus_core.controller import ControllerSettings
+from nereus_core.cost_model import Workload
+from nereus_core.layout import MODEL_STAGES, Layout
+from nereus_core.plan import GENERATE, GlobalPlan, Placement, step_seconds
+from nereus_core.plan_search import Searcher, SearchSpace
+from nereus_core.sim.config import StrategySpec
+from nereus_core.sim.engine import SimError
+from nereus_core.sim.strategies import FixedStrategy
+from nereus_core.sim.world import World, largest_dp, usable_bytes
+
+INF = float("inf")
+INFER = ("reference/infer", "reward/infer", "critic/infer")
+TRAIN = ("actor/train", "critic/train")
+POOLS: dict[str, dict[str, tuple[str, ...]]] = {
+    "separate": {
+        "G": (GENERATE,),
+        "A": ("actor/train",),
+        "C": ("critic/infer", "critic/train"),
+        "R": ("reference/infer",),
+        "W": ("reward/infer",),
+    },
+    "paired": {
+        "G": (GENERATE,),
+        "A": ("actor/train", "reference/infer"),
+        "C": ("critic/infer", "critic/train", "reward/infer"),
+    },
+}
+Combine = Callable[[GlobalPlan, Mapping[str, float], float], float]
+
+
+def sample_steps(steps: int, count: int) -> list[int]:
+    """``count`` steps spread evenly over a run (first and last included)."""
+    return sorted({round(float(x)) for x in np.linspace(0, steps - 1, min(count, steps))})
+
+
+def oracle_seconds(
+    world: World, plan: GlobalPlan, works: Sequence[Workload], usable: float, combine: Combine
+) -> float:
+    """True seconds of ``plan`` over ``works`` with micro-batches re-picked per step; inf if it ever
+    does not fit."""
+    total, sync = 0.0, world.true_sync_s(plan)
+    for work in works:
+        _, fits, seconds = world.tune(plan, work, usable)
+        if not fits:
+            return INF
+        total += combine(plan, seconds, sync)
+    return total
+
+
+def tp_options(world: World, limit: int) -> list[int]:
+    """Tensor-parallel sizes within a node that shard every model."""
+    out = []
+    for tp in (1, 2, 4, 8, 16, 32, 64):
+        if tp <= min(limit, world.profile.devices_per_node) and all(
+            m.tp_error(tp) is None for m in world.models.values()
+        ):
+            out.append(tp)
+    return out
+
+
+class VerlStrategy(FixedStrategy):
+    """verl: one colocated plan, the best the true cost finds over the trace; rollout TP only."""
+
+    def __init__(self, name: str, *, spec: StrategySpec, settings: ControllerSettings) -> None:
+        super().__init__(name, headroom=settings.headroom)
+        self.spec, self.settings = spec, settings
+
+    def initial_plan(self, world: World) -> GlobalPlan:
+        tr = world.trace
+        n = int(tr.devices[0])
+        usable = usable_bytes(tr.memory_bytes(0), self.headroom)
+        works = [tr.workloads[i] for i in sample_steps(tr.steps, self.spec.tune_steps)]
+        by_length = sorted(works, key=lambda w: w.response_mean)
+        picks = {by_length[int(q * (len(by_length) - 1))] for q in (0.0, 0.5, 0.9, 1.0)}
+        space = SearchSpace(
+            devices=n,
+            budget=float(usable),
+            disaggregated=False,
+            overlap=False,
+            buckets=self.settings.memory_buckets,
+        )
+        candidates: dict[str, GlobalPlan] = {}
+        for work in sorted(picks, key=lambda w: w.response_mean):
+            found = Searcher(space, work, world.models, world.profile, world.true_scales(), world.wire).run()
+            for f in found.feasible[:3]:
+                for plan in self._rollout_variants(world, f.plan, n, work.batch):
+                    candidates.setdefault(plan.plan_id, plan)
+        if not candidates:
+            raise SimError(f"trace {tr.name}: verl: no colocated plan fits on {n} devices")
+        scored = {
+            pid: oracle_seconds(world, p, works, usable, self.combine)
+            for pid, p in sorted(candidates.items())
+        }
+        best = min(scored, key=lambda pid: scored[pid])
+        if scored[best] == INF:
+            raise SimError(f"trace {tr.name}: verl: no colocated plan fits every sampled step")
+        return candidates[best]
+
+    def _rollout_variants(self, world: World, plan: GlobalPlan, n: int, batch: int) -> list[GlobalPlan]:
+        """The plan with its rollout on each vLLM TP size (pp 1, data parallel over all devices)."""
+        out = []
+        for tp in tp_options(world, n):
+            gen = Layout.contiguous(tp=tp, dp=largest_dp(batch, n // tp))
+            out.append(
+                GlobalPlan.model_construct(placement="colocated", layouts={**plan.layouts, GENERATE: gen})
+            )
+        return out
+
+    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
+        return step_seconds("colocated", stage_s, sync_s, overlap=False)
+
+
+def phased_seconds(plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
+    """Generation + sync, then the inference phase, then the training phase; within a phase, stages on
+    different GPUs (different first slot) run together and stages on the same GPUs one after another."""
+
+    def phase(stages: tuple[str, ...]) -> float:
+        per_pool: dict[int, float] = {}
+        for s in stages:
+            if s in stage_s:
+                first = plan.layouts[s].devices[0]
+                per_pool[first] = per_pool.get(first, 0.0) + stage_s[s]
+        return max(per_pool.values(), default=0.0)
+
+    return stage_s.get(GENERATE, 0.0) + sync_s + phase(INFER) + phase(TRAIN)
+
+
+class OpenRLHFStrategy(FixedStrategy):
+    """OpenRLHF: models on their own pools (or its colocation flags), the fastest config for the trace."""
+
+    def __init__(self, name: str, *, spec: StrategySpec, settings: ControllerSettings) -> None:
+        super().__init__(name, headroom=settings.headroom)
+        self.spec = spec
+
+    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
+        return phased_seconds(plan, stage_s, sync_s)
+
+    def initial_plan(self, world: World) -> GlobalPlan:
+        tr = world.trace
+        n = int(tr.devices[0])
+        usable = usable_bytes(tr.memory_bytes(0), self.headroom)
+        works = [tr.workloads[i] for i in sample_steps(tr.steps, self.spec.tune_steps)]
+        best: tuple[float, GlobalPlan] | None = None
+        for placement in self.spec.placements:
+            found = (
+                self._colocated(world, n, works, usable)
+                if placement == "colocated"
+                else self._pooled(world, POOLS[placement], n, works, usable)
+            )
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+        if best is None or best[0] == INF:
+            raise SimError(
+                f"trace {tr.name}: openrlhf: no config of {list(self.spec.placements)} fits on {n} devices"
+            )
+        return best[1]
+
+    def _colocated(
+        self, world: World, n: int, works: list[Workload], usable: float
+    ) -> tuple[float, GlobalPlan]:
+        batch, best = works[0].batch, (INF, None)
+        for vllm_tp, ds_tp in itertools.product(tp_options(world, n), repeat=2):
+            layouts = {s: Layout.contiguous(tp=ds_tp, dp=largest_dp(batch, n // ds_tp)) for s in MODEL_STAGES}
+            layouts[GENERATE] = Layout.contiguous(tp=vllm_tp, dp=largest_dp(batch, n // vllm_tp))
+            plan = GlobalPlan.model_construct(placement="colocated", layouts=layouts)
+            seconds = oracle_seconds(world, plan, works, usable, self.combine)
+            if seconds < best[0]:
+                best = (seconds, plan)
+        return best  # type: ignore[return-value]
+
+    def _pool(
+        self, world: World, stages: tuple[str, ...], size: int, tp: int, works: list[Workload], usable: float
+    ) -> dict[str, np.ndarray]:
+        """True seconds per sampled step of each stage of one pool of ``size`` GPUs (inf: does not fit)."""
+        batch = works[0].batch
+        layouts = {s: Layout.contiguous(tp=tp, dp=largest_dp(batch, size // tp)) for s in stages}
+        plan = GlobalPlan.model_construct(placement="disaggregated", layouts=layouts)
+        out = {s: np.full(len(works), INF) for s in stages}
+        for i, work in enumerate(works):
+            _, fits, seconds = world.tune(plan, work, usable)
+            if fits:
+                for s in stages:
+                    out[s][i] = seconds[s]
+        return out
+
+    def _pooled(
+        self, world: World, pools: dict[str, tuple[str, ...]], n: int, works: list[Workload], usable: float
+    ) -> tuple[float, GlobalPlan] | None:
+        sizes = [2**i for i in range(12) if max(1, n // 64) <= 2**i <= n // 2]
+        if not sizes:
+            return None
+        gen, gen_tp = self._generation(world, sizes, n, works, usable)
+        others = [p for p in pools if p != "G"]
+        best: tuple[float, dict[str, int], int] | None = None
+        for ds_tp in tp_options(world, n):
+            table = {
+                (p, size): self._pool(world, pools[p], size, ds_tp, works, usable)
+                for p in others
+                for size in sizes
+                if ds_tp <= size
+            }
+            for combo in itertools.product(sizes, repeat=len(pools)):
+                if sum(combo) > n or ds_tp > min(combo[1:]):
+                    continue
+                chosen = dict(zip(["G", *others], combo, strict=True))
+                per_stage = {s: table[(p, chosen[p])][s] for p in others for s in pools[p]}
+                infer = _phase(per_stage, pools, INFER, others)
+                train = _phase(per_stage, pools, TRAIN, others)
+                total = float((gen[chosen["G"]] + infer + train).sum())
+                if best is None or total < best[0]:
+                    best = (total, chosen, ds_tp)
+        if best is None or best[0] == INF:
+            return None
+        total, chosen, ds_tp = best
+        return total, self._assemble(pools, chosen, gen_tp[chosen["G"]], ds_tp, works[0].batch)
+
+    def _generation(
+        self, world: World, sizes: list[int], n: int, works: list[Workload], usable: float
+    ) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+        """Per generation pool size: seconds per sampled step (with the sync into it) at its best vLLM TP."""
+        best: dict[int, np.ndarray] = {}
+        best_tp: dict[int, int] = {}
+        for g, tp in itertools.product(sizes, tp_options(world, n)):
+            if tp > g:
+                continue
+            seconds = self._pool(world, (GENERATE,), g, tp, works, usable)[GENERATE]
+            # The sync target: a trainer on the next pool (inter-node beyond one node).
+            train = Layout.contiguous(first=g % n)
+            two = GlobalPlan.model_construct(
+                placement="disaggregated",
+                layouts={GENERATE: Layout.contiguous(tp=tp, dp=g // tp), "actor/train": train},
+            )
+            seconds = seconds + world.true_sync_s(two)
+            if g not in best or seconds.sum() < best[g].sum():
+                best[g], best_tp[g] = seconds, tp
+        return best, best_tp
+
+    def _assemble(
+        self, pools: dict[str, tuple[str, ...]], sizes: dict[str, int], gen_tp: int, ds_tp: int, batch: int
+    ) -> GlobalPlan:
+        """Pools on consecutive slots, largest first (each starts on a node boundary or inside one node)."""
+        layouts: dict[str, Layout] = {}
+        first = 0
+        for p in sorted(pools, key=lambda q: (-sizes[q], q)):
+            tp = gen_tp if p == "G" else ds_tp
+            for s in pools[p]:
+                layouts[s] = Layout.contiguous(tp=tp, dp=largest_dp(batch, sizes[p] // tp), first=first)
+            first += sizes[p]
+        placement: Placement = "disaggregated"
+        return GlobalPlan.model_construct(placement=placement, layouts={s: layouts[s] for s in MODEL_STAGES})
+
+
+def _phase(
+    per_stage: dict[str, np.ndarray],
+    pools: dict[str, tuple[str, ...]],
+    stages: tuple[str, ...],
+    names: list[str],
+) -> np.ndarray:
+    """Per sampled step: the slowest pool of a phase, each pool summing its stages of that phase."""
+    out = np.zeros_like(next(iter(per_stage.values())))
+    for p in names:
+        mine = [per_stage[s] for s in pools[p] if s in stages]
+        if mine:
+            out = np.maximum(out, np.sum(mine, axis=0))
+    return out

@@ -1,0 +1,198 @@
+"""The simulation config: model, hardware, noise, controller, traces, strategies, and how the sweep runs.
+
+Boundary: a mapping in (the YAML the CLI read), a frozen, validated ``SimConfig``
+out; a bad value raises ``ConfigError`` with one line naming the field. Trace files
+are paths as written in the config; resolving them against the config's folder is
+the caller's business.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from nereus_core.config import ConfigError, ModelConfig
+from nereus_core.controller import ControllerSettings
+
+StrategyKind = Literal["nereus", "static", "openrlhf", "verl"]
+OpenRLHFPlacement = Literal["separate", "paired", "colocated"]
+
+# Llama-3.1-8B's shapes (Meta's config.json; shared/reference/hardware.md "Model (Llama-3-8B)").
+# Llama-3.1 rather than 3.0 only for the 128k context, since the traces' responses pass 8k tokens.
+LLAMA_3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class NoiseSettings(_Frozen):
+    """How the simulated "measured" times differ from the analytic model."""
+
+    stage_sigma: float = Field(
+        default=0.05, ge=0, le=2, description="Log-sd of the per-stage, per-step noise on measured times."
+    )
+    hidden_sigma: float = Field(
+        default=0.3,
+        ge=0,
+        le=2,
+        description="Log-sd of the hidden true/model factor of each cost term (drawn once per seed).",
+    )
+    hidden_max: float = Field(
+        default=2.0, ge=1, le=10, description="Hidden factors are clipped to [1/hidden_max, hidden_max]."
+    )
+    transition_sigma: float = Field(
+        default=0.1, ge=0, le=2, description="Log-sd of the noise on each transition's measured time."
+    )
+
+
+class DecisionSettings(_Frozen):
+    """When the adaptive strategy asks the controller, and what a decision costs the job."""
+
+    every: int = Field(
+        default=1,
+        ge=1,
+        le=10_000,
+        description="Ask the controller every k steps (and always when devices or capacity change).",
+    )
+    cost: Literal["fixed", "measured"] = Field(
+        default="fixed",
+        description="fixed: charge `seconds` per call (deterministic results); measured: charge each "
+        "call's wall time in this process.",
+    )
+    seconds: float = Field(
+        default=0.05,
+        ge=0,
+        le=3600,
+        description="Seconds charged per controller call when cost=fixed (the controller's 50 ms target "
+        "at 1,024 devices; benchmarks/bench_controller.py measures it).",
+    )
+    length_window: int = Field(
+        default=5, ge=1, le=1000, description="Recent steps whose lengths make the expected next workload."
+    )
+
+
+class StrategySpec(_Frozen):
+    """One strategy of the sweep."""
+
+    kind: StrategyKind = Field(description="nereus (adaptive), static, openrlhf or verl.")
+    controller: ControllerSettings | None = Field(
+        default=None, description="nereus and static: controller settings replacing the config's."
+    )
+    decision: DecisionSettings | None = Field(
+        default=None, description="nereus only: decision settings replacing the config's."
+    )
+    placements: tuple[OpenRLHFPlacement, ...] = Field(
+        default=("separate", "paired", "colocated"),
+        min_length=1,
+        description="openrlhf only: placements it may use (its flags); the fastest is taken, in its favour.",
+    )
+    tune_steps: int = Field(
+        default=16,
+        ge=1,
+        le=10_000,
+        description="openrlhf and verl: trace steps sampled to pick their fixed config offline (an oracle "
+        "that knows the whole trace and the true cost, in their favour).",
+    )
+
+
+class TraceSpec(_Frozen):
+    """One trace of the sweep: a CSV and how to read it."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Short name, e.g. grow-1024.")
+    file: str = Field(min_length=1, description="CSV path (relative paths: the config's folder first).")
+    devices: int | None = Field(
+        default=None, ge=1, le=65536, description="Devices for every step (replaces the CSV's column)."
+    )
+    steps: int | None = Field(default=None, ge=1, description="Use only the first N steps.")
+    strategies: tuple[str, ...] = Field(default=(), description="Strategies to run on it (empty: all).")
+
+
+class SweepSettings(_Frozen):
+    """Where the (trace, strategy, seed) runs execute."""
+
+    mode: Literal["auto", "dask", "inprocess"] = Field(
+        default="auto",
+        description="auto: in this process when the sweep has at most `inprocess_max` runs, else Dask.",
+    )
+    workers: int = Field(default=2, ge=1, le=256, description="Dask LocalCluster workers (one thread each).")
+    scheduler_address: str | None = Field(
+        default=None, description="An existing Dask scheduler (tcp://host:port); None starts a LocalCluster."
+    )
+    inprocess_max: int = Field(default=2, ge=0, le=10_000, description="Largest sweep auto runs in-process.")
+
+
+def _default_strategies() -> dict[str, StrategySpec]:
+    return {k: StrategySpec(kind=k) for k in ("nereus", "static", "openrlhf", "verl")}
+
+
+class SimConfig(_Frozen):
+    """Everything one ``nereus simulate`` run needs."""
+
+    name: str = Field(default="nereus-sim", min_length=1, description="Name of the simulation.")
+    model: ModelConfig = Field(default=LLAMA_3_8B, description="Shapes of every PPO model (8B by default).")
+    profile: Literal["h100", "cpu"] = Field(default="h100", description="Hardware profile (hardware.py).")
+    seeds: tuple[int, ...] = Field(default=(0,), min_length=1, description="Seeds; each draws its own truth.")
+    ppo_epochs: int = Field(default=1, ge=1, le=64, description="Passes of the train stages per step.")
+    noise: NoiseSettings = NoiseSettings()
+    decision: DecisionSettings = DecisionSettings()
+    controller: ControllerSettings = ControllerSettings()
+    sweep: SweepSettings = SweepSettings()
+    strategies: dict[str, StrategySpec] = Field(default_factory=_default_strategies)
+    traces: tuple[TraceSpec, ...] = Field(min_length=1, description="Traces to replay.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        for name in self.strategies:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", name):
+                raise ValueError(f"strategies.{name}: names use a-z, 0-9, '_', '.', '-'")
+        seen: set[str] = set()
+        for trace in self.traces:
+            if trace.name in seen:
+                raise ValueError(f"traces: {trace.name!r} appears twice; trace names must be unique")
+            seen.add(trace.name)
+            for s in trace.strategies:
+                if s not in self.strategies:
+                    valid = ", ".join(self.strategies)
+                    raise ValueError(f"traces.{trace.name}.strategies: no strategy {s!r}; valid: {valid}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds={list(self.seeds)} repeats a seed; list each once")
+        return self
+
+    def strategies_for(self, trace: TraceSpec) -> tuple[str, ...]:
+        return trace.strategies or tuple(self.strategies)
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def parse_sim_config(data: Any) -> SimConfig:
+    """Validate a mapping into a ``SimConfig``; ``ConfigError`` with one line otherwise."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a simulation config must be a mapping of sections, got {type(data).__name__}")
+    try:
+        return SimConfig.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = _where(tuple(first["loc"]))
+        msg = first["msg"].removeprefix("Value error, ").removesuffix(" after validation, not 0")
+        msg = re.sub(r"^(Input|String|List|Tuple|Value|Dictionary) should", "must", msg)
+        if first["type"] == "extra_forbidden":
+            msg = "unknown field"
+        line = f"{where}: {msg}" if where and not msg.startswith(where) else msg
+        raise ConfigError(" ".join(line.splitlines())) from None

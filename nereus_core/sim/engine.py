@@ -1,0 +1,147 @@
+"""The step loop every strategy runs through: prepare a plan, time its stages in the world, move on.
+
+Boundary: the engine owns the clock and the records; a strategy owns its plan
+(``Strategy``) and the world owns the truth (``world.World``). Per step:
+
+    plan <- strategy.prepare(k)              (baselines re-pick micro-batches here)
+    stage seconds = true x noise             (what the job measures)
+    step_s = strategy.combine(stages, sync)  + the controller's time after the step
+    move  <- strategy.after(k, measured)      (keep, switch, retune, rescale; its transition time)
+
+A step's latency (``step_s``) is its stages, the weight sync, and the controller's
+decision time after it (the first decision, which picks the starting plan, is
+charged to step 0); a transition's time is recorded on the step it follows and
+counts in the run's total time, not in any step's latency.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from nereus_core.cost_model import Workload
+from nereus_core.layout import MODEL_STAGES
+from nereus_core.plan import GlobalPlan
+from nereus_core.sim.world import World
+
+MoveKind = Literal["start", "keep", "switch", "retune", "rescale", "none"]
+# Moves that change a layout's degrees, devices or placement (state moves): the paper's "transitions".
+TRANSITION_KINDS = ("switch", "rescale")
+
+
+class SimError(RuntimeError):
+    """The simulation cannot go on (e.g. no plan fits at the first step)."""
+
+
+@dataclass
+class Move:
+    """What a strategy does at a step boundary."""
+
+    plan: GlobalPlan
+    kind: MoveKind = "keep"
+    transition_s: float = 0.0  # true seconds of the transition it runs
+    predicted_transition_s: float = 0.0  # the cost model's prediction of it (nereus)
+    decide_s: float = 0.0  # controller seconds charged to the job
+    decide_wall_s: float = 0.0  # wall seconds the controller took in this process
+    decide_calls: int = 0  # controller calls behind this move
+    reason: str = ""
+
+
+@dataclass
+class Prepared:
+    """The plan a strategy runs at step k and each stage's true seconds on it."""
+
+    plan: GlobalPlan
+    true_s: dict[str, float]
+
+
+@dataclass
+class StepRun:
+    """What step k measured, handed to the strategy after it."""
+
+    k: int
+    plan: GlobalPlan
+    work: Workload
+    measured: dict[str, float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Strategy(Protocol):
+    name: str
+
+    def begin(self, world: World) -> Move: ...
+
+    def prepare(self, k: int, world: World) -> Prepared: ...
+
+    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float: ...
+
+    def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float | None: ...
+
+    def after(self, k: int, world: World, run: StepRun) -> Move: ...
+
+
+def stage_column(stage: str) -> str:
+    """``'actor/generate'`` -> ``'actor_generate_s'`` (a column name)."""
+    return stage.replace("/", "_") + "_s"
+
+
+def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tuple[list[dict], dict[str, str]]:
+    """Run ``strategy`` through every step of ``world``; the per-step records and the plans used."""
+    tr = world.trace
+    records: list[dict] = []
+    plans: dict[str, str] = {}
+    start = strategy.begin(world)
+    carried_s, carried_wall, carried_calls = start.decide_s, start.decide_wall_s, start.decide_calls
+    for k in range(world.steps):
+        work = tr.workloads[k]
+        world.begin_step()
+        prepared = strategy.prepare(k, world)
+        plan = prepared.plan
+        plans.setdefault(plan.plan_id, plan.describe())
+        measured = {s: world.measured_stage_s(k, s, t) for s, t in prepared.true_s.items()}
+        true_sync = world.true_sync_s(plan)
+        sync = world.measured_sync_s(k, true_sync)
+        stage_s = strategy.combine(plan, measured, sync)
+        true_s = strategy.combine(plan, prepared.true_s, true_sync)
+        predicted = strategy.predict(plan, work, world, k)
+        fits = world.peak_bytes(plan, work) <= tr.memory_bytes(k)
+        move = strategy.after(k, world, StepRun(k, plan, work, measured))
+        decide_s, decide_wall = carried_s + move.decide_s, carried_wall + move.decide_wall_s
+        calls = carried_calls + move.decide_calls
+        carried_s = carried_wall = 0.0
+        carried_calls = 0
+        records.append(
+            {
+                "trace": trace,
+                "strategy": strategy.name,
+                "seed": seed,
+                "step": k,
+                "devices": int(tr.devices[k]),
+                "capacity_gb": float(tr.capacity_gb[k]),
+                "batch": int(tr.batch[k]),
+                "prompt_len": int(tr.prompt_len[k]),
+                "response_mean": float(tr.response_mean[k]),
+                "response_p90": int(tr.response_p90[k]),
+                "tokens": tr.tokens(k),
+                "plan_id": plan.plan_id,
+                "placement": plan.placement,
+                "devices_used": len(plan.devices),
+                "fits": bool(fits),
+                **{stage_column(s): measured.get(s, 0.0) for s in MODEL_STAGES},
+                "sync_s": sync,
+                "stages_s": stage_s,
+                "decide_s": decide_s,
+                "decide_wall_s": decide_wall,
+                "decide_calls": calls,
+                "step_s": stage_s + decide_s,
+                "true_step_s": true_s,
+                "predicted_step_s": math.nan if predicted is None else predicted,
+                "move": move.kind,
+                "transition_s": move.transition_s,
+                "predicted_transition_s": move.predicted_transition_s,
+                "reason": move.reason,
+            }
+        )
+    return records, plans

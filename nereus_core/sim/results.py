@@ -1,0 +1,157 @@
+"""From per-step records to the summary: per run, per strategy over seeds, and Nereus against the rest.
+
+Boundary: lists of step records (``engine.simulate``) in, JSON-ready dicts out.
+Everything here is deterministic in the records; the measured wall time of the
+controller (``decide_wall_s``) is left out of the summary so that the same config
+and seed always give the same summary (it stays in the step records).
+
+Per run (one trace, strategy and seed):
+- ``total_s``: every step's latency plus every transition.
+- ``mean_step_s``: the mean step latency (stages + weight sync + controller time).
+- ``throughput_tokens_per_s``: tokens (prompt + response of every sequence) / total_s.
+- ``transitions``: moves that change a layout's degrees, slots or placement (switches
+  and DP rescales), and how many of them the devices, memory or a gain caused
+  (``transitions_devices``, ``_memory``, ``_gain``); ``retunes``: controller switches
+  that only change micro-batch counts.
+  ``transition_s_total`` counts both; ``transition_overhead_frac`` = it / total_s.
+- ``controller_s_total`` and ``controller_overhead_frac``: decision time charged.
+- ``prediction_error_*``: |calibrated predicted step - true step| / true step, mean over
+  steps [0, 5) and [45, 55) (adaptive strategy only).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+from nereus_core.sim.engine import TRANSITION_KINDS
+
+FIELDS = (
+    "mean_step_s",
+    "throughput_tokens_per_s",
+    "transitions",
+    "transition_s_total",
+    "transition_overhead_frac",
+    "transitions_devices",
+    "transitions_memory",
+    "transitions_gain",
+    "retunes",
+    "controller_calls",
+    "controller_s_total",
+    "controller_overhead_frac",
+    "infeasible_steps",
+    "total_s",
+    "tokens",
+    "prediction_error_first5",
+    "prediction_error_45_55",
+)
+
+
+def _mean_error(records: Sequence[dict], lo: int, hi: int) -> float | None:
+    errs = [
+        abs(r["predicted_step_s"] - r["true_step_s"]) / r["true_step_s"]
+        for r in records
+        if lo <= r["step"] < hi and not math.isnan(r["predicted_step_s"])
+    ]
+    return statistics.fmean(errs) if errs else None
+
+
+def cause(record: dict) -> str:
+    """Why a transition ran: ``devices`` (the device set changed), ``memory`` (the plan stopped
+    fitting) or ``gain`` (the controller admitted a faster plan)."""
+    reason = record["reason"]
+    if record["move"] == "rescale" or reason.startswith("device set changed") or "beyond the" in reason:
+        return "devices"
+    if "needs" in reason or "peaked" in reason:
+        return "memory"
+    return "gain"
+
+
+def summarize_run(records: Sequence[dict]) -> dict[str, float | int | None]:
+    """The summary fields of one (trace, strategy, seed) run."""
+    steps = sum(r["step_s"] for r in records)
+    transition_s = sum(r["transition_s"] for r in records)
+    total = steps + transition_s
+    tokens = sum(r["tokens"] for r in records)
+    controller = sum(r["decide_s"] for r in records)
+    return {
+        "steps": len(records),
+        "mean_step_s": steps / len(records),
+        "throughput_tokens_per_s": tokens / total,
+        "transitions": sum(r["move"] in TRANSITION_KINDS for r in records),
+        "transition_s_total": transition_s,
+        **{
+            f"transitions_{c}": sum(r["move"] in TRANSITION_KINDS and cause(r) == c for r in records)
+            for c in ("devices", "memory", "gain")
+        },
+        "transition_overhead_frac": transition_s / total,
+        "retunes": sum(r["move"] == "retune" for r in records),
+        "controller_calls": sum(r["decide_calls"] for r in records),
+        "controller_s_total": controller,
+        "controller_overhead_frac": controller / total,
+        "infeasible_steps": sum(not r["fits"] for r in records),
+        "total_s": total,
+        "tokens": tokens,
+        "prediction_error_first5": _mean_error(records, 0, 5),
+        "prediction_error_45_55": _mean_error(records, 45, 55),
+    }
+
+
+def _mean(values: Iterable[float | int | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def aggregate(runs: dict[int, dict]) -> dict:
+    """Mean of every field over seeds, plus the per-seed values."""
+    out: dict = {f: _mean(r[f] for r in runs.values()) for f in FIELDS}
+    out["steps"] = next(iter(runs.values()))["steps"]
+    out["by_seed"] = {str(seed): runs[seed] for seed in sorted(runs)}
+    return out
+
+
+def compare(per_strategy: dict[str, dict], adaptive: str) -> dict[str, dict]:
+    """``adaptive`` against every other strategy of one trace, paired by seed, then averaged:
+    throughput ratio (adaptive / other) and mean step latency change (adaptive / other - 1)."""
+    if adaptive not in per_strategy:
+        return {}
+    mine = per_strategy[adaptive]["by_seed"]
+    out = {}
+    for name, other in per_strategy.items():
+        if name == adaptive:
+            continue
+        seeds = [s for s in mine if s in other["by_seed"]]
+        ratio = [
+            mine[s]["throughput_tokens_per_s"] / other["by_seed"][s]["throughput_tokens_per_s"] for s in seeds
+        ]
+        latency = [mine[s]["mean_step_s"] / other["by_seed"][s]["mean_step_s"] - 1.0 for s in seeds]
+        out[name] = {
+            "throughput_ratio": _mean(ratio),
+            "step_latency_change": _mean(latency),
+            "seeds": len(seeds),
+        }
+    return out
+
+
+def build_summary(
+    runs: Iterable[tuple[str, str, int, dict]],
+    *,
+    traces: dict[str, dict],
+    adaptive: str | None,
+    header: dict,
+) -> dict:
+    """The summary.json content: per trace, per strategy (mean over seeds) and the comparisons."""
+    nested: dict[str, dict[str, dict[int, dict]]] = {}
+    for trace, strategy, seed, summary in runs:
+        nested.setdefault(trace, {}).setdefault(strategy, {})[seed] = summary
+    out = dict(header)
+    out["traces"] = {}
+    for trace, strategies in nested.items():
+        per = {name: aggregate(strategies[name]) for name in strategies}
+        out["traces"][trace] = {
+            **traces.get(trace, {}),
+            "strategies": per,
+            "compare": compare(per, adaptive) if adaptive else {},
+        }
+    return out

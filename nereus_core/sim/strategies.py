@@ -1,0 +1,252 @@
+"""Nereus (adaptive) and the fixed-layout strategies: static, and the base the baselines build on.
+
+- ``nereus``: the controller (``controller.decide``) after every step (or every k steps,
+  and always when the devices or the capacity change), fed the stage times the world
+  measured; it recalibrates, searches and switches when a plan pays for its move. A
+  switch's time is the world's true cost of what the controller estimated, and is
+  reported back to it so it calibrates the transition cost too.
+- ``static``: the plan the controller picks at step 0 (the same start as nereus) with
+  its TP/PP kept for the whole run; when the devices change, every stage's DP degree
+  (and its slots) is scaled with them, and that rescale costs a transition like any
+  other. Micro-batch counts (generation waves) are re-picked every step with the true
+  cost, in its favour: vLLM admits what fits and trainers tune micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from nereus_core.config import ModelConfig
+from nereus_core.controller import (
+    ControllerSettings,
+    ControllerState,
+    Decision,
+    Observation,
+    StageTiming,
+    TransitionTiming,
+    decide,
+)
+from nereus_core.cost_model import Workload, analytic_transition_cost
+from nereus_core.hardware import HardwareProfile
+from nereus_core.layout import Layout
+from nereus_core.plan import GlobalPlan, step_seconds
+from nereus_core.sim.config import DecisionSettings
+from nereus_core.sim.engine import Move, Prepared, SimError, StepRun
+from nereus_core.sim.world import World, largest_dp, usable_bytes
+
+
+def same_degrees(a: GlobalPlan, b: GlobalPlan) -> bool:
+    """Whether two plans differ at most in micro-batch counts (no state has to move)."""
+    if a.placement != b.placement or set(a.layouts) != set(b.layouts):
+        return False
+    return all(
+        (x.tp, x.pp, x.dp, x.devices) == (y.tp, y.pp, y.dp, y.devices)
+        for x, y in ((a.layouts[s], b.layouts[s]) for s in a.layouts)
+    )
+
+
+class NereusStrategy:
+    """The adaptive strategy: the real controller, fed simulated measurements."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        model: ModelConfig,
+        profile: HardwareProfile,
+        settings: ControllerSettings,
+        decision: DecisionSettings,
+    ) -> None:
+        self.name, self.model, self.profile = name, model, profile
+        self.settings, self.decision = settings, decision
+        self.state: ControllerState | None = None
+        self.plan: GlobalPlan | None = None
+        self.timings: list[StageTiming] = []
+        self.last: TransitionTiming | None = None
+
+    def _decide(self, observation: Observation) -> tuple[Decision, float, float]:
+        assert self.state is not None
+        started = time.perf_counter()
+        d = decide(observation, self.state)
+        wall = time.perf_counter() - started
+        charged = wall if self.decision.cost == "measured" else self.decision.seconds
+        self.state = d.state
+        return d, charged, wall
+
+    def begin(self, world: World) -> Move:
+        tr = world.trace
+        self.state = ControllerState.initial(self.model, self.profile, self.settings)
+        obs = Observation(
+            step=0,
+            remaining_steps=tr.steps,
+            devices=int(tr.devices[0]),
+            memory_per_device=tr.memory_bytes(0),
+            workload=tr.workloads[0],
+        )
+        d, charged, wall = self._decide(obs)
+        if d.plan is None:
+            raise SimError(f"trace {tr.name}: no plan fits at step 0: {d.reason}")
+        self.plan = d.plan
+        return Move(self.plan, "start", decide_s=charged, decide_wall_s=wall, decide_calls=1, reason=d.reason)
+
+    def prepare(self, k: int, world: World) -> Prepared:
+        assert self.plan is not None
+        work = world.trace.workloads[k]
+        return Prepared(self.plan, {s: world.true_stage_s(s, v, work) for s, v in self.plan.layouts.items()})
+
+    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
+        return step_seconds(plan.placement, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)
+
+    def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float:
+        """The calibrated cost model's step time for this step, from what it has seen before it:
+        ``plan.evaluate_plan``'s arithmetic (scaled terms per stage, the weight sync at the calibrated
+        wire scale, summed by ``step_seconds``) on the terms the world already computed."""
+        assert self.state is not None
+        scales = self.state.scales.as_array()
+        stages = {s: float(scales @ world.stage(s, v, work).raw) for s, v in plan.layouts.items()}
+        return self.combine(plan, stages, world.raw_sync_s(plan) * self.state.transition_scales.wire)
+
+    def after(self, k: int, world: World, run: StepRun) -> Move:
+        assert self.plan is not None
+        tr = world.trace
+        self.timings += [
+            StageTiming(stage=s, layout=run.plan.layouts[s], seconds=t, workload=run.work)
+            for s, t in run.measured.items()
+        ]
+        nxt = k + 1
+        if nxt >= tr.steps:
+            return Move(self.plan)
+        changed = tr.devices[nxt] != tr.devices[k] or tr.capacity_gb[nxt] != tr.capacity_gb[k]
+        if not changed and nxt % self.decision.every:
+            return Move(self.plan)
+        obs = Observation(
+            step=k,
+            remaining_steps=tr.steps - nxt,
+            devices=int(tr.devices[nxt]),
+            memory_per_device=tr.memory_bytes(nxt),
+            workload=tr.expected(k, self.decision.length_window),
+            timings=tuple(self.timings),
+            transition=self.last,
+        )
+        d, charged, wall = self._decide(obs)
+        self.timings, self.last = [], None
+        if d.action == "none" or d.plan is None:
+            return Move(
+                self.plan, "none", decide_s=charged, decide_wall_s=wall, decide_calls=1, reason=d.reason
+            )
+        if d.action == "keep" or d.plan == self.plan:
+            return Move(
+                self.plan, "keep", decide_s=charged, decide_wall_s=wall, decide_calls=1, reason=d.reason
+            )
+        old, self.plan = self.plan, d.plan
+        estimate = d.transition
+        seconds = world.transition_s(k, estimate) if estimate is not None else 0.0
+        if estimate is not None and seconds > 0:
+            self.last = TransitionTiming(predicted=estimate, seconds=seconds)
+        return Move(
+            self.plan,
+            "retune" if same_degrees(old, self.plan) else "switch",
+            transition_s=seconds,
+            predicted_transition_s=estimate.seconds if estimate is not None else 0.0,
+            decide_s=charged,
+            decide_wall_s=wall,
+            decide_calls=1,
+            reason=d.reason,
+        )
+
+
+def rescale(plan: GlobalPlan, old_devices: int, new_devices: int, batch: int) -> GlobalPlan:
+    """``plan`` with every stage's slots (first slot and count) scaled by new/old devices, TP/PP kept and
+    DP the largest degree that fits the scaled slots and divides the batch (pp, then tp, halves only
+    when a single replica no longer fits)."""
+    layouts = {}
+    for stage, v in plan.layouts.items():
+        first = v.devices[0] * new_devices // old_devices
+        slots = max(1, min(new_devices - first, len(v.devices) * new_devices // old_devices))
+        tp, pp = v.tp, v.pp
+        while tp * pp > slots:
+            if pp > 1:
+                pp //= 2
+            else:
+                tp //= 2
+        dp = largest_dp(batch, slots // (tp * pp))
+        layouts[stage] = Layout.contiguous(tp=tp, pp=pp, dp=dp, first=first)
+    return GlobalPlan.model_construct(placement=plan.placement, layouts=layouts)
+
+
+class FixedStrategy:
+    """A plan fixed at the start; DP rescaled when the devices change; micro-batches re-picked in truth."""
+
+    name: str
+
+    def __init__(self, name: str, *, headroom: float) -> None:
+        self.name, self.headroom = name, headroom
+        self.base: GlobalPlan | None = None
+        self.devices = 0
+
+    def initial_plan(self, world: World) -> GlobalPlan:
+        raise NotImplementedError
+
+    def begin(self, world: World) -> Move:
+        self.base = self.initial_plan(world)
+        self.devices = int(world.trace.devices[0])
+        return Move(self.base, "start")
+
+    def prepare(self, k: int, world: World) -> Prepared:
+        assert self.base is not None
+        usable = usable_bytes(world.trace.memory_bytes(k), self.headroom)
+        plan, _, seconds = world.tune(self.base, world.trace.workloads[k], usable)
+        return Prepared(plan, seconds)
+
+    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
+        return step_seconds(plan.placement, stage_s, sync_s, overlap=False)
+
+    def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float | None:
+        return None
+
+    def after(self, k: int, world: World, run: StepRun) -> Move:
+        assert self.base is not None
+        tr = world.trace
+        if k + 1 >= tr.steps or tr.devices[k + 1] == self.devices:
+            return Move(self.base)
+        new, before = int(tr.devices[k + 1]), self.devices
+        old, self.base = self.base, rescale(self.base, before, new, int(tr.batch[k + 1]))
+        self.devices = new
+        estimate = analytic_transition_cost(
+            dict(old.layouts), dict(self.base.layouts), world.models, world.profile
+        )
+        return Move(
+            self.base,
+            "rescale",
+            transition_s=world.transition_s(k, estimate),
+            predicted_transition_s=estimate.seconds,
+            reason=f"devices {before} -> {new}: DP rescaled",
+        )
+
+
+class StaticStrategy(FixedStrategy):
+    """The controller's first plan, kept; DP scaled with the devices."""
+
+    def __init__(
+        self, name: str, *, model: ModelConfig, profile: HardwareProfile, settings: ControllerSettings
+    ) -> None:
+        super().__init__(name, headroom=settings.headroom)
+        self.model, self.profile, self.settings = model, profile, settings
+
+    def initial_plan(self, world: World) -> GlobalPlan:
+        tr = world.trace
+        obs = Observation(
+            step=0,
+            remaining_steps=tr.steps,
+            devices=int(tr.devices[0]),
+            memory_per_device=tr.memory_bytes(0),
+            workload=tr.workloads[0],
+        )
+        d = decide(obs, ControllerState.initial(self.model, self.profile, self.settings))
+        if d.plan is None:
+            raise SimError(f"trace {tr.name}: no plan fits at step 0: {d.reason}")
+        return d.plan
+
+    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
+        return step_seconds(plan.placement, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)

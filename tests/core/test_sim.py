@@ -1,0 +1,263 @@
+"""nereus_core.sim: traces, determinism, calibration under hidden factors, controller overhead, strategies."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nereus_core.config import ConfigError
+from nereus_core.controller import evaluate_plan
+from nereus_core.hardware import H100_SXM
+from nereus_core.layout import MODEL_STAGES
+from nereus_core.plan import GENERATE
+from nereus_core.sim.baselines import OpenRLHFStrategy, VerlStrategy, phased_seconds
+from nereus_core.sim.config import LLAMA_3_8B, NoiseSettings, StrategySpec, parse_sim_config
+from nereus_core.sim.engine import simulate
+from nereus_core.sim.job import SimJob, make_strategy, run_job
+from nereus_core.sim.results import build_summary, summarize_run
+from nereus_core.sim.trace import TraceError, parse_trace
+from nereus_core.sim.world import World, largest_dp, micro_batch_options, usable_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACES = ROOT / "data" / "traces"
+HEADER = "step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"
+
+
+def csv_text(steps: int, devices=16, mean=lambda k: 600.0 + 5 * k, capacity=80.0, batch=1024) -> str:
+    rows = [HEADER]
+    for k in range(steps):
+        d = devices(k) if callable(devices) else devices
+        m = mean(k)
+        rows.append(f"{k},{d},{capacity},{batch},100,{m},{math.ceil(2 * m)},{math.ceil(3 * m)}")
+    return "\n".join(rows) + "\n"
+
+
+def config(**overrides):
+    data = {"traces": [{"name": "t", "file": "unused.csv"}], **overrides}
+    return parse_sim_config(data)
+
+
+def trace(steps: int, **kw):
+    return parse_trace(csv_text(steps, **kw), name="t")
+
+
+def run(cfg, tr, strategy: str, seed: int = 0):
+    return run_job(SimJob(cfg, tr, strategy, seed))
+
+
+# ---------------------------------------------------------------- traces
+
+
+def test_shipped_traces_parse_and_grow_to_1024_gpus() -> None:
+    grow = parse_trace((TRACES / "grow_1024.csv").read_text(), name="grow-1024")
+    assert grow.steps == 1000 and int(grow.devices.max()) == 1024 and int(grow.devices.min()) >= 16
+    assert all(d & (d - 1) == 0 for d in grow.devices.tolist())  # powers of two (README)
+    assert grow.response_mean[-100:].mean() > 5 * grow.response_mean[:20].mean()  # responses grow
+    fixed = parse_trace((TRACES / "orz7b_fixed.csv").read_text(), name="fixed", devices=64, steps=100)
+    assert fixed.steps == 100 and set(fixed.devices.tolist()) == {64}
+    w = fixed.workloads[0]
+    assert w.batch == 8192 and w.response_high >= w.response_mean and w.prompt_len > 40
+
+
+@pytest.mark.parametrize(
+    ("text", "kw", "needle"),
+    [
+        ("step,devices\n0,4\n", {}, "missing column(s) capacity_gb"),
+        (
+            csv_text(3).replace("1024,100", "1024,abc", 1),
+            {},
+            "row 2, column prompt_len: 'abc' is not a number",
+        ),
+        (csv_text(3).replace("\n1,", "\n5,", 1), {}, "must count 0, 1, 2"),
+        (csv_text(3).replace(",16,", ",0,", 1), {}, "column devices=0 is below 1"),
+        (csv_text(3), {"steps": 9}, "asked for 9 steps but the file has 3"),
+        (HEADER + "\n0,4,80,8,10,100,50,200\n", {}, "mean <= p90 <= max"),
+    ],
+)
+def test_bad_traces_fail_with_one_line(text: str, kw: dict, needle: str) -> None:
+    with pytest.raises(TraceError) as err:
+        parse_trace(text, name="bad", **kw)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_config_errors_are_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"traces\.t\.strategies: no strategy 'nope'"):
+        parse_sim_config({"traces": [{"name": "t", "file": "x", "strategies": ["nope"]}]})
+    with pytest.raises(ConfigError, match=r"noise\.bogus: unknown field"):
+        parse_sim_config({"traces": [{"name": "t", "file": "x"}], "noise": {"bogus": 1}})
+    with pytest.raises(ConfigError, match="mapping"):
+        parse_sim_config(["not", "a", "mapping"])
+    assert config().model == LLAMA_3_8B
+
+
+# ---------------------------------------------------------------- what must hold
+
+
+def test_same_config_and_seed_give_the_same_summary() -> None:
+    cfg, tr = config(), trace(10)
+    for strategy in ("nereus", "static"):
+        a, b = run(cfg, tr, strategy), run(cfg, tr, strategy)
+        assert a.summary == b.summary
+        drop = {"decide_wall_s"}
+        assert [{k: v for k, v in r.items() if k not in drop} for r in a.records] == [
+            {k: v for k, v in r.items() if k not in drop} for r in b.records
+        ]
+    assert run(cfg, tr, "nereus", seed=1).summary != run(cfg, tr, "nereus").summary
+
+
+def test_calibration_converges_to_hidden_factors_it_never_sees() -> None:
+    cfg = config(noise={"stage_sigma": 0.05, "hidden_sigma": 0.5})
+    tr = trace(56)
+    world = World(tr, cfg.model, H100_SXM, cfg.noise, seed=0)
+    assert np.abs(np.log(world.factors)).max() > 0.2  # the model is really off
+    strategy = make_strategy(cfg, "nereus")
+    records, _ = simulate(world, strategy, trace="t", seed=0)
+    summary = summarize_run(records)
+    assert summary["prediction_error_first5"] > 0.02
+    assert summary["prediction_error_45_55"] < summary["prediction_error_first5"] / 3
+    # The prediction is the controller's own estimate with its calibrated scales.
+    work = tr.workloads[-1]
+    usable = int(usable_bytes(tr.memory_bytes(tr.steps - 1), cfg.controller.headroom))
+    plan = strategy.plan
+    own = evaluate_plan(plan, work, strategy.state, usable).step_s
+    assert strategy.predict(plan, work, world, tr.steps - 1) == pytest.approx(own, rel=1e-9)
+
+
+def test_controller_decision_time_is_counted_as_overhead() -> None:
+    tr = trace(12)
+    free = run(config(decision={"seconds": 0.0}), tr, "nereus")
+    slow = run(config(decision={"seconds": 1.5}), tr, "nereus")
+    assert [r["plan_id"] for r in free.records] == [r["plan_id"] for r in slow.records]
+    calls = slow.summary["controller_calls"]
+    assert calls == tr.steps  # the first decision and one after every step but the last
+    assert slow.summary["controller_s_total"] == pytest.approx(1.5 * calls)
+    extra = slow.summary["mean_step_s"] - free.summary["mean_step_s"]
+    assert extra == pytest.approx(1.5 * calls / tr.steps)
+    assert slow.summary["total_s"] - free.summary["total_s"] == pytest.approx(1.5 * calls)
+    assert slow.summary["controller_overhead_frac"] > free.summary["controller_overhead_frac"] == 0
+    measured = run(config(decision={"cost": "measured"}), tr, "nereus")
+    assert all(r["decide_s"] == r["decide_wall_s"] for r in measured.records)
+    assert measured.summary["controller_s_total"] > 0
+
+
+def test_devices_changing_rescales_static_and_forces_nereus_to_move() -> None:
+    tr = trace(9, devices=lambda k: 16 if k < 3 or k >= 6 else 32)
+    cfg = config()
+    static = run(cfg, tr, "static")
+    moves = [r for r in static.records if r["move"] != "keep"]
+    assert [(r["step"], r["move"]) for r in moves] == [(2, "rescale"), (5, "rescale")]
+    assert all(r["transition_s"] > 0 for r in moves) and static.summary["transitions_devices"] == 2
+    plans = {r["step"]: r["plan_id"] for r in static.records}
+    assert plans[0] != plans[3]
+    strategy = make_strategy(cfg, "static")
+    world = World(tr, cfg.model, H100_SXM, cfg.noise, 0)
+    strategy.begin(world)
+    before = dict(strategy.base.layouts)
+    for k in range(3):
+        strategy.after(k, world, None)  # type: ignore[arg-type]
+    for stage, layout in strategy.base.layouts.items():
+        old = before[stage]
+        assert (layout.tp, layout.pp) == (old.tp, old.pp)
+        assert layout.dp == largest_dp(1024, old.dp * 2) and max(layout.devices) < 32
+    nereus = run(cfg, tr, "nereus")
+    forced = [r for r in nereus.records if r["reason"].startswith("device set changed")]
+    assert [r["step"] for r in forced] == [2, 5]
+    assert all(r["devices_used"] <= r["devices"] for r in nereus.records)
+
+
+def test_tune_picks_micro_batches_that_fit() -> None:
+    tr = trace(2, mean=lambda k: 4000.0)
+    cfg = config()
+    world = World(tr, cfg.model, H100_SXM, cfg.noise, 0)
+    static = make_strategy(cfg, "static")
+    plan = static.begin(world).plan
+    usable = usable_bytes(tr.memory_bytes(0), 0.1)
+    tuned, fits, seconds = world.tune(plan, tr.workloads[0], usable)
+    assert fits and set(seconds) == set(MODEL_STAGES)
+    assert world.peak_bytes(tuned, tr.workloads[0]) <= usable
+    for stage, layout in tuned.layouts.items():
+        assert layout.micro_batches in micro_batch_options(stage, layout, 1024, H100_SXM)
+        assert (1024 // layout.dp) % layout.micro_batches == 0
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def test_verl_is_colocated_with_a_tensor_parallel_rollout() -> None:
+    cfg, tr = config(), trace(6)
+    world = World(tr, cfg.model, H100_SXM, cfg.noise, 0)
+    verl = VerlStrategy("verl", spec=StrategySpec(kind="verl", tune_steps=3), settings=cfg.controller)
+    plan = verl.begin(world).plan
+    assert plan.placement == "colocated" and plan.layouts[GENERATE].pp == 1
+    assert all(max(v.devices) < 16 for v in plan.layouts.values())
+
+
+def test_openrlhf_separate_gives_each_model_its_own_gpus() -> None:
+    cfg, tr = config(), trace(6)
+    world = World(tr, cfg.model, H100_SXM, cfg.noise, 0)
+    spec = StrategySpec(kind="openrlhf", placements=("separate",), tune_steps=3)
+    plan = OpenRLHFStrategy("o", spec=spec, settings=cfg.controller).begin(world).plan
+    pools = {
+        "gen": {GENERATE},
+        "actor": {"actor/train"},
+        "critic": {"critic/infer", "critic/train"},
+        "ref": {"reference/infer"},
+        "reward": {"reward/infer"},
+    }
+    slots = {name: {d for s in stages for d in plan.layouts[s].devices} for name, stages in pools.items()}
+    names = list(slots)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not slots[a] & slots[b], (a, b)
+    assert plan.layouts["critic/infer"] == plan.layouts["critic/train"]
+    assert all(v.pp == 1 for v in plan.layouts.values())
+
+
+def test_phased_step_time_overlaps_models_on_different_gpus() -> None:
+    cfg, tr = config(), trace(3)
+    world = World(tr, cfg.model, H100_SXM, cfg.noise, 0)
+    spec = StrategySpec(kind="openrlhf", placements=("separate",), tune_steps=2)
+    plan = OpenRLHFStrategy("o", spec=spec, settings=cfg.controller).begin(world).plan
+    stage_s = dict(zip(MODEL_STAGES, (10.0, 7.0, 3.0, 5.0, 4.0, 2.0), strict=True))
+    # generate + sync, then max(ref 4, reward 2, critic/infer 3), then max(actor 7, critic 5)
+    assert phased_seconds(plan, stage_s, 1.0) == pytest.approx(10 + 1 + 4 + 7)
+
+
+# ---------------------------------------------------------------- summary
+
+
+def test_summary_compares_the_adaptive_strategy_paired_by_seed() -> None:
+    def runs(name: str, step_s: float) -> list:
+        rec = {
+            "step": 0,
+            "step_s": step_s,
+            "transition_s": 0.0,
+            "tokens": 100.0,
+            "decide_s": 0.0,
+            "decide_calls": 0,
+            "move": "keep",
+            "reason": "",
+            "fits": True,
+            "predicted_step_s": math.nan,
+            "true_step_s": step_s,
+        }
+        return [("t", name, seed, summarize_run([{**rec, "step_s": step_s * (1 + seed)}])) for seed in (0, 1)]
+
+    summary = build_summary(
+        runs("nereus", 1.0) + runs("verl", 2.0), traces={"t": {"steps": 1}}, adaptive="nereus", header={}
+    )
+    t = summary["traces"]["t"]
+    assert t["compare"]["verl"]["throughput_ratio"] == pytest.approx(2.0)
+    assert t["compare"]["verl"]["step_latency_change"] == pytest.approx(-0.5)
+    assert t["strategies"]["nereus"]["mean_step_s"] == pytest.approx(1.5)
+    assert set(t["strategies"]["verl"]["by_seed"]) == {"0", "1"}
+
+
+def test_noise_free_truth_is_the_prior() -> None:
+    cfg = config(noise=NoiseSettings(stage_sigma=0, hidden_sigma=0, transition_sigma=0).model_dump())
+    result = run(cfg, trace(4), "nereus")
+    errors = [abs(r["predicted_step_s"] / r["true_step_s"] - 1) for r in result.records]
+    assert max(errors) < 1e-9 and all(r["step_s"] >= r["true_step_s"] for r in result.records)
