@@ -76,7 +76,8 @@ def reshard(
     the snapshot ``state/<store_model>/step=<step>`` under ``run_dir`` (``store_model``
     defaults to ``name`` with ``/`` as ``-``). Every exchange waits at most ``timeout_s``; a
     failure raises ``DeviceRunError`` and leaves the world to be rebuilt (``pool.resize``).
-    Returns ``seconds``, ``bytes_moved`` and ``bytes_local`` (the plan's), and per-path figures.
+    Returns ``seconds``, ``bytes_moved`` and ``bytes_local`` (the plan's), and per-path figures
+    (``plan_groups_s``: planning and building the new layout's groups, included in ``seconds``).
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r}; choose one of {PATHS}")
@@ -87,7 +88,12 @@ def reshard(
     plan = plan_reshard(old_map, new_map)
     job = ReshardJob(name, config, old_map, new_map, optimizer, timeout_s)
     pool.build_groups(new_layout)
-    stats: dict[str, Any] = {"path": path, "bytes_moved": plan.bytes_moved, "bytes_local": plan.bytes_local}
+    stats: dict[str, Any] = {
+        "path": path,
+        "bytes_moved": plan.bytes_moved,
+        "bytes_local": plan.bytes_local,
+        "plan_groups_s": time.perf_counter() - start,
+    }
     if path == "live":
         stats.update(_live(pool, job, plan))
     else:
@@ -109,6 +115,7 @@ def _live(pool: DevicePool, job: ReshardJob, plan: Any) -> dict[str, Any]:
         "exchange_s": max(f["exchange_s"] for f in figures),
         "prepare_s": max(f["prepare_s"] for f in figures),
         "install_s": max(f["install_s"] for f in figures),
+        "device_s": max(f["prepare_s"] + f["exchange_s"] + f["install_s"] for f in figures),
     }
 
 

@@ -7,10 +7,10 @@ into one contiguous buffer, a large segment travels alone and, when its view is 
 straight from the source tensor into the destination tensor (no staging copy). Message
 boundaries depend only on segment sizes and dtypes, which both ends know, so they agree.
 
-Every send and receive is posted at once (``dist.batch_isend_irecv``; with gloo, one
-non-blocking op each) before anything is awaited, so no order of peers can deadlock. Each
-wait is bounded by one deadline: a peer that died or never posted its side raises here
-(gloo closes the pair after a timeout, so the world must be rebuilt after a failure).
+Every send and receive is posted (non-blocking) before anything is awaited, so no order of
+peers can deadlock. Each wait is bounded by one deadline: a peer that died or never posted its
+side raises here (gloo closes the pair after a timeout, so the world must be rebuilt after a
+failure).
 
 Boundary: bytes between world ranks. Which segments to exchange is the caller's business
 (``nereus_core.engine.reshard`` for a reshard plan, ``nereus_core.engine.state`` for ZeRO's
@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,6 +94,82 @@ def _recv_buffer(message: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[]
     return buffer, unpack
 
 
+class Exchange:
+    """One exchange in flight: ``send`` posts sends (each as soon as it is packed), ``recv`` posts
+    receives, ``wait`` awaits them all under one deadline and unpacks.
+
+    Posting the sends before preparing the receive side lets the bytes flow while this rank is
+    still busy (e.g. allocating what it will receive into). With gloo every op is posted at
+    once; other backends (NCCL) get them as one ``batch_isend_irecv`` in ``wait``, since their
+    separately posted point-to-point ops could deadlock.
+    """
+
+    def __init__(
+        self,
+        *,
+        tag: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.tag, self.timeout_s, self.group = tag, timeout_s, group
+        self.start = time.perf_counter()
+        self.eager = dist.get_backend(group) == dist.Backend.GLOO
+        self.ops: list[dist.P2POp] = []
+        self.works: list[Any] = []
+        self.unpacks: list[Callable[[], None]] = []
+        self.keep: list[torch.Tensor] = []  # send buffers must outlive their ops
+        self.sent = self.received = 0
+
+    def _post(self, op: dist.P2POp) -> None:
+        self.ops.append(op)
+        if self.eager:
+            with self._failures():
+                self.works.append(op.op(op.tensor, op.peer, op.group, op.tag))
+
+    def send(self, outgoing: Segments) -> None:
+        """Post ``outgoing[peer]``'s segments to each peer (world ranks)."""
+        for peer in sorted(outgoing):
+            for i, message in enumerate(_messages(outgoing[peer])):
+                buffer = _send_buffer(message)
+                self.keep.append(buffer)
+                self.sent += buffer.numel() * buffer.element_size()
+                self._post(dist.P2POp(dist.isend, buffer, peer, self.group, tag=self.tag + i))
+
+    def recv(self, incoming: Segments) -> None:
+        """Post receives that fill ``incoming[peer]``'s segments from each peer."""
+        for peer in sorted(incoming):
+            for i, message in enumerate(_messages(incoming[peer])):
+                buffer, unpack = _recv_buffer(message)
+                self.received += buffer.numel() * buffer.element_size()
+                self._post(dist.P2POp(dist.irecv, buffer, peer, self.group, tag=self.tag + i))
+                if unpack is not None:
+                    self.unpacks.append(unpack)
+
+    def wait(self) -> ExchangeStats:
+        """Await every op (raises ``ExchangeError`` past the deadline), then unpack the receives."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._failures():
+            if not self.eager and self.ops:
+                self.works = dist.batch_isend_irecv(self.ops)
+            for work in self.works:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        for unpack in self.unpacks:
+            unpack()
+        self.keep.clear()
+        return ExchangeStats(self.sent, self.received, len(self.ops), time.perf_counter() - self.start)
+
+    @contextmanager
+    def _failures(self) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as exc:  # gloo: timeout, or "Connection closed by peer"
+            peers = sorted({op.peer for op in self.ops})
+            raise ExchangeError(
+                f"rank {dist.get_rank()}: point-to-point exchange with ranks {peers} failed within "
+                f"{self.timeout_s:g}s: {str(exc).splitlines()[0]}"
+            ) from exc
+
+
 def exchange(
     outgoing: Segments,
     incoming: Segments,
@@ -107,42 +185,7 @@ def exchange(
     ``tag``. Raises ``ExchangeError`` if any message is not through within ``timeout_s``.
     ``group`` (default: the world) is the process group whose connections carry the bytes.
     """
-    start = time.perf_counter()
-    ops: list[dist.P2POp] = []
-    unpacks: list[Callable[[], None]] = []
-    keep: list[torch.Tensor] = []  # send buffers must outlive the ops
-    sent = received = 0
-    for peer in sorted(outgoing):
-        for i, message in enumerate(_messages(outgoing[peer])):
-            buffer = _send_buffer(message)
-            keep.append(buffer)
-            sent += buffer.numel() * buffer.element_size()
-            ops.append(dist.P2POp(dist.isend, buffer, peer, group, tag=tag + i))
-    for peer in sorted(incoming):
-        for i, message in enumerate(_messages(incoming[peer])):
-            buffer, unpack = _recv_buffer(message)
-            received += buffer.numel() * buffer.element_size()
-            ops.append(dist.P2POp(dist.irecv, buffer, peer, group, tag=tag + i))
-            if unpack is not None:
-                unpacks.append(unpack)
-    _wait_all(ops, timeout_s)
-    for unpack in unpacks:
-        unpack()
-    return ExchangeStats(sent, received, len(ops), time.perf_counter() - start)
-
-
-def _wait_all(ops: list[dist.P2POp], timeout_s: float) -> None:
-    if not ops:
-        return
-    deadline = time.monotonic() + timeout_s
-    try:
-        works = dist.batch_isend_irecv(ops)
-        for work in works:
-            left = max(deadline - time.monotonic(), 0.001)
-            work.wait(timedelta(seconds=left))
-    except RuntimeError as exc:  # gloo: timeout, or "Connection closed by peer"
-        peers = sorted({op.peer for op in ops})
-        raise ExchangeError(
-            f"rank {dist.get_rank()}: point-to-point exchange with ranks {peers} failed within "
-            f"{timeout_s:g}s: {str(exc).splitlines()[0]}"
-        ) from exc
+    ex = Exchange(tag=tag, timeout_s=timeout_s, group=group)
+    ex.send(outgoing)
+    ex.recv(incoming)
+    return ex.wait()

@@ -4,10 +4,12 @@ A reshard moves a model-stage's whole state (parameters; for train stages also A
 moments and step count) from one layout to another, as ``nereus_core.emu.plan_reshard`` says:
 
 - live: every device of either layout runs ``live_reshard`` at once. Old devices read their
-  pieces (``state.extract_state``; weights without a copy), new devices build an empty stage
-  and view its weights as destination pieces, same-device regions are copied, and the rest
-  travels in one batched point-to-point exchange (``engine.exchange``). Then the old shard is
-  dropped and the new one installed (a new DeepSpeed engine for train stages).
+  pieces (``state.extract_state``; weights, and moments in their own ZeRO partition, without
+  a copy) and post their sends; new devices build the new shard (``state.new_shard``; for a
+  train stage with its DeepSpeed engine, so that pieces land in the engine's own buffers) and
+  post their receives; same-device regions are copied; one point-to-point exchange
+  (``engine.exchange``: runs of small slices packed per peer, large ones sent in place)
+  carries the rest. Then the old shard is dropped and the new one installed.
 - durable: old devices write their pieces to a ``StateStore`` (``durable_write``; each box of
   a replicated tensor by one holder only, ``write_assignment``), the caller commits the
   snapshot, and every device runs ``durable_read``: the old shard is dropped, new devices read
@@ -29,10 +31,9 @@ import torch
 
 from nereus_core.config import ModelConfig
 from nereus_core.emu import Box, ReshardPlan, ShardMap, SliceSpec
-from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, exchange
-from nereus_core.engine.shard import OptimizerSettings, get_shard, new_stage
-from nereus_core.engine.state import DeviceState, empty_state, extract_state, install_state
-from nereus_core.model.llama import LlamaStage
+from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, Exchange
+from nereus_core.engine.shard import ModelShard, OptimizerSettings, get_shard
+from nereus_core.engine.state import DeviceState, extract_state, install_state, new_shard
 from nereus_core.parallel.device import DeviceContext
 
 LIVE_TAG = 3 << 20
@@ -77,27 +78,17 @@ def _old_state(ctx: DeviceContext, job: ReshardJob) -> DeviceState:
     return extract_state(ctx, get_shard(ctx, job.name), job.old_map, timeout_s=job.timeout_s)
 
 
-def _new_target(ctx: DeviceContext, job: ReshardJob) -> tuple[LlamaStage | None, DeviceState]:
-    """A placeholder stage of the new layout and its pieces as destinations (none off the new layout)."""
+def _new_target(ctx: DeviceContext, job: ReshardJob) -> tuple[ModelShard | None, DeviceState]:
+    """The new shard and its pieces as destinations, on devices of the new layout (see ``new_shard``)."""
     if ctx.rank not in job.new_map.layout.devices:
         return None, DeviceState(pieces={})
-    stage = new_stage(job.config, ctx.view(job.new_map.layout), ctx.device)
-    return stage, empty_state(stage, job.new_map, ctx.rank)
+    return new_shard(ctx, name=job.name, smap=job.new_map, optimizer=job.optimizer)
 
 
-def _install(ctx: DeviceContext, job: ReshardJob, stage: LlamaStage | None, state: DeviceState) -> None:
-    """Make the filled new stage resident (collective over the new layout's groups), if there is one."""
-    if stage is not None:
-        install_state(
-            ctx,
-            name=job.name,
-            config=job.config,
-            groups=ctx.view(job.new_map.layout),
-            stage=stage,
-            state=state,
-            optimizer=job.optimizer,
-            timeout_s=job.timeout_s,
-        )
+def _install(ctx: DeviceContext, job: ReshardJob, shard: ModelShard | None, state: DeviceState) -> None:
+    """Make the filled new shard resident (collective over the new layout's DP group), if there is one."""
+    if shard is not None:
+        install_state(ctx, shard, state, timeout_s=job.timeout_s)
 
 
 def live_reshard(ctx: DeviceContext, job: ReshardJob, plan: ReshardPlan) -> dict[str, float]:
@@ -109,24 +100,29 @@ def live_reshard(ctx: DeviceContext, job: ReshardJob, plan: ReshardPlan) -> dict
     start = time.perf_counter()
     me = ctx.rank
     source = _old_state(ctx, job).pieces
-    stage, target = _new_target(ctx, job)
-    prepared = time.perf_counter()
+    # Sends first: the bytes flow while this device (and its peers) allocate the new stage.
+    moves = Exchange(tag=LIVE_TAG, timeout_s=job.timeout_s)
     outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for t in plan.transfers:
+        if t.src == me:
+            outgoing[t.dst].append(source[(t.name, t.src_piece.box)][t.src_slice.slices()])
+    moves.send(outgoing)
+    shard, target = _new_target(ctx, job)
+    prepared = time.perf_counter()
     incoming: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for t in plan.transfers:
+        if t.dst == me:
+            incoming[t.src].append(target.pieces[(t.name, t.dst_piece.box)][t.dst_slice.slices()])
+    moves.recv(incoming)
     for t in plan.local:
         if t.dst == me:
             dst = target.pieces[(t.name, t.dst_piece.box)][t.dst_slice.slices()]
             dst.copy_(source[(t.name, t.src_piece.box)][t.src_slice.slices()])
-    for t in plan.transfers:
-        if t.src == me:
-            outgoing[t.dst].append(source[(t.name, t.src_piece.box)][t.src_slice.slices()])
-        elif t.dst == me:
-            incoming[t.src].append(target.pieces[(t.name, t.dst_piece.box)][t.dst_slice.slices()])
-    moved = exchange(outgoing, incoming, tag=LIVE_TAG, timeout_s=job.timeout_s)
+    moved = moves.wait()
     del source, outgoing
     exchanged = time.perf_counter()
     ctx.resident.pop(job.name, None)
-    _install(ctx, job, stage, target)
+    _install(ctx, job, shard, target)
     return {
         "sent": moved.sent,
         "received": moved.received,
@@ -169,12 +165,12 @@ def durable_read(ctx: DeviceContext, *, job: ReshardJob, store: StateStore) -> d
     and install them."""
     start = time.perf_counter()
     ctx.resident.pop(job.name, None)
-    stage, target = _new_target(ctx, job)
-    wanted = job.new_map.wanted(ctx.rank) if stage is not None else []
+    shard, target = _new_target(ctx, job)
+    wanted = job.new_map.wanted(ctx.rank) if shard is not None else []
     read = 0
     for (name, box), tensor in zip(wanted, store.read_pieces(wanted) if wanted else [], strict=True):
         target.pieces[(name, box)].copy_(tensor.view(box.shape))
         read += tensor.numel() * tensor.element_size()
     loaded = time.perf_counter()
-    _install(ctx, job, stage, target)
+    _install(ctx, job, shard, target)
     return {"read": read, "read_s": loaded - start, "install_s": time.perf_counter() - loaded}

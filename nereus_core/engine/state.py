@@ -12,9 +12,11 @@ owns ``[j*P, (j+1)*P)`` as ``single_partition_of_fp32_groups[i]``, and the base 
 state (``exp_avg``, ``exp_avg_sq``, a 0-d float ``step`` tensor) is keyed by that partition.
 Nereus's partition splits each parameter separately instead, so converting needs an exchange
 inside the DP group: ``zero1_segments`` cuts every parameter's canonical ranges at DeepSpeed's
-partition boundaries, and each segment moves between its two holders (``engine.exchange``).
-A new engine is built from the resharded parameters (its fp32 master partitions are then
-already exact copies of them), and its optimizer state is overwritten from the pieces.
+partition boundaries, and each segment moves between its two holders (``engine.exchange``);
+a share inside its own rank's partition is a view of it instead (no copy). A new shard's
+engine is built first (``new_shard``), so weights and own-partition moments are written
+straight into its buffers; ``install_state`` then moves the other moments into place, sets
+the step count and refreshes ZeRO's fp32 master partition from the written weights.
 
 Boundary: one device's tensors and its DP group's exchange; where the pieces come from or go
 to (another device, the store) is ``nereus_core.engine.reshard``'s business.
@@ -30,10 +32,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from nereus_core.config import ModelConfig
 from nereus_core.emu import MOMENTS, STEP, Box, ShardMap
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, exchange
-from nereus_core.engine.shard import ModelShard, OptimizerSettings, get_shard
+from nereus_core.engine.shard import ModelShard, OptimizerSettings, get_shard, new_stage
 from nereus_core.model.llama import LlamaStage
 from nereus_core.parallel.device import DeviceContext, RankGroups
 
@@ -186,7 +187,8 @@ def _convert_moments(
         views = _moment_views(ctx.rank, group, shard.groups, flats, moments, to_canonical=to_canonical)
         for src_view, dst_view, src, dst in views:
             if src == dst:
-                dst_view.copy_(src_view)  # type: ignore[union-attr]
+                if dst_view.data_ptr() != src_view.data_ptr():  # type: ignore[union-attr]
+                    dst_view.copy_(src_view)  # type: ignore[union-attr]
             elif src == ctx.rank:
                 outgoing[dst].append(src_view)  # type: ignore[arg-type]
             else:
@@ -195,14 +197,40 @@ def _convert_moments(
     exchange(outgoing, incoming, tag=tag, timeout_s=timeout_s)
 
 
-def empty_state(stage: LlamaStage, smap: ShardMap, device: int) -> DeviceState:
-    """``device``'s pieces as views of ``stage``'s own parameters, fresh moments and a zero step count.
+def _own_views(
+    rank: int, shard: ModelShard, partitions: list[dict[str, torch.Tensor]]
+) -> dict[tuple[str, str], torch.Tensor]:
+    """The canonical shares that lie inside this rank's own ZeRO partition, as views of it.
+
+    With dp=1 that is every share; with more, each parameter whose range stays in one partition.
+    Reading or filling these needs no copy (``_convert_moments`` skips a copy onto itself).
+    """
+    dp, me_dp = shard.layout.dp, shard.groups.coord.dp
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for group, flats in zip(_zero1_groups(shard), partitions, strict=True):
+        start = group.part_ranks.index(rank) * group.partition_size
+        for name, numel, offset in zip(group.names, group.numels, group.offsets, strict=True):
+            lo, hi = canonical_range(numel, dp, me_dp)
+            if start <= offset + lo and offset + hi <= start + group.partition_size:
+                for kind in MOMENTS:
+                    out[(name, kind)] = flats[kind][offset + lo - start : offset + hi - start]
+    return out
+
+
+def empty_state(
+    stage: LlamaStage,
+    smap: ShardMap,
+    device: int,
+    moments: dict[tuple[str, str], torch.Tensor] | None = None,
+) -> DeviceState:
+    """``device``'s pieces as views of ``stage``'s own parameters, of the canonical moment shares
+    in ``moments`` (fresh ones where missing), and a zero step count.
 
     Writing into the pieces writes the stage's weights: a new stage is filled this way, and an
     old one is read this way without copying its weights.
     """
     local = stage.local_state()
-    state = DeviceState(pieces={})
+    state = DeviceState(pieces={}, moments=dict(moments or {}))
     for spec, piece in smap.pieces_on(device):
         key = (spec.name, piece.box)
         if spec.kind == "param":
@@ -230,60 +258,82 @@ def extract_state(
 ) -> DeviceState:
     """This device's pieces of ``shard`` under ``smap`` (collective over its DP group when training).
 
-    Parameters are views of the live weights; moments and step are fresh canonical copies.
+    Parameters, and the moments inside this rank's own ZeRO partition, are views of the live
+    state (read them, do not write them); other moments and the step count are fresh copies.
     """
     if smap.train != (shard.engine is not None):
         what = "has an optimizer" if shard.engine is not None else "has no optimizer"
         raise ValueError(f"{shard.name} {what} but the shard map says train={smap.train}")
-    state = empty_state(shard.stage, smap, ctx.rank)
-    if smap.train:
-        base = shard.engine.optimizer.optimizer.state
-        partitions = []
-        for group in _zero1_groups(shard):
-            held = base.get(group.partition, {})  # empty before the first step: zero moments, step 0
-            zero = torch.zeros_like(group.partition)
-            partitions.append({kind: held.get(kind, zero) for kind in MOMENTS})
-            if "step" in held:
-                state.pieces[(STEP, STEP_BOX)].copy_(held["step"])
-        _convert_moments(ctx, shard, state.moments, partitions, to_canonical=True, timeout_s=timeout_s)
+    if not smap.train:
+        return empty_state(shard.stage, smap, ctx.rank)
+    base = shard.engine.optimizer.optimizer.state
+    partitions, step = [], None
+    for group in _zero1_groups(shard):
+        held = base.get(group.partition, {})  # empty before the first step: zero moments, step 0
+        zero = torch.zeros_like(group.partition)
+        partitions.append({kind: held.get(kind, zero) for kind in MOMENTS})
+        step = held.get("step", step)
+    state = empty_state(shard.stage, smap, ctx.rank, _own_views(ctx.rank, shard, partitions))
+    if step is not None:
+        state.pieces[(STEP, STEP_BOX)].copy_(step)
+    _convert_moments(ctx, shard, state.moments, partitions, to_canonical=True, timeout_s=timeout_s)
     return state
 
 
-def install_state(
-    ctx: DeviceContext,
-    *,
-    name: str,
-    config: ModelConfig,
-    groups: RankGroups,
-    stage: LlamaStage,
-    state: DeviceState,
-    optimizer: OptimizerSettings | None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> ModelShard:
-    """Make ``stage`` (its weights already filled) resident as ``name``; train stages get a new engine
-    whose optimizer state is ``state``'s (collective over the new layout's DP group)."""
-    shard = ModelShard(name=name, config=config, groups=groups, stage=stage)
+def new_shard(
+    ctx: DeviceContext, *, name: str, smap: ShardMap, optimizer: OptimizerSettings | None
+) -> tuple[ModelShard, DeviceState]:
+    """A new shard of ``name`` on ``smap``'s layout (groups built) and its pieces as destinations;
+    fill them, then ``install_state``. A train stage gets its DeepSpeed engine now (collective over
+    the layout's groups) with zeroed optimizer state, so that the weights and the moments inside
+    this rank's ZeRO partition are received straight into the engine's own buffers."""
+    if smap.train != (optimizer is not None):
+        raise ValueError(
+            f"{name}: a train={smap.train} shard map {'needs' if smap.train else 'takes no'} optimizer"
+        )
+    groups = ctx.view(smap.layout)
+    stage = new_stage(smap.config, groups, ctx.device)
+    shard = ModelShard(name=name, config=smap.config, groups=groups, stage=stage)
     if optimizer is None:
-        stage.eval()
-        stage.requires_grad_(False)
-    else:
-        from nereus_core.engine.train import make_engine
+        return shard, empty_state(stage, smap, ctx.rank)
+    from nereus_core.engine.train import make_engine
 
-        shard.engine = make_engine(stage, groups, optimizer, ctx.backend)
+    shard.engine = make_engine(stage, groups, optimizer, ctx.backend)
+    base = shard.engine.optimizer.optimizer.state
+    partitions = []
+    for group in _zero1_groups(shard):
+        held = {kind: torch.zeros_like(group.partition) for kind in MOMENTS}
+        # torch's AdamW keeps a 0-d float32 ``step`` per param (here: per partition); a state that
+        # exists is used as is by the next step, exactly as if this engine had taken the steps.
+        base[group.partition] = {"step": torch.zeros((), dtype=torch.float32), **held}
+        partitions.append(held)
+    return shard, empty_state(stage, smap, ctx.rank, _own_views(ctx.rank, shard, partitions))
+
+
+def install_state(
+    ctx: DeviceContext, shard: ModelShard, state: DeviceState, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ModelShard:
+    """Make ``shard`` (from ``new_shard``, its pieces filled) resident; for a train stage first put
+    the rest of the moments into ZeRO's partitions (collective over the DP group), the step count
+    into the optimizer, and the weights into ZeRO's fp32 master partition."""
+    if shard.engine is None:
+        shard.stage.eval()
+        shard.stage.requires_grad_(False)
+    else:
         step = state.step
         if step is None:
-            raise ValueError(f"{name}: a train stage needs the step count among its pieces")
-        # torch's AdamW keeps a 0-d float32 ``step`` per param (here: per partition); a state
-        # that exists is used as is by its next step, exactly as if this engine had taken them.
-        base = shard.engine.optimizer.optimizer.state
-        partitions = []
-        for group in _zero1_groups(shard):
-            held = {kind: torch.zeros_like(group.partition) for kind in MOMENTS}
-            base[group.partition] = {"step": step.detach().clone().to(torch.float32), **held}
-            partitions.append(held)
+            raise ValueError(f"{shard.name}: a train stage needs the step count among its pieces")
+        opt = shard.engine.optimizer
+        base = opt.optimizer.state
+        partitions = [base[group.partition] for group in _zero1_groups(shard)]
         _convert_moments(ctx, shard, state.moments, partitions, to_canonical=False, timeout_s=timeout_s)
+        for i, held in enumerate(partitions):
+            held["step"].copy_(step)
+            # The weights were written after the engine cloned its master copy: refresh it.
+            own = opt.parallel_partitioned_bit16_groups[i][dist.get_rank(opt.real_dp_process_group[i])]
+            opt.single_partition_of_fp32_groups[i].data.copy_(own)
         shard.engine.global_steps = int(step.item())
-    ctx.resident[name] = shard
+    ctx.resident[shard.name] = shard
     return shard
 
 
