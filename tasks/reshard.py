@@ -25,9 +25,10 @@ import torch
 from nereus_core.config import ModelConfig
 from nereus_core.emu import Box, ShardMap, SliceSpec, plan_reshard, shard_map
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S
-from nereus_core.engine.reshard import ReshardJob, durable_read, durable_write, live_reshard, write_assignment
+from nereus_core.engine.reshard import ReshardJob, durable_read, durable_write, live_reshard
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.engine.state import assemble_state, collect_pieces
+from nereus_core.gtg import write_assignment
 from nereus_core.layout import Layout
 from storage import FileEntry, commit_snapshot, find_snapshot, read_slices, write_shard_file
 from tasks.device_pool import DevicePool

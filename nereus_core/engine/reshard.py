@@ -133,22 +133,6 @@ def live_reshard(ctx: DeviceContext, job: ReshardJob, plan: ReshardPlan) -> dict
     }
 
 
-def write_assignment(smap: ShardMap) -> dict[int, Wanted]:
-    """Which device writes which ``(name, box)``: one holder per distinct box (replicas written once),
-    the one with the fewest bytes assigned so far (ties: lowest device), so writing is spread."""
-    load: dict[int, int] = dict.fromkeys(smap.layout.devices, 0)
-    out: dict[int, Wanted] = {d: [] for d in smap.layout.devices}
-    for spec in smap.tensors:
-        holders: dict[Box, list[int]] = defaultdict(list)
-        for piece in spec.pieces:
-            holders[piece.box].append(piece.device)
-        for box, devices in holders.items():
-            writer = min(devices, key=lambda d: (load[d], d))
-            load[writer] += box.numel * spec.itemsize
-            out[writer].append((spec.name, box))
-    return out
-
-
 def durable_write(ctx: DeviceContext, mine: Wanted, *, job: ReshardJob, store: StateStore) -> Any:
     """Write this old device's assigned pieces to ``store`` (all old devices at once); returns the receipt."""
     if ctx.rank not in job.old_map.layout.devices:

@@ -259,7 +259,7 @@ def _durable_ops(
 
 def write_assignment(smap: ShardMap) -> dict[int, list[tuple[str, Box]]]:
     """Which device snapshots which ``(name, box)``: one holder per distinct box, the one with the
-    fewest bytes so far (ties: lowest device). Mirrors ``nereus_core.engine.reshard.write_assignment``
+    fewest bytes so far (ties: lowest device). Used by ``nereus_core.engine.reshard`` too
     (the durable executor), kept here so planning needs no engine."""
     load = dict.fromkeys(smap.layout.devices, 0)
     out: dict[int, list[tuple[str, Box]]] = {d: [] for d in smap.layout.devices}
