@@ -267,9 +267,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_not_yet(args: argparse.Namespace) -> int:
-    print(f"nereus: {args.command} is not available yet", file=sys.stderr)
-    return EXIT_USAGE
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Continue the unfinished run in DIR from its newest checkpoint (optionally on --devices N)."""
+    config = Path(args.run_dir) / "config.yaml"
+    if not config.is_file():
+        return _fail(args.run_dir, "not a run directory (no config.yaml); give the --out of a nereus run")
+    if args.devices is not None and args.devices < 1:
+        return _fail(args.run_dir, f"--devices {args.devices}: give at least 1")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    try:
+        cfg = parse_config(read_config_file(config))
+    except ConfigError as err:
+        return _fail(config, str(err))
+    from flows.ppo_job import ppo_job
+
+    on = f" on {args.devices} device slots" if args.devices else ""
+    print(f"nereus: {cfg.name}: resuming {args.run_dir}{on}")
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    try:
+        ppo_job(config=cfg, out_dir=str(args.run_dir), devices=args.devices)
+    except (ConfigError, FileNotFoundError) as err:
+        return _fail(args.run_dir, str(err))
+    print(f"nereus: done: {args.run_dir}")
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,8 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("config", type=Path, metavar="CONFIG", help="e.g. examples/paper_sim.yaml")
     simulate.add_argument("--out", type=Path, metavar="DIR", help="output folder (default runs/NAME-TIME)")
     simulate.set_defaults(handler=cmd_simulate)
-    resume = sub.add_parser("resume", help="continue an interrupted run or transition (not available yet)")
+    resume = sub.add_parser(
+        "resume",
+        help="continue an interrupted run (and its interrupted transition) from its newest checkpoint",
+    )
     resume.add_argument("run_dir", type=Path, metavar="DIR")
+    resume.add_argument(
+        "--devices", type=int, metavar="N", help="resume on N device slots; the controller re-plans for them"
+    )
+    resume.set_defaults(handler=cmd_resume)
     report = sub.add_parser("report", help="plot a run into DIR/plots")
     report.add_argument("run_dir", type=Path, metavar="DIR")
     report.set_defaults(handler=cmd_report)
@@ -325,8 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, metavar="N")
     export.add_argument("--hf", required=True, type=Path, metavar="OUT")
     export.set_defaults(handler=cmd_export)
-    for cmd in (resume,):
-        cmd.set_defaults(handler=cmd_not_yet)
     return parser
 
 

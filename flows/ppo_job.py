@@ -29,17 +29,21 @@ from prefect.artifacts import create_table_artifact
 
 from flows import adapt
 from flows.step_report import step_table
-from flows.transition import transition_flow
+from flows.transition import rehydrate_all, transition_flow
 from nereus_core import rollout as ro
-from nereus_core.config import NereusConfig, parse_config
+from nereus_core.config import ConfigError, NereusConfig, parse_config
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from nereus_core.task import make_prompts
+from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
+from storage.snapshot import list_snapshots
 from tasks import model_ops
 from tasks import ppo_stages as st
 from tasks.device_pool import DevicePool
 from tasks.snapshots import snapshot_model
+
+HISTORY_TABLE = "metrics/history.parquet"  # one row per step: scores, losses, wall and overhead
 
 # model-stage -> (model, head) ; the order is the order models are loaded in.
 MODEL_STAGES = {
@@ -94,16 +98,22 @@ def default_plan(cfg: NereusConfig) -> dict[str, Layout]:
 class Job:
     """The running job's driver-side state: the pool, the plan, the run directory."""
 
-    def __init__(self, pool: DevicePool, cfg: NereusConfig, run: RunDir) -> None:
+    def __init__(
+        self, pool: DevicePool, cfg: NereusConfig, run: RunDir, plan: dict[str, Layout] | None = None
+    ) -> None:
+        # ``cfg`` is the job's config as it is now: scenario events change its devices and response_len.
         self.pool, self.cfg, self.run = pool, cfg, run
-        self.plan = default_plan(cfg)
+        self.plan = default_plan(cfg) if plan is None else dict(plan)
         self.plan_id = plan_id(self.plan)
         self.aliased = {inf for inf, src in SYNCED if self.plan[inf] == self.plan[src]}
         self.rows: list[dict[str, Any]] = []
         self.transitions: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
-        self.controller = adapt.initial_state(cfg, self.plan, pool.size) if cfg.job.adapt else None
+        # The controller follows every step; it may switch on its own only with job.adapt, but device
+        # and response-length changes (scenario events) always go through it.
+        self.controller = adapt.initial_state(cfg, self.plan, pool.size)
         self.last_transition = None
+        self.checkpoint_s = 0.0
 
     def switch_to(self, plan: dict[str, Layout]) -> None:
         self.plan = plan
@@ -281,25 +291,57 @@ def run_step(job: Job, step: int) -> dict[str, Any]:
     }
 
 
-def _adapt(job: Job, step: int) -> None:
-    """Ask the controller; run the transition it admits (a plan the job cannot run is refused)."""
-    rows = [r for r in job.rows if r["step"] == step]
+def _adapt(job: Job, step: int, *, rows: list[dict[str, Any]] | None = None, why: str = "") -> None:
+    """Ask the controller (after ``step``, on its timings); run the transition it admits or forces.
+    A plan the job's config would reject is refused; so is a switch whose checkpoint cannot be written."""
+    rows = [r for r in job.rows if r["step"] == step] if rows is None else rows
     obs = adapt.observation(
-        job.cfg, job.plan, rows, step=step, devices=job.pool.size, last_transition=job.last_transition
+        job.cfg,
+        job.plan,
+        rows,
+        step=step,
+        devices=job.cfg.cluster.devices,
+        last_transition=job.last_transition,
     )
     decision = adapt.controller_step(obs, job.controller)
     job.controller, job.last_transition = decision.state, None
     adapt.log_decision(decision, step)
+    resize = job.cfg.cluster.devices != job.pool.size
+    if decision.action == "none":
+        raise RuntimeError(f"after step {step}{why}: {decision.reason}; give the job more devices or memory")
     if decision.action != "switch" or decision.plan is None:
+        if resize:  # the devices changed and the current plan still fits: keep it, in the new world
+            _transition(job, step, dict(job.plan), decision, why or "device set changed")
         return
     new_plan = dict(decision.plan.layouts)
     problem = adapt.runnable(job.cfg, new_plan)
     if problem:
         get_run_logger().warning("controller's plan refused, keeping %s: %s", job.plan_id, problem)
+        if resize:
+            _transition(job, step, dict(job.plan), decision, why or "device set changed")
         return
+    _transition(job, step, new_plan, decision, decision.reason)
+
+
+def _transition(job: Job, step: int, new_plan: dict[str, Layout], decision: Any, reason: str) -> None:
+    """Checkpoint plan A at step + 1, then run the transition subflow to ``new_plan``."""
+    logger = get_run_logger()
     transition_id = f"t{len(job.transitions):03d}-step{step}"
-    old_id = job.plan_id
-    stats, status = {}, "committed"
+    old_id, devices = job.plan_id, job.cfg.cluster.devices
+    stats: dict[str, Any] = {}
+    checkpoint = _checkpoint(job, step + 1)
+    if checkpoint is None:
+        # Without a recovery point a crash mid-switch could lose state: plan A stays in force.
+        row = adapt.transition_row(transition_id, step, old_id, plan_id(new_plan), decision, {}, "aborted")
+        row["reason"] = f"{reason}; aborted: the checkpoint could not be written"
+        job.transitions.append(row)
+        job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
+        if devices != job.pool.size:
+            raise RuntimeError(
+                f"the device set changed but no checkpoint could be written at step {step + 1}"
+            )
+        return
+    status = "committed"
     try:
         stats = transition_flow(
             job.pool,
@@ -309,46 +351,83 @@ def _adapt(job: Job, step: int) -> None:
             job.plan,
             new_plan,
             step=step,
-            reason=decision.reason,
+            reason=reason,
+            checkpoint_step=step + 1,
+            devices=devices,
         )
     except Exception as err:
         status = f"failed: {type(err).__name__}"
         raise
     finally:
-        job.transitions.append(
-            adapt.transition_row(transition_id, step, old_id, plan_id(new_plan), decision, stats, status)
-        )
+        row = adapt.transition_row(transition_id, step, old_id, plan_id(new_plan), decision, stats, status)
+        row.update(reason=reason, route=stats.get("route", ""), checkpoint_s=checkpoint)
+        row["devices"] = devices
+        job.transitions.append(row)
         job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
     if stats.get("status") == "refused":
         job.transitions[-1]["status"] = "refused"
         job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
         return  # nothing moved: plan A stays in force
     job.switch_to(new_plan)
-    if decision.transition is not None:
+    if decision.transition is not None and stats.get("route") != "durable":
         job.last_transition = adapt.TransitionTiming(
             predicted=decision.transition, seconds=max(stats["seconds"], 1e-6)
         )
-    get_run_logger().info(
-        "transition %s: %s -> %s in %.2f s (predicted %.2f s), %d bytes moved",
+    logger.info(
+        "transition %s (%s route): %s -> %s in %.2f s (predicted %.2f s), %d bytes moved; reason: %s",
         transition_id,
+        stats.get("route"),
         old_id,
         job.plan_id,
         stats["seconds"],
         decision.transition.seconds if decision.transition else float("nan"),
         stats["bytes_moved"],
+        reason,
     )
 
 
-def _snapshot_all(job: Job, step: int) -> float:
-    """Snapshot every model as ``step``: the state after ``step`` steps, i.e. the one that
-    generates (and scores) the rollout of step ``step``."""
-    seconds = 0.0
-    for model, stage in SNAPSHOT_SOURCES.items():
-        _, s = snapshot_model(
-            job.pool, str(job.run.root), model, step, job.plan[stage], job.config_of(stage), stage
-        )
-        seconds += s
+def _checkpoint(job: Job, step: int) -> float | None:
+    """Snapshot every model's whole state as ``step`` (the state that generates rollout ``step``) and
+    mark it a resume point; returns seconds, or None when a write failed (the previous point stays)."""
+    if (job.run.root / "state" / "checkpoints" / f"step={step}.json").exists():
+        return 0.0
+    start = time.perf_counter()
+    try:
+        for model, stage in SNAPSHOT_SOURCES.items():
+            if any(r.step == step for r in list_snapshots(job.run.root, model)):
+                continue  # written before a failure of another model's snapshot
+            snapshot_model(
+                job.pool,
+                str(job.run.root),
+                model,
+                step,
+                job.plan[stage],
+                job.config_of(stage),
+                stage,
+                optimizer_settings(job.cfg, stage),
+            )
+    except Exception as err:
+        get_run_logger().error("snapshot at step %d failed, the last checkpoint stays: %s", step, err)
+        return None
+    job.run.write_checkpoint(
+        step,
+        {
+            "plan_id": job.plan_id,
+            "plan": {k: v.model_dump(mode="json") for k, v in job.plan.items()},
+            "devices": job.pool.size,
+            "response_len": job.cfg.job.response_len,
+        },
+    )
+    seconds = time.perf_counter() - start
+    job.checkpoint_s += seconds
     return seconds
+
+
+def optimizer_settings(cfg: NereusConfig, stage: str) -> OptimizerSettings | None:
+    if not stage.endswith("/train"):
+        return None
+    lr = cfg.ppo.actor_lr if stage.startswith("actor") else cfg.ppo.critic_lr
+    return OptimizerSettings(lr=lr, weight_decay=cfg.job.weight_decay)
 
 
 def _finish_step(job: Job, stats: dict[str, Any], wall_s: float) -> None:
@@ -368,55 +447,184 @@ def _finish_step(job: Job, stats: dict[str, Any], wall_s: float) -> None:
     )
 
 
+def _apply_event(job: Job, step: int) -> None:
+    """A scenario event before ``step``: change devices and/or response length, then re-plan."""
+    events = [e for e in job.cfg.job.scenario if e.step == step]
+    if not events:
+        return
+    event, cfg = events[0], job.cfg
+    what = []
+    if event.devices is not None and event.devices != cfg.cluster.devices:
+        what.append(f"devices {cfg.cluster.devices} -> {event.devices}")
+        cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"devices": event.devices})})
+    if event.response_len is not None and event.response_len != cfg.job.response_len:
+        what.append(f"response length {cfg.job.response_len} -> {event.response_len}")
+        cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={"response_len": event.response_len})})
+    if not what:
+        return
+    job.cfg = cfg
+    get_run_logger().info("scenario before step %d: %s", step, ", ".join(what))
+    _adapt(job, step - 1, rows=[], why=f" ({', '.join(what)})")
+
+
+def _resume_point(run: RunDir, cfg: NereusConfig, devices: int | None) -> tuple[dict[str, Any], NereusConfig]:
+    """The newest checkpoint of ``run`` and the job's config as it was there (devices, response length);
+    an interrupted transition is finished (its plan B, when the devices allow) or rolled back."""
+    record = run.latest_checkpoint()
+    if record is None:
+        raise FileNotFoundError(
+            f"{run.root} has no checkpoint to resume from; start it again with nereus run"
+        )
+    step = int(record["step"])
+    plan = {k: Layout.model_validate(v) for k, v in record["plan"].items()}
+    n = devices or int(record["devices"])
+    for journal in journals(run.root):
+        if journal.status() != "interrupted":
+            continue
+        header = journal.header() or {}
+        target = {k: Layout.model_validate(v) for k, v in header.get("new", {}).items()}
+        if (
+            header.get("checkpoint_step") == step
+            and target
+            and max(max(v.devices) for v in target.values()) < n
+        ):
+            plan = target  # finish the switch: plan B, rehydrated from the checkpoint
+            journal.record("transition", COMMIT, finished_by="resume", seconds=0.0, bytes_moved=0)
+        else:
+            journal.record("transition", ABORT, rolled_back_by="resume")
+    cfg = cfg.model_copy(
+        update={
+            "cluster": cfg.cluster.model_copy(update={"devices": n}),
+            "job": cfg.job.model_copy(update={"response_len": int(record["response_len"])}),
+        }
+    )
+    return {"step": step, "plan": plan, "devices": n, "record_devices": int(record["devices"])}, cfg
+
+
+def _load_checkpoint(job: Job, step: int, why: str) -> None:
+    """Rehydrate every model of the job under ``job.plan`` from the checkpoint at ``step`` (journaled)."""
+    journal = Journal(job.run.root, f"resume-step{step}-{int(time.time())}")
+    new = {k: v.model_dump(mode="json") for k, v in job.plan.items()}
+    journal.record("transition", START, step=step, reason=why, route="durable", checkpoint_step=step, new=new)
+    start = time.perf_counter()
+    read = rehydrate_all(job.pool, job.cfg, str(job.run.root), journal, job.plan, step, job.pool.size)
+    journal.record("transition", COMMIT, seconds=time.perf_counter() - start, bytes_moved=read)
+    job.switch_to(job.plan)
+
+
+def _open_run(
+    cfg: NereusConfig, out_dir: str, devices: int | None
+) -> tuple[RunDir, NereusConfig, dict[str, Any] | None]:
+    """A fresh run directory, or the unfinished run of the same config in it (to resume)."""
+    run = RunDir(out_dir)
+    if devices is not None:
+        cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"devices": devices})})
+    if (run.root / "config.yaml").exists() and run.latest_checkpoint() is not None:
+        if (run.root / "summary.json").exists() and run.read_summary().get("status") == "completed":
+            raise ConfigError(f"{out_dir} already holds a completed run; choose another --out")
+        stored = parse_config(run.read_config())
+        if stored.model_copy(update={"cluster": cfg.cluster}) != cfg:
+            raise ConfigError(
+                f"{out_dir} holds an unfinished run of another config; continue it with "
+                f"nereus resume {out_dir}, or choose another --out"
+            )
+        point, cfg = _resume_point(run, stored, devices)
+        return run, cfg, point
+    return RunDir.create(out_dir, cfg.model_dump(mode="json")), cfg, None
+
+
+def _resume(job: Job, point: dict[str, Any]) -> None:
+    """Carry on from a checkpoint: the plan for the devices at hand, the state rehydrated under it."""
+    step = point["step"]
+    job.rows = [r for r in job.run.read_rows(STEPS_TABLE) if r["step"] < step]
+    job.transitions = job.run.read_rows(TRANSITIONS_TABLE)
+    why = f"resume from the checkpoint at step {step}"
+    if (
+        point["devices"] != point["record_devices"]
+        or max(max(v.devices) for v in job.plan.values()) >= job.pool.size
+    ):
+        # Another number of devices: the controller picks the plan for the devices at hand.
+        job.controller = adapt.initial_state(job.cfg, job.plan, point["record_devices"])
+        obs = adapt.observation(
+            job.cfg, job.plan, [], step=max(step - 1, 0), devices=job.pool.size, last_transition=None
+        )
+        decision = adapt.controller_step(obs, job.controller)
+        adapt.log_decision(decision, step)
+        if decision.plan is None:
+            raise RuntimeError(f"{why} on {job.pool.size} devices: {decision.reason}")
+        job.controller, job.plan = decision.state, dict(decision.plan.layouts)
+        why += f" on {job.pool.size} devices (was {point['record_devices']})"
+    get_run_logger().info("%s: plan %s", why, plan_id(job.plan))
+    _load_checkpoint(job, step, why)
+
+
 @flow(name="nereus-ppo")
-def ppo_job(config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/ppo") -> dict[str, Any]:
-    """Run PPO for ``config.job.steps`` steps on the device pool; the run directory is ``out_dir``."""
-    cfg = _resolve(config)
-    logger = get_run_logger()
-    run = RunDir.create(out_dir, cfg.model_dump(mode="json"))
+def ppo_job(
+    config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/ppo", devices: int | None = None
+) -> dict[str, Any]:
+    """Run PPO for ``config.job.steps`` steps on the device pool; the run directory is ``out_dir``.
+
+    If ``out_dir`` holds an unfinished run of the same config (a checkpoint, no completed summary:
+    the driver died, or this is a retry of the failed flow run), it resumes from its newest
+    checkpoint instead: an interrupted transition is finished or rolled back, and ``devices``
+    (default: as at the checkpoint) may differ, the controller picking the plan for them.
+    """
+    cfg, logger = _resolve(config), get_run_logger()
+    run, cfg, point = _open_run(cfg, out_dir, devices)
     cache_dir = os.environ.get("NEREUS_CACHE_DIR", str(Path.home() / ".cache" / "nereus"))
     start = time.perf_counter()
-    history: list[dict[str, Any]] = []
+    fit: dict[str, Any] = {}
+    first = 0 if point is None else point["step"]
     with DevicePool(
         cfg.cluster.devices, scheduler_address=cfg.cluster.scheduler_address, backend=cfg.cluster.backend
     ) as pool:
-        job = Job(pool, cfg, run)
-        run.write_plan(job.plan_id, {k: v.model_dump(mode="json") for k, v in job.plan.items()})
-        fit = st.fit_reward_model(pool, job.plan["reward/infer"], cfg, st.reward_fit_key(cfg), cache_dir)
-        if not Path(fit["path"]).exists():  # the cache outlived its file: fit again
-            fit = st.fit_reward_model.with_options(refresh_cache=True)(
-                pool, job.plan["reward/infer"], cfg, st.reward_fit_key(cfg), cache_dir
-            )
-        logger.info("reward model fitted: mse %s -> %s", fit["first_loss"], fit["last_loss"])
-        job.load(st.load_reward_state(fit["path"]))
-        snapshot_s = 0.0
+        job = Job(pool, cfg, run, plan=None if point is None else point["plan"])
+        if point is None:
+            run.write_plan(job.plan_id, {k: v.model_dump(mode="json") for k, v in job.plan.items()})
+            fit = st.fit_reward_model(pool, job.plan["reward/infer"], cfg, st.reward_fit_key(cfg), cache_dir)
+            if not Path(fit["path"]).exists():  # the cache outlived its file: fit again
+                fit = st.fit_reward_model.with_options(refresh_cache=True)(
+                    pool, job.plan["reward/infer"], cfg, st.reward_fit_key(cfg), cache_dir
+                )
+            logger.info("reward model fitted: mse %s -> %s", fit["first_loss"], fit["last_loss"])
+            job.load(st.load_reward_state(fit["path"]))
+        else:
+            _resume(job, point)
+        history = [h for h in run.read_rows(HISTORY_TABLE) if h["step"] < first]
         quiet = _QuietCompletedTasks()
         logging.getLogger("prefect.task_runs").addFilter(quiet)
         try:
-            for step in range(cfg.job.steps):
+            for step in range(first, cfg.job.steps):
+                _apply_event(job, step)
                 t = time.perf_counter()
                 stats = run_step(job, step)
                 wall = time.perf_counter() - t
                 _finish_step(job, stats, wall)
                 stats["bookkeeping_s"] = time.perf_counter() - t - wall
+                stats["plan_id"] = job.plan_id
                 history.append(stats)
-                if job.controller is not None and step + 1 < cfg.job.steps:
+                run.write_rows(HISTORY_TABLE, history)
+                if cfg.job.adapt and step + 1 < cfg.job.steps:
                     _adapt(job, step)
                 every = cfg.job.snapshot_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.job.steps:
-                    snapshot_s += _snapshot_all(job, step + 1)
+                    _checkpoint(job, step + 1)
         finally:
             logging.getLogger("prefect.task_runs").removeFilter(quiet)
-        snapshot_s += _snapshot_all(job, cfg.job.steps)
+        if _checkpoint(job, cfg.job.steps) is None and _checkpoint(job, cfg.job.steps) is None:
+            raise RuntimeError(f"the final snapshot (step {cfg.job.steps}) could not be written twice")
     wall_s = time.perf_counter() - start
-    summary = _summary(cfg, job, history, wall_s, snapshot_s, fit)
+    summary = _summary(job.cfg, job, history, wall_s, job.checkpoint_s, fit)
+    if point is not None:
+        summary["resumed_from_step"] = first
     run.write_summary(summary)
     logger.info(
-        "done: %d steps in %.1f s; rule score %.3f -> %.3f",
+        "done: %d steps in %.1f s; rule score %.3f -> %.3f; %d transitions",
         cfg.job.steps,
         wall_s,
         summary["score_first"],
         summary["score_last"],
+        summary["transitions"],
     )
     return summary
 
@@ -449,6 +657,6 @@ def _summary(
         # After each step: its table to the logger, the Prefect artifact, steps.parquet (not in step walls).
         "bookkeeping_median_s": statistics.median(h["bookkeeping_s"] for h in history),
         "task_overhead_median_s": statistics.median(r["task_overhead_s"] for r in job.rows),
-        "reward_fit": {"first_mse": fit["first_loss"], "last_mse": fit["last_loss"]},
+        "reward_fit": {"first_mse": fit.get("first_loss"), "last_mse": fit.get("last_loss")},
         "history": history,
     }

@@ -115,6 +115,27 @@ class ModelConfig(_Frozen):
         return None
 
 
+class ScenarioEvent(_Frozen):
+    """Something that happens to a running job before step ``step`` (the demo's scripted changes).
+
+    ``devices``: the pool grows or shrinks to this many slots (a LocalCluster gains or loses
+    workers; with an external scheduler, that many workers must be there). ``response_len``:
+    responses grow (or shrink) to this many tokens. Either change is re-planned by the controller
+    before the step runs, and the job moves its state to the new plan."""
+
+    step: int = Field(ge=1, description="The event takes effect before this step (0-based).")
+    devices: int | None = Field(default=None, ge=1, le=4096, description="New number of device slots.")
+    response_len: int | None = Field(default=None, ge=1, description="New tokens per response.")
+
+    @model_validator(mode="after")
+    def _something(self) -> ScenarioEvent:
+        if self.devices is None and self.response_len is None:
+            raise ValueError(
+                f"job.scenario event at step {self.step} changes nothing; set devices or response_len"
+            )
+        return self
+
+
 class JobConfig(_Frozen):
     """What one run does (the PPO fields arrive with the PPO job)."""
 
@@ -136,6 +157,27 @@ class JobConfig(_Frozen):
     profile: Literal["cpu", "h100"] = Field(
         default="cpu", description="Hardware profile the controller's cost model starts from."
     )
+    scenario: tuple[ScenarioEvent, ...] = Field(
+        default=(),
+        description="Scripted changes during the run: devices joining or leaving, longer responses.",
+    )
+
+    @model_validator(mode="after")
+    def _check_scenario(self) -> JobConfig:
+        steps = [e.step for e in self.scenario]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"job.scenario steps {steps} must be strictly increasing; one event per step")
+        if steps and steps[-1] >= self.steps:
+            raise ValueError(
+                f"job.scenario event at step {steps[-1]} never happens: job.steps={self.steps}; "
+                "put it before the last step"
+            )
+        return self
+
+    def response_lens(self) -> tuple[int, ...]:
+        """Every response length the job will generate, in order of first use."""
+        lens = [self.response_len] + [e.response_len for e in self.scenario if e.response_len]
+        return tuple(dict.fromkeys(lens))
 
     @property
     def task_settings(self) -> TaskSettings:

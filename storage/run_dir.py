@@ -95,3 +95,19 @@ class RunDir:
 
     def read_rollout(self, step: int) -> dict[str, list[Any]]:
         return pq.read_table(self.root / "rollouts" / f"step={step}.parquet").to_pydict()
+
+    def write_checkpoint(self, step: int, record: Mapping[str, Any]) -> None:
+        """``state/checkpoints/step=N.json``: written after every model's snapshot at ``step`` committed,
+        so it marks a complete resume point (the plan in force, the devices, the job's settings)."""
+        path = self.root / "state" / "checkpoints" / f"step={step}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps({"step": step, **dict(record)}, indent=2).encode())
+
+    def latest_checkpoint(self) -> dict[str, Any] | None:
+        """The newest complete resume point, or None."""
+        root = self.root / "state" / "checkpoints"
+        found = []
+        for path in root.glob("step=*.json") if root.is_dir() else []:
+            record = json.loads(path.read_text())
+            found.append((int(record["step"]), record))
+        return max(found, key=lambda x: x[0])[1] if found else None

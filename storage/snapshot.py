@@ -217,8 +217,12 @@ def read_slices(ref: SnapshotRef, wanted: Sequence[tuple[str, Box | None]]) -> l
         readers.close()
 
 
-def read_full_state(run_dir: PathLike, model: str, step: int | None = None) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters of ``model`` with Hugging Face names, at ``step`` or the latest."""
+def read_full_state(
+    run_dir: PathLike, model: str, step: int | None = None, *, optimizer: bool = False
+) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters of ``model`` with Hugging Face names, at ``step`` or the latest;
+    ``optimizer=True`` adds what a train stage's snapshot holds besides: ``<param>:exp_avg``,
+    ``<param>:exp_avg_sq`` and the AdamW step count."""
     ref = find_snapshot(run_dir, model, step)
-    names = [n for n in ref.names() if split_state_name(n)[1] == "param"]
+    names = [n for n in ref.names() if optimizer or split_state_name(n)[1] == "param"]
     return dict(zip(names, read_slices(ref, [(n, None) for n in names]), strict=True))

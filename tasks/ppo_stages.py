@@ -45,6 +45,7 @@ def reward_fit_key(config: NereusConfig) -> str:
     parts = {
         "model": config.model.model_dump(mode="json"),
         "task": config.job.task_settings.model_dump(mode="json"),
+        "response_lens": list(config.job.response_lens()),
         "batch": config.ppo.reward_fit_batch,
         "steps": config.ppo.reward_fit_steps,
         "lr": config.ppo.reward_fit_lr,
@@ -75,10 +76,12 @@ def fit_reward_model(
     gen = torch.Generator().manual_seed(job.seed + 17)
     model_ops.load_model(pool, layout, name="reward/fit", config=value_config, optimizer=settings)
     losses = []
+    lens = job.response_lens()  # it must score every response length the job will generate
     try:
         for step in range(config.ppo.reward_fit_steps):
             prompts = make_prompts(task_settings, config.ppo.reward_fit_batch, job.seed + 1_000_003, step)
-            responses = synthetic_responses(prompts, job.response_len, gen, config.model.vocab_size)
+            length = lens[step % len(lens)]
+            responses = synthetic_responses(prompts, length, gen, config.model.vocab_size)
             batch = {"ids": torch.cat([prompts, responses], 1), "score": rule_score(prompts, responses)}
             losses.append(model_ops.train(pool, layout, batch, name="reward/fit", loss_fn=score_mse_loss))
         state = model_ops.full_state(pool, layout, name="reward/fit", config=value_config)

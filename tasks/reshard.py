@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from nereus_core import faults
 from nereus_core.config import ModelConfig
 from nereus_core.emu import Box, ShardMap, SliceSpec, plan_reshard, shard_map
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S
@@ -46,6 +47,8 @@ class ArrowStateStore:
     step: int
 
     def write_pieces(self, device: int, pieces: Sequence[tuple[str, torch.Tensor, SliceSpec]]) -> FileEntry:
+        if faults.armed("fail-snapshot-write"):
+            raise faults.disk_full(f"state/{self.model}/step={self.step} device={device}")
         return write_shard_file(self.run_dir, self.model, self.step, device, list(pieces))
 
     def read_pieces(self, wanted: Sequence[tuple[str, Box]]) -> list[torch.Tensor]:

@@ -135,6 +135,11 @@ def drop_shard(ctx: DeviceContext, *, name: str) -> None:
     ctx.resident.pop(name, None)
 
 
+def drop_all(ctx: DeviceContext) -> None:
+    """Forget every model-stage on this device (before its world is rebuilt)."""
+    ctx.resident.clear()
+
+
 def get_shard(ctx: DeviceContext, name: str) -> ModelShard:
     shard = ctx.resident.get(name)
     if not isinstance(shard, ModelShard):
