@@ -176,6 +176,21 @@ def _stage(
     return out
 
 
+def _stages(
+    job: Job, step: int, rows: dict[str, tuple[str, str, int]], task_fn: Any, *args: Any, **kw: Any
+) -> Any:
+    """A task that runs several stages, each timed inside it: ``rows[key] = (model, stage, tokens)``
+    for every key of the seconds it returns; Prefect's share is split evenly between them."""
+    start = time.perf_counter()
+    out, seconds = task_fn(*args, **kw)
+    outer = time.perf_counter() - start
+    share = (outer - sum(seconds.values())) / len(seconds)
+    for key, inner in seconds.items():
+        model, stage, tokens = rows[key]
+        _record(job, step, model, stage, start, inner, tokens, inner + share)
+    return out
+
+
 def _timed_write_rollout(run: RunDir, step: int, rollout: ro.Rollout) -> tuple[Any, float]:
     start = time.perf_counter()
     run.write_rollout(step, rollout.columns())
@@ -183,7 +198,12 @@ def _timed_write_rollout(run: RunDir, step: int, rollout: ro.Rollout) -> tuple[A
 
 
 def run_step(job: Job, step: int) -> dict[str, Any]:
-    """One PPO step; returns its statistics."""
+    """One PPO step; returns its statistics.
+
+    Prefect tasks: actor/generate -> experience (reward/infer, reference/infer, actor log-probs,
+    critic/infer) -> actor/train (+ weight sync) -> critic/train (+ weight sync). The rule score,
+    advantages and the rollout's write are driver-side plain calls of a few ms, timed as stages.
+    """
     cfg, pool, plan = job.cfg, job.pool, job.plan
     b, p_len, t_len = cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len
     prompts = make_prompts(cfg.job.task_settings, b, cfg.job.seed, step)
@@ -203,89 +223,46 @@ def run_step(job: Job, step: int) -> dict[str, Any]:
     )
     r = ro.Rollout(prompts=prompts, responses=responses, mask=torch.ones(b, t_len))
     ids, n_tok = r.ids, b * (p_len + t_len)
-    # The rule score is a microsecond of tensor math: a plain call, not a task (a task costs ~5-15 ms).
     r.rule_score = _stage(job, step, "task", "rule_score", b, st.timed_rule_score, prompts, responses)
-    values = _stage(
-        job, step, "reward", "infer", n_tok, st.infer, pool, plan["reward/infer"], ids, name="reward/infer"
-    )
-    r.score = ro.final_score(values)
-    ref = _stage(
-        job,
-        step,
-        "reference",
-        "infer",
-        n_tok,
-        st.infer,
-        pool,
-        plan["reference/infer"],
-        ids,
-        name="reference/infer",
-    )
-    r.ref_logp = ro.response_logp(ref, t_len)
-    old = _stage(
-        job, step, "actor", "infer", n_tok, st.infer, pool, plan["actor/train"], ids, name="actor/train"
-    )
-    r.old_logp = ro.response_logp(old, t_len)
-    crit = _stage(
-        job, step, "critic", "infer", n_tok, st.infer, pool, plan["critic/infer"], ids, name="critic/infer"
-    )
-    r.values = ro.response_values(crit, t_len)
+    passes = {
+        "reward/infer": ("reward", "infer", n_tok),
+        "reference/infer": ("reference", "infer", n_tok),
+        "actor/train": ("actor", "infer", n_tok),  # the old log-probs, on the train layout
+        "critic/infer": ("critic", "infer", n_tok),
+    }
+    out = _stages(job, step, passes, st.experience, pool, {k: plan[k] for k in passes}, ids)
+    r.score = ro.final_score(out["reward/infer"])
+    r.ref_logp = ro.response_logp(out["reference/infer"], t_len)
+    r.old_logp = ro.response_logp(out["actor/train"], t_len)
+    r.values = ro.response_values(out["critic/infer"], t_len)
     _stage(job, step, "ppo", "advantages", b * t_len, st.advantages, r, cfg.ppo)
-    train_tokens = n_tok * cfg.ppo.ppo_epochs
-    actor_loss = _stage(
-        job,
-        step,
-        "actor",
-        "train",
-        train_tokens,
-        st.train,
-        pool,
-        plan["actor/train"],
-        r,
-        name="actor/train",
-        critic=False,
-        settings=cfg.ppo,
-        seed=cfg.job.seed + step,
-    )
-    critic_loss = _stage(
-        job,
-        step,
-        "critic",
-        "train",
-        train_tokens,
-        st.train,
-        pool,
-        plan["critic/train"],
-        r,
-        name="critic/train",
-        critic=True,
-        settings=cfg.ppo,
-        seed=cfg.job.seed + step,
-    )
+    losses = {}
     for inference, source in SYNCED:
-        if inference not in job.aliased:
-            _stage(
-                job,
-                step,
-                MODEL_STAGES[source][0],
-                "sync",
-                0,
-                st.sync_weights,
-                pool,
-                plan[source],
-                plan[inference],
-                src_name=source,
-                dst_name=inference,
-                config=job.config_of(source),
-            )
+        model = MODEL_STAGES[source][0]
+        sync = None if inference in job.aliased else (plan[inference], inference, job.config_of(source))
+        rows = {"train": (model, "train", n_tok * cfg.ppo.ppo_epochs), "sync": (model, "sync", 0)}
+        losses[model] = _stages(
+            job,
+            step,
+            rows,
+            st.train,
+            pool,
+            plan[source],
+            r,
+            name=source,
+            critic=model == "critic",
+            settings=cfg.ppo,
+            seed=cfg.job.seed + step,
+            sync=sync,
+        )
     # Persisting the rollout is the step's own work (the old log-probs are checked against it): a stage.
     _stage(job, step, "rollout", "write", 0, _timed_write_rollout, job.run, step, r)
     return {
         "step": step,
         "score": float(r.score.mean()),
         "rule_score": float(r.rule_score.mean()),
-        "actor_loss": actor_loss,
-        "critic_loss": critic_loss,
+        "actor_loss": losses["actor"],
+        "critic_loss": losses["critic"],
         "kl": float((r.old_logp - r.ref_logp).mean()),
         "tokens": b * t_len,
     }

@@ -44,6 +44,13 @@ from nereus_core.plan import evaluate_plan as plan_estimate
 from nereus_core.plan_search import Searcher, SearchSpace
 
 GiB = 1024**3
+
+
+def _size(n: float) -> str:
+    """Bytes as GiB, or MiB below 1 GiB (tiny models on small slots stay readable)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 TransferPlanner = Callable[[GlobalPlan, GlobalPlan], Sequence[TransferLike]]
 
 
@@ -226,11 +233,10 @@ def _forced_reason(observation: Observation, state: ControllerState, current: Pl
     over = {d: b for d, b in observation.memory_peaks.items() if b > capacity}
     if over:
         d = max(over, key=lambda k: over[k])
-        return f"slot {d} peaked at {over[d] / GiB:.2f} GiB > capacity {capacity / GiB:.2f} GiB"
+        return f"slot {d} peaked at {_size(over[d])} > capacity {_size(capacity)}"
     if not current.fits:
         return (
-            f"the current plan needs {current.memory_peak / GiB:.2f} GiB per slot > "
-            f"usable {current.usable / GiB:.2f} GiB"
+            f"the current plan needs {_size(current.memory_peak)} per slot > usable {_size(current.usable)}"
         )
     return ""
 
@@ -371,7 +377,7 @@ def _memory_rejections(rejected: list, faster_than: float, usable: int) -> list[
         _alternative(
             None,
             "memory",
-            f"needs {f.memory / GiB:.2f} GiB per slot > usable {usable / GiB:.2f} GiB",
+            f"needs {_size(f.memory)} per slot > usable {_size(usable)}",
             plan=f.plan,
             step=f.seconds,
             mem=int(f.memory),

@@ -72,7 +72,7 @@ def read_state(
     return {"bytes_read": sum(f["read"] for f in figures), "read_s": max(f["read_s"] for f in figures)}
 
 
-@task(cache_policy=NO_CACHE, retries=1)
+@task(cache_policy=NO_CACHE)  # no retries: a failed write leaves the previous checkpoint in force
 def snapshot_model(
     pool: DevicePool,
     run_dir: str,

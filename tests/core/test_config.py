@@ -23,6 +23,21 @@ def example() -> dict[str, Any]:
     return yaml.safe_load(EXAMPLE.read_text())
 
 
+def example4() -> dict[str, Any]:
+    """The demo as it runs after its devices grow to 4 (the bad-config table edits that)."""
+    data = example()
+    data["cluster"]["devices"] = 4
+    data["plan"] = {
+        "actor/generate": _layout(2, 1, 1, [0, 1]),
+        "actor/train": _layout(2, 1, 2, [0, 1, 2, 3]),
+        "critic/train": _layout(1, 2, 2, [0, 1, 2, 3], micro_batches=2),
+        "critic/infer": _layout(1, 2, 2, [0, 1, 2, 3], micro_batches=2),
+        "reference/infer": _layout(2, 1, 1, [2, 3]),
+        "reward/infer": _layout(1, 1, 2, [2, 3]),
+    }
+    return data
+
+
 def _layout(tp: int, pp: int, dp: int, devices: list[int], **extra: Any) -> dict[str, Any]:
     return {"tp": tp, "pp": pp, "dp": dp, "devices": devices, **extra}
 
@@ -195,7 +210,7 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
 
 @pytest.mark.parametrize(("edit", "field", "needles"), [pytest.param(*row[1:], id=row[0]) for row in BAD])
 def test_bad_config_has_one_line_naming_the_field(edit: Edit, field: str, needles: tuple[str, ...]) -> None:
-    data = example()
+    data = example4()
     edit(data)
     with pytest.raises(ConfigError) as info:
         parse_config(data)
@@ -215,17 +230,19 @@ def test_bad_table_is_large_enough() -> None:
 def test_example_loads() -> None:
     cfg = parse_config(example())
     assert cfg.name == "tiny-ppo"
-    assert cfg.cluster.devices == 4
-    assert cfg.cluster.memory_per_device == 2 * 1024**3
+    assert cfg.cluster.devices == 2
+    assert cfg.cluster.memory_per_device == 64 * 1024**2
+    assert [(e.step, e.devices, e.response_len) for e in cfg.job.scenario] == [(10, 4, None), (25, None, 24)]
+    assert cfg.job.response_lens() == (6, 24) and cfg.job.adapt
     assert (cfg.model.vocab_size, cfg.model.hidden_size, cfg.model.num_hidden_layers) == (32, 64, 4)
     assert (cfg.model.num_attention_heads, cfg.model.num_key_value_heads) == (8, 4)
     assert cfg.model.intermediate_size == 128
     assert cfg.model.tie_word_embeddings is False
-    assert (cfg.job.steps, cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len) == (40, 64, 4, 6)
+    assert (cfg.job.steps, cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len) == (40, 256, 4, 6)
     assert set(cfg.plan) == set(MODEL_STAGES)
     gen, train = cfg.plan["actor/generate"], cfg.plan["actor/train"]
-    assert (gen.tp, gen.pp, gen.dp, gen.devices) == (2, 1, 1, (0, 1))
-    assert (train.tp, train.pp, train.dp, train.devices) == (2, 1, 2, (0, 1, 2, 3))
+    assert (gen.tp, gen.pp, gen.dp, gen.devices) == (1, 2, 1, (0, 1))
+    assert (train.tp, train.pp, train.dp, train.devices) == (1, 2, 1, (0, 1))
 
 
 @pytest.mark.parametrize("data", [None, {}, {"name": "x"}, {"job": {"steps": 1}}])

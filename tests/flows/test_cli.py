@@ -67,7 +67,8 @@ def test_run_passes_the_validated_config_to_the_flow(calls: list[dict[str, Any]]
 def test_run_applies_steps_out_and_typed_sets(calls: list[dict[str, Any]], tmp_path: Path) -> None:
     argv = ["run", str(EXAMPLE), "--steps", "2", "--out", str(tmp_path / "r")]
     argv += ["--set", "job.lr=0.5", "--set", "name=other", "--set", "cluster.memory_per_device=1GiB"]
-    argv += ["--set", "plan.reward/infer.devices=[3, 2]", "--set", "model.tie_word_embeddings=false"]
+    argv += ["--set", "cluster.devices=4", "--set", "plan.reward/infer.devices=[3, 2]"]
+    argv += ["--set", "model.tie_word_embeddings=false"]
     assert main(argv) == 0
     cfg = calls[0]["config"]
     assert cfg.job.steps == 2 and cfg.job.lr == 0.5 and cfg.name == "other"
@@ -137,7 +138,7 @@ def test_directory_instead_of_file(calls, tmp_path: Path, capsys) -> None:
         (["--set", "job.steps=[1"], ("the value is not valid YAML",)),
         (["--set", "job.steps=0"], ("job.steps=0: must be >= 1",)),
         (["--set", "job.stepz=2"], ("job.stepz: unknown field",)),
-        (["--set", "cluster.devices=2"], ("exceeds cluster.devices=2",)),
+        (["--set", "cluster.devices=1"], ("exceeds cluster.devices=1",)),
         (["--steps", "0"], ("job.steps=0",)),
         (["--steps", "two"], ("argument --steps: invalid int value: 'two'",)),
         (["--bogus"], ("unrecognized arguments: --bogus",)),
@@ -148,8 +149,10 @@ def test_bad_overrides(calls, capsys, extra: list[str], needles: tuple[str, ...]
     assert calls == []
 
 
-def test_resume_is_not_built_yet_and_says_so(calls, capsys) -> None:
-    assert_one_line_error(capsys, main(["resume", "runs/x"]), "nereus: resume is not available yet")
+def test_resume_of_a_missing_run_fails_with_one_line(calls, capsys, tmp_path) -> None:
+    missing = tmp_path / "nope"
+    assert_one_line_error(capsys, main(["resume", str(missing)]), "not a run directory")
+    assert_one_line_error(capsys, main(["resume", str(missing), "--devices", "0"]), "not a run directory")
 
 
 @pytest.mark.parametrize(
