@@ -37,10 +37,11 @@ from nereus_core.layout import Layout
 from nereus_core.task import make_prompts
 from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
-from storage.snapshot import list_snapshots
+from storage.snapshot import list_snapshots, read_full_state
 from tasks import model_ops
 from tasks import ppo_stages as st
 from tasks.device_pool import DevicePool
+from tasks.reshard import gather_state
 from tasks.snapshots import snapshot_model
 
 HISTORY_TABLE = "metrics/history.parquet"  # one row per step: scores, losses, wall and overhead
@@ -319,6 +320,7 @@ def _transition(job: Job, step: int, new_plan: dict[str, Layout], decision: Any,
             )
         return
     status = "committed"
+    probe = _probe(job, job.plan) if job.cfg.job.verify_transitions else None
     try:
         stats = transition_flow(
             job.pool,
@@ -341,11 +343,20 @@ def _transition(job: Job, step: int, new_plan: dict[str, Layout], decision: Any,
         row["devices"] = devices
         job.transitions.append(row)
         job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
+        keys = ("transition_id", "status", "route", "reason", "predicted_cost_s", "actual_s", "bytes_moved")
+        create_table_artifact(
+            key="nereus-transitions",
+            table=[{k: t.get(k) for k in keys} for t in job.transitions],
+            description="Plan switches of this run so far (metrics/transitions.parquet)",
+        )
     if stats.get("status") == "refused":
         job.transitions[-1]["status"] = "refused"
         job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
         return  # nothing moved: plan A stays in force
     job.switch_to(new_plan)
+    if probe is not None:
+        job.transitions[-1].update(_verify(job, step + 1, probe))
+        job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
     if decision.transition is not None and stats.get("route") != "durable":
         job.last_transition = adapt.TransitionTiming(
             predicted=decision.transition, seconds=max(stats["seconds"], 1e-6)
@@ -361,6 +372,45 @@ def _transition(job: Job, step: int, new_plan: dict[str, Layout], decision: Any,
         stats["bytes_moved"],
         reason,
     )
+
+
+PROBED = ("actor/train", "critic/train")
+
+
+def _probe(job: Job, plan: dict[str, Layout]) -> dict[str, torch.Tensor]:
+    """The actor's log-probs and the critic's values on a fixed batch (the verification's inputs)."""
+    settings = job.cfg.job.task_settings
+    prompts = make_prompts(settings, 8, seed=12345, step=0)
+    gen = torch.Generator().manual_seed(12345)
+    responses = torch.randint(1, job.cfg.model.vocab_size, (8, job.cfg.job.response_len), generator=gen)
+    ids = torch.cat([prompts, responses], dim=1)
+    return {s: model_ops.forward(job.pool, plan[s], ids, name=s) for s in PROBED}
+
+
+def _verify_state(job: Job, checkpoint_step: int) -> None:
+    """Every model's full state as the devices hold it == its checkpoint at ``checkpoint_step``, bitwise."""
+    for model, stage in SNAPSHOT_SOURCES.items():
+        now = gather_state(
+            job.pool, job.plan[stage], name=stage, config=job.config_of(stage), train=stage.endswith("/train")
+        )
+        saved = read_full_state(job.run.root, model, checkpoint_step, optimizer=True)
+        differ = sorted(k for k in saved if k not in now or not torch.equal(now[k], saved[k]))
+        if differ or set(now) != set(saved):
+            raise RuntimeError(
+                f"{model}'s state differs from its checkpoint at step {checkpoint_step} in {differ[:3]}"
+            )
+
+
+def _verify(job: Job, checkpoint_step: int, before: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """After a switch: the state == plan A's checkpoint bitwise, and the probe's outputs under the new
+    plan == plan A's (<= 1e-5). Raises if not (the checkpoint stays intact)."""
+    _verify_state(job, checkpoint_step)
+    after = _probe(job, job.plan)
+    diff = max((after[s] - before[s]).abs().max().item() for s in PROBED)
+    if diff > 1e-5:
+        raise RuntimeError(f"after the switch the probe's outputs moved by {diff:.2e} > 1e-5")
+    get_run_logger().info("verified: every model's state bitwise equal, probe outputs within %.1e", diff)
+    return {"verified_bitwise": True, "verified_max_diff": diff}
 
 
 def _checkpoint(job: Job, step: int) -> float | None:
@@ -533,6 +583,12 @@ def _resume(job: Job, point: dict[str, Any]) -> None:
         why += f" on {job.pool.size} devices (was {point['record_devices']})"
     get_run_logger().info("%s: plan %s", why, plan_id(job.plan))
     _load_checkpoint(job, step, why)
+    if job.cfg.job.verify_transitions:
+        _verify_state(job, step)
+        get_run_logger().info(
+            "verified: the rehydrated state equals the checkpoint at step %d, bitwise", step
+        )
+        point["verified_bitwise"] = True
 
 
 @flow(name="nereus-ppo")
@@ -555,6 +611,9 @@ def ppo_job(
     with DevicePool(
         cfg.cluster.devices, scheduler_address=cfg.cluster.scheduler_address, backend=cfg.cluster.backend
     ) as pool:
+        logger.info(
+            "device pool of %d ready; DeepSpeed warmed up in %.1f s", pool.size, model_ops.warm_up(pool)
+        )
         job = Job(pool, cfg, run, plan=None if point is None else point["plan"])
         if point is None:
             run.write_plan(job.plan_id, {k: v.model_dump(mode="json") for k, v in job.plan.items()})
@@ -594,6 +653,7 @@ def ppo_job(
     summary = _summary(job.cfg, job, history, wall_s, job.checkpoint_s, fit)
     if point is not None:
         summary["resumed_from_step"] = first
+        summary["resume_verified_bitwise"] = point.get("verified_bitwise", False)
     run.write_summary(summary)
     logger.info(
         "done: %d steps in %.1f s; rule score %.3f -> %.3f; %d transitions",

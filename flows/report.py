@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -58,11 +59,49 @@ def _stage_times(run: RunDir, out: Path) -> Path:
     return path
 
 
+def transitions_table(run: RunDir, around: int = 3) -> list[dict]:
+    """Each transition with its predicted and actual seconds and the mean step wall time of up to
+    ``around`` steps before it (up to its step) and after it."""
+    wall = {r["step"]: r.get("step_wall_s", 0.0) for r in run.read_rows(STEPS_TABLE)}
+
+    def mean(steps: list[int]) -> float | None:
+        got = [wall[s] for s in steps if s in wall]
+        return sum(got) / len(got) if got else None
+
+    out = []
+    for t in run.read_rows(TRANSITIONS_TABLE):
+        s = t["step"]
+        out.append(
+            {
+                "transition_id": t["transition_id"],
+                "status": t["status"],
+                "route": t.get("route", ""),
+                "reason": t["reason"],
+                "predicted_s": t["predicted_cost_s"],
+                "actual_s": t["actual_s"],
+                "checkpoint_s": t.get("checkpoint_s", 0.0),
+                "step_s_before": mean(list(range(s - around + 1, s + 1))),
+                "step_s_after": mean(list(range(s + 1, s + 1 + around))),
+            }
+        )
+    return out
+
+
+def _transitions(run: RunDir, out: Path) -> Path:
+    summary = run.read_summary()
+    rows = transitions_table(run)
+    share = summary.get("transition_s_total", 0.0) / summary["wall_s"] if summary.get("wall_s") else 0.0
+    path = out / "transitions.json"
+    path.write_text(json.dumps({"transition_share_of_run": share, "transitions": rows}, indent=2))
+    return path
+
+
 def write_report(run_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write the plots of a finished (or running) job into ``run_dir/plots``."""
+    """Write the plots of a finished (or running) job into ``run_dir/plots``, and its transitions
+    (predicted vs actual time, step time before and after) into ``plots/transitions.json``."""
     run = RunDir(run_dir)
     if not (run.root / "summary.json").exists():
         raise FileNotFoundError(f"{run.root} has no summary.json; is it a run directory?")
     out = run.root / "plots"
     out.mkdir(exist_ok=True)
-    return [_scores(run, out), _stage_times(run, out)]
+    return [_scores(run, out), _stage_times(run, out), _transitions(run, out)]

@@ -150,6 +150,11 @@ class JobConfig(_Frozen):
     snapshot_every: int = Field(
         default=0, ge=0, description="Snapshot every model's state every K steps (0: only at the end)."
     )
+    verify_transitions: bool = Field(
+        default=False,
+        description="After every plan switch, check every model's state bitwise against the checkpoint "
+        "taken before it, and the actor's and critic's outputs on a probe batch against plan A's (<= 1e-5).",
+    )
     adapt: bool = Field(
         default=False,
         description="Ask the controller after every step and switch plans when it admits a transition.",
@@ -207,7 +212,8 @@ class NereusConfig(_Frozen):
             if stage.endswith("/train"):
                 if rows % self.ppo.mini_batches:
                     raise ValueError(
-                        f"job.batch_size={rows} is not divisible by ppo.mini_batches={self.ppo.mini_batches}; "
+                        f"job.batch_size={rows} is not divisible by "
+                        f"ppo.mini_batches={self.ppo.mini_batches}; "
                         "choose a batch size that is a multiple of it"
                     )
                 rows //= self.ppo.mini_batches

@@ -61,7 +61,9 @@ class Layout(BaseModel):
         return self
 
     @classmethod
-    def contiguous(cls, tp: int = 1, pp: int = 1, dp: int = 1, first: int = 0, micro_batches: int = 1) -> Layout:
+    def contiguous(
+        cls, tp: int = 1, pp: int = 1, dp: int = 1, first: int = 0, micro_batches: int = 1
+    ) -> Layout:
         """The layout on slots ``first .. first + tp*pp*dp - 1``."""
         n = tp * pp * dp
         return cls(tp=tp, pp=pp, dp=dp, devices=tuple(range(first, first + n)), micro_batches=micro_batches)
@@ -112,19 +114,25 @@ class Layout(BaseModel):
     def tp_groups(self) -> list[tuple[int, ...]]:
         """Device slots of every TP group (same dp, pp), in a fixed order."""
         return [
-            tuple(self.device(d, p, t) for t in range(self.tp)) for d in range(self.dp) for p in range(self.pp)
+            tuple(self.device(d, p, t) for t in range(self.tp))
+            for d in range(self.dp)
+            for p in range(self.pp)
         ]
 
     def pp_groups(self) -> list[tuple[int, ...]]:
         """Device slots of every pipeline (same dp, tp), stage 0 first."""
         return [
-            tuple(self.device(d, p, t) for p in range(self.pp)) for d in range(self.dp) for t in range(self.tp)
+            tuple(self.device(d, p, t) for p in range(self.pp))
+            for d in range(self.dp)
+            for t in range(self.tp)
         ]
 
     def dp_groups(self) -> list[tuple[int, ...]]:
         """Device slots of every data-parallel group (same pp, tp)."""
         return [
-            tuple(self.device(d, p, t) for d in range(self.dp)) for p in range(self.pp) for t in range(self.tp)
+            tuple(self.device(d, p, t) for d in range(self.dp))
+            for p in range(self.pp)
+            for t in range(self.tp)
         ]
 
     def replica_groups(self) -> list[tuple[int, ...]]:

@@ -7,6 +7,8 @@ answer back. No policy here; the flow decides what runs where.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from nereus_core.config import ModelConfig
@@ -123,3 +125,28 @@ def full_state(
     )
     shards = pool.run_on(replica0.devices, shard_state, name=name)
     return dispatch.assemble_full_state(replica0, config, shards)
+
+
+WARM_UP = "nereus/warm-up"
+
+
+def warm_up(pool: DevicePool) -> float:
+    """Build and drop a tiny DeepSpeed engine over every device; returns seconds.
+
+    The first engine on a fresh worker costs seconds (DeepSpeed's imports, its communication
+    backend, its ops: ~8 s on a small CPU machine), later ones a tenth of a second. Paying it when
+    devices join keeps it out of the first step, and out of the first transition onto new devices."""
+    start = time.perf_counter()
+    layout = Layout.contiguous(dp=pool.size)
+    tiny = ModelConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
+    pool.build_groups(layout)
+    load_model(pool, layout, name=WARM_UP, config=tiny, optimizer=OptimizerSettings(lr=1e-3))
+    unload_model(pool, layout, name=WARM_UP)
+    return time.perf_counter() - start

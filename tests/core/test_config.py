@@ -201,7 +201,9 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
     ("empty-name", _set("name", ""), "name", ("at least 1 character",)),
     (
         "tied-embeddings-with-pp",
-        _edits(_set("model.tie_word_embeddings", True), _set("plan.actor/train", _layout(1, 2, 2, [0, 1, 2, 3]))),
+        _edits(
+            _set("model.tie_word_embeddings", True), _set("plan.actor/train", _layout(1, 2, 2, [0, 1, 2, 3]))
+        ),
         "model.tie_word_embeddings",
         ("plan.actor/train", "pp>1"),
     ),

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -130,7 +131,7 @@ def test_failing_snapshot_writer_keeps_plan_a_and_the_job_goes_on(tmp_path, monk
 
 
 def test_worker_killed_during_rehydration_is_replaced_and_the_job_completes(tmp_path, monkeypatch):
-    config = _config(scenario=[{"step": 1, "devices": 4}])
+    config = _config(scenario=[{"step": 1, "devices": 4}], verify_transitions=True)
     config["cluster"]["devices"] = 2
     config["cluster"]["memory_per_device"] = "16MiB"
     run_dir = _run(tmp_path, monkeypatch, config, "kill-worker:rehydrate")
@@ -145,6 +146,8 @@ def test_worker_killed_during_rehydration_is_replaced_and_the_job_completes(tmp_
         "resize:2->4",
     }
     assert journal.status() == "committed"
+    (row,) = pq.read_table(run_dir / "metrics" / "transitions.parquet").to_pylist()
+    assert row["route"] == "durable" and row["verified_bitwise"] and row["verified_max_diff"] <= 1e-5
     # The state rehydrated after the kill is the checkpoint's: the actor it made scored rollout 1
     # exactly as transformers does on the checkpoint.
     _assert_rollout_made_by_checkpoint(run_dir, 1, tmp_path)
@@ -153,7 +156,7 @@ def test_worker_killed_during_rehydration_is_replaced_and_the_job_completes(tmp_
 @pytest.mark.timeout(600)
 def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_path):
     config = tmp_path / "config.yaml"
-    config.write_text(json.dumps(_config()))  # JSON is YAML
+    config.write_text(json.dumps(_config(verify_transitions=True)))  # JSON is YAML
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != ENV}
     env["NEREUS_CACHE_DIR"] = str(tmp_path / "cache")
@@ -183,9 +186,61 @@ def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     summary = RunDir(out).read_summary()
     assert summary["status"] == "completed" and summary["resumed_from_step"] == 1
+    assert summary["resume_verified_bitwise"]  # rehydrated on plan B == the checkpoint, bitwise
     finished = [e for e in journal.entries() if e["op"] == "transition" and e["phase"] == "commit"]
     assert finished and finished[0]["finished_by"] == "resume"
     assert _digests(out, 1) == before  # the checkpoint plan A was safe in is untouched
     plans = _plans_by_step(out)
     assert sorted(plans) == [0, 1, 2] and plans[1] != plans[0]  # plan B from step 1 on
     _assert_rollout_made_by_checkpoint(out, 1, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_on_fewer_devices_replans_and_completes(tmp_path):
+    """A run on 4 slots killed after its checkpoint at step 2 resumes on 2: the controller re-plans."""
+    data = _config(steps=5, snapshot_every=2, scenario=[], verify_transitions=True)
+    data["cluster"]["memory_per_device"] = "64MiB"
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(data))
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env["NEREUS_CACHE_DIR"] = str(tmp_path / "cache")
+    cli = [sys.executable, "-m", "flows.cli"]
+    run = subprocess.Popen(
+        [*cli, "run", str(config), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "killed.log").open("w"),
+        start_new_session=True,
+    )
+    try:
+        ready = out / "state" / "checkpoints" / "step=2.json"
+        for _ in range(2400):  # the driver dies as soon as the checkpoint of step 2 is complete
+            if ready.exists() or run.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert ready.exists(), (tmp_path / "killed.log").read_text()[-2000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    before = _digests(out, 2)
+    done = subprocess.run(
+        [*cli, "resume", str(out), "--devices", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = RunDir(out).read_summary()
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
+    assert summary["resume_verified_bitwise"] and _digests(out, 2) == before
+    plans = {r["step"]: r for r in pq.read_table(out / "metrics" / "steps.parquet").to_pylist()}
+    assert sorted(plans) == [0, 1, 2, 3, 4]
+    final = json.loads((out / "plans" / f"{summary['final_plan_id']}.json").read_text())
+    assert max(max(layout["devices"]) for layout in final.values()) <= 1  # on slots 0..1 only
+    _assert_rollout_made_by_checkpoint(out, 2, tmp_path)
