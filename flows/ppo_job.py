@@ -289,14 +289,14 @@ def _adapt(job: Job, step: int, *, rows: list[dict[str, Any]] | None = None, why
         raise RuntimeError(f"after step {step}{why}: {decision.reason}; give the job more devices or memory")
     if decision.action != "switch" or decision.plan is None:
         if resize:  # the devices changed and the current plan still fits: keep it, in the new world
-            _transition(job, step, dict(job.plan), decision, why or "device set changed")
+            _transition(job, step, dict(job.plan), decision, decision.reason)
         return
     new_plan = dict(decision.plan.layouts)
     problem = adapt.runnable(job.cfg, new_plan)
     if problem:
         get_run_logger().warning("controller's plan refused, keeping %s: %s", job.plan_id, problem)
         if resize:
-            _transition(job, step, dict(job.plan), decision, why or "device set changed")
+            _transition(job, step, dict(job.plan), decision, decision.reason)
         return
     _transition(job, step, new_plan, decision, decision.reason)
 
