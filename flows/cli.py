@@ -272,6 +272,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
     config = Path(args.run_dir) / "config.yaml"
     if not config.is_file():
         return _fail(args.run_dir, "not a run directory (no config.yaml); give the --out of a nereus run")
+    from storage.run_dir import RunDir
+
+    if RunDir(args.run_dir).latest_checkpoint() is None:
+        return _fail(
+            args.run_dir, "no checkpoint to resume from (none was written); start it again with nereus run"
+        )
     if args.devices is not None and args.devices < 1:
         return _fail(args.run_dir, f"--devices {args.devices}: give at least 1")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

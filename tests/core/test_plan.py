@@ -40,8 +40,8 @@ def test_placement_from_the_config_plan() -> None:
     plan = GlobalPlan.from_config(cfg)
     assert (
         plan is not None and plan.placement == "disaggregated"
-    )  # the example puts stages on different slots
-    assert plan.devices == (0, 1, 2, 3)
+    )  # the example puts the reference on slot 0 only, the rest on slots 0 and 1
+    assert plan.devices == (0, 1)
     assert GlobalPlan.from_config(parse_config({})) is None  # no initial plan given
     assert infer_placement(colocated().layouts) == "colocated"
     with pytest.raises(ValueError, match="at least one model-stage"):

@@ -153,6 +153,10 @@ def test_resume_of_a_missing_run_fails_with_one_line(calls, capsys, tmp_path) ->
     missing = tmp_path / "nope"
     assert_one_line_error(capsys, main(["resume", str(missing)]), "not a run directory")
     assert_one_line_error(capsys, main(["resume", str(missing), "--devices", "0"]), "not a run directory")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text("name: fresh\n")
+    assert_one_line_error(capsys, main(["resume", str(fresh)]), "no checkpoint to resume from")
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.ppo_job import _resume_point
-from nereus_core.config import parse_config
+from flows.ppo_job import _open_run, _resume_point
+from nereus_core.config import ConfigError, parse_config
 from nereus_core.layout import Layout
 from storage.journal import START, Journal
 from storage.run_dir import RunDir
@@ -67,3 +67,25 @@ def test_no_checkpoint_is_one_clear_error(tmp_path):
     run = RunDir.create(tmp_path, parse_config({}).model_dump(mode="json"))
     with pytest.raises(FileNotFoundError, match="no checkpoint to resume from"):
         _resume_point(run, parse_config({}), None)
+
+
+def test_same_config_on_an_unfinished_run_resumes_it(run):
+    """What a retry of the failed flow run (same parameters) or a second `nereus run --out` does."""
+    cfg = parse_config(run.read_config())
+    _, resumed_cfg, point = _open_run(cfg, str(run.root), None)
+    assert point is not None and point["step"] == 5 and resumed_cfg.job.response_len == 12
+
+
+def test_another_config_or_a_completed_run_is_refused(run):
+    other = parse_config(run.read_config()).model_copy(update={"name": "other"})
+    with pytest.raises(ConfigError, match="unfinished run of another config; continue it with nereus resume"):
+        _open_run(other, str(run.root), None)
+    run.write_summary({"status": "completed"})
+    with pytest.raises(ConfigError, match="already holds a completed run"):
+        _open_run(parse_config(run.read_config()), str(run.root), None)
+
+
+def test_a_new_directory_starts_fresh(tmp_path):
+    cfg = parse_config({})
+    opened, _, point = _open_run(cfg, str(tmp_path / "new"), 3)
+    assert point is None and parse_config(opened.read_config()).cluster.devices == 3
