@@ -115,6 +115,7 @@ class Job:
         self.controller = adapt.initial_state(cfg, self.plan, pool.size)
         self.last_transition = None
         self.checkpoint_s = 0.0
+        self.task_overheads: list[float] = []  # per Prefect task call: its time outside its stages
 
     def switch_to(self, plan: dict[str, Layout]) -> None:
         self.plan = plan
@@ -173,7 +174,10 @@ def _stage(
 ) -> Any:
     start = time.perf_counter()
     out, inner = task_fn(*args, **kw)
-    _record(job, step, model, stage, start, inner, tokens, time.perf_counter() - start)
+    outer = time.perf_counter() - start
+    _record(job, step, model, stage, start, inner, tokens, outer)
+    if hasattr(task_fn, "submit"):  # a Prefect task, not a plain call
+        job.task_overheads.append(outer - inner)
     return out
 
 
@@ -185,6 +189,7 @@ def _stages(
     start = time.perf_counter()
     out, seconds = task_fn(*args, **kw)
     outer = time.perf_counter() - start
+    job.task_overheads.append(outer - sum(seconds.values()))
     share = (outer - sum(seconds.values())) / len(seconds)
     for key, inner in seconds.items():
         model, stage, tokens = rows[key]
@@ -340,6 +345,7 @@ def _transition(job: Job, step: int, new_plan: dict[str, Layout], decision: Any,
     finally:
         row = adapt.transition_row(transition_id, step, old_id, plan_id(new_plan), decision, stats, status)
         row.update(reason=reason, route=stats.get("route", ""), checkpoint_s=checkpoint)
+        row["gtg_critical_path_s"] = stats.get("gtg_critical_path_s", 0.0)
         row["devices"] = devices
         job.transitions.append(row)
         job.run.write_rows(TRANSITIONS_TABLE, job.transitions)
@@ -693,7 +699,7 @@ def _summary(
         "snapshot_s": snapshot_s,
         # After each step: its table to the logger, the Prefect artifact, steps.parquet (not in step walls).
         "bookkeeping_median_s": statistics.median(h["bookkeeping_s"] for h in history),
-        "task_overhead_median_s": statistics.median(r["task_overhead_s"] for r in job.rows),
+        "task_overhead_median_s": statistics.median(job.task_overheads) if job.task_overheads else None,
         "reward_fit": {"first_mse": fit.get("first_loss"), "last_mse": fit.get("last_loss")},
         "history": history,
     }
