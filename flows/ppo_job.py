@@ -29,10 +29,9 @@ from prefect.artifacts import create_table_artifact
 
 from flows import adapt
 from flows.step_report import step_table
-from flows.transition import rehydrate_all, transition_flow
+from flows.transition import optimizer_settings, rehydrate_all, transition_flow
 from nereus_core import rollout as ro
 from nereus_core.config import ConfigError, NereusConfig, parse_config
-from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from nereus_core.task import make_prompts
 from storage.journal import ABORT, COMMIT, START, Journal, journals
@@ -128,7 +127,6 @@ class Job:
         return self.cfg.model.model_copy(update={"head": head})
 
     def load(self, reward_state: dict[str, torch.Tensor]) -> None:
-        ppo = self.cfg.ppo
         for stage in MODEL_STAGES:
             layout = self.plan[stage]
             if stage in self.aliased:
@@ -136,10 +134,7 @@ class Job:
                 model_ops.alias_model(self.pool, layout, name=stage, target=source)
                 continue
             model = MODEL_STAGES[stage][0]
-            optimizer = None
-            if stage.endswith("/train"):
-                lr = ppo.actor_lr if model == "actor" else ppo.critic_lr
-                optimizer = OptimizerSettings(lr=lr, weight_decay=self.cfg.job.weight_decay)
+            optimizer = optimizer_settings(self.cfg, stage)
             # The reward model is fitted; the critic starts from it (as OpenRLHF does).
             full = reward_state if model in ("reward", "critic") else None
             model_ops.load_model(
@@ -454,13 +449,6 @@ def _checkpoint(job: Job, step: int) -> float | None:
     seconds = time.perf_counter() - start
     job.checkpoint_s += seconds
     return seconds
-
-
-def optimizer_settings(cfg: NereusConfig, stage: str) -> OptimizerSettings | None:
-    if not stage.endswith("/train"):
-        return None
-    lr = cfg.ppo.actor_lr if stage.startswith("actor") else cfg.ppo.critic_lr
-    return OptimizerSettings(lr=lr, weight_decay=cfg.job.weight_decay)
 
 
 def _finish_step(job: Job, stats: dict[str, Any], wall_s: float) -> None:

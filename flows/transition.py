@@ -43,7 +43,8 @@ def _config(cfg: NereusConfig, stage: str):
     return cfg.model.model_copy(update={"head": HEADS[stage.split("/")[0]]})
 
 
-def _optimizer(cfg: NereusConfig, stage: str) -> OptimizerSettings | None:
+def optimizer_settings(cfg: NereusConfig, stage: str) -> OptimizerSettings | None:
+    """AdamW settings of a train model-stage (None for an inference stage)."""
     if not stage.endswith("/train"):
         return None
     lr = cfg.ppo.actor_lr if stage.startswith("actor") else cfg.ppo.critic_lr
@@ -105,7 +106,7 @@ def rehydrate_all(
                     plan[stage],
                     _config(cfg, stage),
                     stage,
-                    _optimizer(cfg, stage),
+                    optimizer_settings(cfg, stage),
                 )
                 read += stats.get("bytes_read", 0)
             break
@@ -277,7 +278,7 @@ def _move_changed(
                 new[stage],
                 _config(cfg, stage),
                 stage,
-                _optimizer(cfg, stage),
+                optimizer_settings(cfg, stage),
             )
             stats["bytes_moved"] = stats.get("bytes_read", 0)
         else:
@@ -291,7 +292,7 @@ def _move_changed(
                 old[stage],
                 new[stage],
                 path=path,
-                optimizer=_optimizer(cfg, stage),
+                optimizer=optimizer_settings(cfg, stage),
                 run_dir=run_dir,
                 step=step,
             )

@@ -73,6 +73,49 @@ BASE = {
 }
 
 
+CLI = [sys.executable, "-m", "flows.cli"]
+
+
+def _cli_env(tmp_path: Path, fault: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env["NEREUS_CACHE_DIR"] = str(tmp_path / "cache")
+    return env if fault is None else {**env, ENV: fault}
+
+
+def _start_run(tmp_path: Path, data: dict, fault: str | None = None) -> tuple[subprocess.Popen, Path]:
+    """``nereus run`` of ``data`` in its own session (so that its workers can be killed with it)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(data))  # JSON is YAML
+    out = tmp_path / "run"
+    driver = subprocess.Popen(
+        [*CLI, "run", str(config), "--out", str(out)],
+        cwd=ROOT,
+        env=_cli_env(tmp_path, fault),
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "driver.log").open("w"),  # a pipe would stay open in its orphans
+        start_new_session=True,
+    )
+    return driver, out
+
+
+def _kill_session(driver: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # its Dask workers and Prefect server go too
+        os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+
+
+def _resume(tmp_path: Path, out: Path, *extra: str) -> None:
+    done = subprocess.run(
+        [*CLI, "resume", str(out), *extra],
+        cwd=ROOT,
+        env=_cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def _config(**job: object) -> dict:
     data = copy.deepcopy(BASE)
     data["job"].update(job)
@@ -155,35 +198,18 @@ def test_worker_killed_during_rehydration_is_replaced_and_the_job_completes(tmp_
 
 @pytest.mark.timeout(600)
 def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_path):
-    config = tmp_path / "config.yaml"
-    config.write_text(json.dumps(_config(verify_transitions=True)))  # JSON is YAML
-    out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    env["NEREUS_CACHE_DIR"] = str(tmp_path / "cache")
-    cli = [sys.executable, "-m", "flows.cli"]
-    crashed = subprocess.Popen(
-        [*cli, "run", str(config), "--out", str(out)],
-        cwd=ROOT,
-        env={**env, ENV: "kill-driver:move"},
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "crashed.log").open("w"),  # a pipe would stay open in its orphans
-        start_new_session=True,
-    )
+    crashed, out = _start_run(tmp_path, _config(verify_transitions=True), fault="kill-driver:move")
     try:
         crashed.wait(timeout=240)
     finally:
-        with contextlib.suppress(ProcessLookupError):  # its Dask workers and Prefect server go too
-            os.killpg(crashed.pid, signal.SIGKILL)
-    assert crashed.returncode == -signal.SIGKILL, (tmp_path / "crashed.log").read_text()[-2000:]
+        _kill_session(crashed)
+    assert crashed.returncode == -signal.SIGKILL, (tmp_path / "driver.log").read_text()[-2000:]
     (journal,) = [j for j in journals(out) if j.transition_id.startswith("t000")]
     assert journal.status() == "interrupted"
     before = _digests(out, 1)
     assert not (out / "summary.json").exists()
 
-    done = subprocess.run(
-        [*cli, "resume", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _resume(tmp_path, out)
     summary = RunDir(out).read_summary()
     assert summary["status"] == "completed" and summary["resumed_from_step"] == 1
     assert summary["resume_verified_bitwise"]  # rehydrated on plan B == the checkpoint, bitwise
@@ -201,41 +227,18 @@ def test_resume_on_fewer_devices_replans_and_completes(tmp_path):
     """A run on 4 slots killed after its checkpoint at step 2 resumes on 2: the controller re-plans."""
     data = _config(steps=5, snapshot_every=2, scenario=[], verify_transitions=True)
     data["cluster"]["memory_per_device"] = "64MiB"
-    config = tmp_path / "config.yaml"
-    config.write_text(json.dumps(data))
-    out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    env["NEREUS_CACHE_DIR"] = str(tmp_path / "cache")
-    cli = [sys.executable, "-m", "flows.cli"]
-    run = subprocess.Popen(
-        [*cli, "run", str(config), "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "killed.log").open("w"),
-        start_new_session=True,
-    )
+    run, out = _start_run(tmp_path, data)
     try:
         ready = out / "state" / "checkpoints" / "step=2.json"
         for _ in range(2400):  # the driver dies as soon as the checkpoint of step 2 is complete
             if ready.exists() or run.poll() is not None:
                 break
             time.sleep(0.1)
-        assert ready.exists(), (tmp_path / "killed.log").read_text()[-2000:]
+        assert ready.exists(), (tmp_path / "driver.log").read_text()[-2000:]
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.pid, signal.SIGKILL)
-        run.wait()
+        _kill_session(run)
     before = _digests(out, 2)
-    done = subprocess.run(
-        [*cli, "resume", str(out), "--devices", "2"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _resume(tmp_path, out, "--devices", "2")
     summary = RunDir(out).read_summary()
     assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
     assert summary["resume_verified_bitwise"] and _digests(out, 2) == before
