@@ -26,6 +26,7 @@ import torch
 import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run as prefect_flow_run
 
 from flows import adapt
 from flows.step_report import step_table
@@ -587,16 +588,19 @@ def _resume(job: Job, point: dict[str, Any]) -> None:
 
 @flow(name="nereus-ppo")
 def ppo_job(
-    config: NereusConfig | dict[str, Any] | str, out_dir: str = "runs/ppo", devices: int | None = None
+    config: NereusConfig | dict[str, Any] | str, out_dir: str | None = None, devices: int | None = None
 ) -> dict[str, Any]:
     """Run PPO for ``config.job.steps`` steps on the device pool; the run directory is ``out_dir``.
 
     If ``out_dir`` holds an unfinished run of the same config (a checkpoint, no completed summary:
-    the driver died, or this is a retry of the failed flow run), it resumes from its newest
+    the driver died, or this is a retry of the failed flow run; ``out_dir`` defaults to
+    ``runs/<name>-<flow run id>``), it resumes from its newest
     checkpoint instead: an interrupted transition is finished or rolled back, and ``devices``
     (default: as at the checkpoint) may differ, the controller picking the plan for them.
     """
     cfg, logger = _resolve(config), get_run_logger()
+    if out_dir is None:  # one directory per flow run: a retry of this flow run finds (and resumes) it
+        out_dir = f"runs/{cfg.name}-{str(prefect_flow_run.id)[:8]}"
     run, cfg, point = _open_run(cfg, out_dir, devices)
     cache_dir = os.environ.get("NEREUS_CACHE_DIR", str(Path.home() / ".cache" / "nereus"))
     start = time.perf_counter()

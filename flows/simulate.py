@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run as prefect_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from nereus_core.config import ConfigError
@@ -118,3 +119,11 @@ def run_simulation(config_path: Path, out_dir: Path) -> dict[str, Any]:
     return simulate_flow.with_options(task_runner=runner)(
         config=config, config_dir=config_dir, out_dir=str(out_dir)
     )
+
+
+@flow(name="nereus-simulate-config")
+def simulate_config(config: str = "examples/paper_sim.yaml", out_dir: str | None = None) -> dict[str, Any]:
+    """The simulation of the config file ``config`` (a path from the working directory) into
+    ``out_dir`` (default ``runs/sim-<flow run id>``): the entry point of the Prefect deployment."""
+    out = out_dir or f"runs/sim-{str(prefect_flow_run.id)[:8]}"
+    return run_simulation(Path(config), Path(out))
