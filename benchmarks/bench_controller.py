@@ -19,22 +19,12 @@ import json
 import statistics
 import time
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import LLAMA_3_8B as LLAMA_8B
 from nereus_core.controller import ControllerState, Decision, Observation, StageTiming, decide
 from nereus_core.cost_model import Workload, estimate
 from nereus_core.hardware import H100_SXM
 from nereus_core.plan import model_of
 
-LLAMA_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-)
 # 256 prompts x 4 samples; responses of ~1,000 tokens as in NeMo RL's 8B GRPO run (hardware.md).
 WORKLOAD = Workload(batch=1024, prompt_len=1024, response_mean=1024, response_high=2048)
 CAPACITY = 80 * 10**9

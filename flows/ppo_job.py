@@ -24,16 +24,24 @@ from typing import Any
 
 import torch
 import yaml
-from prefect import flow, get_run_logger
+from prefect import Task, flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from flows import adapt
 from flows.step_report import step_table
-from flows.transition import optimizer_settings, rehydrate_all, transition_flow
+from flows.transition import (
+    COPIES,
+    OWN_STATE,
+    optimizer_settings,
+    rehydrate_all,
+    stage_config,
+    transition_flow,
+)
 from nereus_core import rollout as ro
-from nereus_core.config import ConfigError, NereusConfig, parse_config
+from nereus_core.config import ConfigError, ModelConfig, NereusConfig, parse_config
 from nereus_core.layout import Layout
+from nereus_core.plan import model_of
 from nereus_core.task import make_prompts
 from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
@@ -46,23 +54,9 @@ from tasks.snapshots import snapshot_model
 
 HISTORY_TABLE = "metrics/history.parquet"  # one row per step: scores, losses, wall and overhead
 
-# model-stage -> (model, head) ; the order is the order models are loaded in.
-MODEL_STAGES = {
-    "actor/train": ("actor", "lm"),
-    "actor/generate": ("actor", "lm"),
-    "reference/infer": ("reference", "lm"),
-    "reward/infer": ("reward", "value"),
-    "critic/train": ("critic", "value"),
-    "critic/infer": ("critic", "value"),
-}
-# Inference copies of trained models: (inference stage, train stage) share weights or are synced.
-SYNCED = (("actor/generate", "actor/train"), ("critic/infer", "critic/train"))
-SNAPSHOT_SOURCES = {
-    "actor": "actor/train",
-    "critic": "critic/train",
-    "reference": "reference/infer",
-    "reward": "reward/infer",
-}
+# Every model-stage, in the order the job loads them: a copy after the stage it follows.
+LOAD_ORDER = (*OWN_STATE, *COPIES)
+SNAPSHOT_SOURCES = {model_of(stage): stage for stage in OWN_STATE}  # model -> the stage holding its state
 
 
 class _QuietCompletedTasks(logging.Filter):
@@ -88,10 +82,15 @@ def plan_id(plan: dict[str, Layout]) -> str:
     return "plan-" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
+def _slots(plan: dict[str, Layout]) -> int:
+    """How many device slots ``plan`` needs (its highest slot + 1)."""
+    return 1 + max(max(layout.devices) for layout in plan.values())
+
+
 def default_plan(cfg: NereusConfig) -> dict[str, Layout]:
     """Every model-stage the config leaves out runs colocated on all devices as pure DP (one replica each)."""
     plan = dict(cfg.plan)
-    for stage in MODEL_STAGES:
+    for stage in LOAD_ORDER:
         plan.setdefault(stage, Layout.contiguous(tp=1, pp=1, dp=1))
     return plan
 
@@ -106,7 +105,6 @@ class Job:
         self.pool, self.cfg, self.run = pool, cfg, run
         self.plan = default_plan(cfg) if plan is None else dict(plan)
         self.plan_id = plan_id(self.plan)
-        self.aliased = {inf for inf, src in SYNCED if self.plan[inf] == self.plan[src]}
         self.rows: list[dict[str, Any]] = []
         self.transitions: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
@@ -120,21 +118,23 @@ class Job:
     def switch_to(self, plan: dict[str, Layout]) -> None:
         self.plan = plan
         self.plan_id = plan_id(plan)
-        self.aliased = {inf for inf, src in SYNCED if plan[inf] == plan[src]}
         self.run.write_plan(self.plan_id, {k: v.model_dump(mode="json") for k, v in plan.items()})
 
-    def config_of(self, stage: str):
-        head = MODEL_STAGES[stage][1]
-        return self.cfg.model.model_copy(update={"head": head})
+    @property
+    def aliased(self) -> set[str]:
+        """Inference copies on exactly their train stage's layout: they share its shards, no sync."""
+        return {copy for copy, source in COPIES.items() if self.plan[copy] == self.plan[source]}
+
+    def config_of(self, stage: str) -> ModelConfig:
+        return stage_config(self.cfg, stage)
 
     def load(self, reward_state: dict[str, torch.Tensor]) -> None:
-        for stage in MODEL_STAGES:
+        for stage in LOAD_ORDER:
             layout = self.plan[stage]
             if stage in self.aliased:
-                source = dict(SYNCED)[stage]
-                model_ops.alias_model(self.pool, layout, name=stage, target=source)
+                model_ops.alias_model(self.pool, layout, name=stage, target=COPIES[stage])
                 continue
-            model = MODEL_STAGES[stage][0]
+            model = model_of(stage)
             optimizer = optimizer_settings(self.cfg, stage)
             # The reward model is fitted; the critic starts from it (as OpenRLHF does).
             full = reward_state if model in ("reward", "critic") else None
@@ -172,7 +172,7 @@ def _stage(
     out, inner = task_fn(*args, **kw)
     outer = time.perf_counter() - start
     _record(job, step, model, stage, start, inner, tokens, outer)
-    if hasattr(task_fn, "submit"):  # a Prefect task, not a plain call
+    if isinstance(task_fn, Task):  # not a plain driver-side call
         job.task_overheads.append(outer - inner)
     return out
 
@@ -239,8 +239,8 @@ def run_step(job: Job, step: int) -> dict[str, Any]:
     r.values = ro.response_values(out["critic/infer"], t_len)
     _stage(job, step, "ppo", "advantages", b * t_len, st.advantages, r, cfg.ppo)
     losses = {}
-    for inference, source in SYNCED:
-        model = MODEL_STAGES[source][0]
+    for inference, source in COPIES.items():
+        model = model_of(source)
         sync = None if inference in job.aliased else (plan[inference], inference, job.config_of(source))
         rows = {"train": (model, "train", n_tok * cfg.ppo.ppo_epochs), "sync": (model, "sync", 0)}
         losses[model] = _stages(
@@ -285,21 +285,17 @@ def _adapt(job: Job, step: int, *, rows: list[dict[str, Any]] | None = None, why
     decision = adapt.controller_step(obs, job.controller)
     job.controller, job.last_transition = decision.state, None
     adapt.log_decision(decision, step)
-    resize = job.cfg.cluster.devices != job.pool.size
     if decision.action == "none":
         raise RuntimeError(f"after step {step}{why}: {decision.reason}; give the job more devices or memory")
-    if decision.action != "switch" or decision.plan is None:
-        if resize:  # the devices changed and the current plan still fits: keep it, in the new world
-            _transition(job, step, dict(job.plan), decision, decision.reason)
-        return
-    new_plan = dict(decision.plan.layouts)
-    problem = adapt.runnable(job.cfg, new_plan)
+    new_plan = dict(decision.plan.layouts) if decision.action == "switch" and decision.plan else None
+    problem = new_plan and adapt.runnable(job.cfg, new_plan)
     if problem:
         get_run_logger().warning("controller's plan refused, keeping %s: %s", job.plan_id, problem)
-        if resize:
-            _transition(job, step, dict(job.plan), decision, decision.reason)
-        return
-    _transition(job, step, new_plan, decision, decision.reason)
+        new_plan = None
+    if new_plan is None and job.cfg.cluster.devices != job.pool.size:
+        new_plan = dict(job.plan)  # the devices changed and the current plan stays: keep it, in a new world
+    if new_plan is not None:
+        _transition(job, step, new_plan, decision, decision.reason)
 
 
 def _transition(job: Job, step: int, new_plan: dict[str, Layout], decision: Any, reason: str) -> None:
@@ -418,7 +414,7 @@ def _verify(job: Job, checkpoint_step: int, before: dict[str, torch.Tensor]) -> 
 def _checkpoint(job: Job, step: int) -> float | None:
     """Snapshot every model's whole state as ``step`` (the state that generates rollout ``step``) and
     mark it a resume point; returns seconds, or None when a write failed (the previous point stays)."""
-    if (job.run.root / "state" / "checkpoints" / f"step={step}.json").exists():
+    if job.run.checkpoint_path(step).exists():
         return 0.0
     start = time.perf_counter()
     try:
@@ -505,11 +501,7 @@ def _resume_point(run: RunDir, cfg: NereusConfig, devices: int | None) -> tuple[
             continue
         header = journal.header() or {}
         target = {k: Layout.model_validate(v) for k, v in header.get("new", {}).items()}
-        if (
-            header.get("checkpoint_step") == step
-            and target
-            and max(max(v.devices) for v in target.values()) < n
-        ):
+        if header.get("checkpoint_step") == step and target and _slots(target) <= n:
             plan = target  # finish the switch: plan B, rehydrated from the checkpoint
             journal.record("transition", COMMIT, finished_by="resume", seconds=0.0, bytes_moved=0)
         else:
@@ -561,10 +553,7 @@ def _resume(job: Job, point: dict[str, Any]) -> None:
     job.rows = [r for r in job.run.read_rows(STEPS_TABLE) if r["step"] < step]
     job.transitions = job.run.read_rows(TRANSITIONS_TABLE)
     why = f"resume from the checkpoint at step {step}"
-    if (
-        point["devices"] != point["record_devices"]
-        or max(max(v.devices) for v in job.plan.values()) >= job.pool.size
-    ):
+    if point["devices"] != point["record_devices"] or _slots(job.plan) > job.pool.size:
         # Another number of devices: the controller picks the plan for the devices at hand.
         job.controller = adapt.initial_state(job.cfg, job.plan, point["record_devices"])
         obs = adapt.observation(

@@ -24,23 +24,24 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from nereus_core import faults
-from nereus_core.config import NereusConfig
+from nereus_core.config import ModelConfig, NereusConfig
 from nereus_core.engine.shard import OptimizerSettings, drop_all
 from nereus_core.gtg import TransitionInfeasible, build_gtg
 from nereus_core.layout import Layout
+from nereus_core.plan import model_of, models_for
 from storage.journal import ABORT, COMMIT, DONE, FAILED, START, Journal
 from tasks import model_ops
 from tasks.device_pool import DevicePool
 from tasks.snapshots import rehydrate_model
 from tasks.transition_ops import move_stage, relink_copy
 
-HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
 COPIES = {"actor/generate": "actor/train", "critic/infer": "critic/train"}
 OWN_STATE = ("actor/train", "critic/train", "reference/infer", "reward/infer")
 
 
-def _config(cfg: NereusConfig, stage: str):
-    return cfg.model.model_copy(update={"head": HEADS[stage.split("/")[0]]})
+def stage_config(cfg: NereusConfig, stage: str) -> ModelConfig:
+    """The model config of a model-stage: critic and reward carry the value head."""
+    return models_for(cfg.model)[model_of(stage)]
 
 
 def optimizer_settings(cfg: NereusConfig, stage: str) -> OptimizerSettings | None:
@@ -94,7 +95,7 @@ def rehydrate_all(
                 logger.warning("fault injection: killing device worker pid %d during rehydration", pid)
                 os.kill(pid, signal.SIGKILL)
             for stage in OWN_STATE:
-                model = stage.split("/")[0]
+                model = model_of(stage)
                 stats = _run_op(
                     journal,
                     f"rehydrate:{stage}#{attempt}",
@@ -104,7 +105,7 @@ def rehydrate_all(
                     model,
                     checkpoint_step,
                     plan[stage],
-                    _config(cfg, stage),
+                    stage_config(cfg, stage),
                     stage,
                     optimizer_settings(cfg, stage),
                 )
@@ -127,7 +128,7 @@ def rehydrate_all(
             source,
             plan[source],
             plan[copy],
-            _config(cfg, copy),
+            stage_config(cfg, copy),
         )
         read += stats.get("bytes_moved", 0)
     return read
@@ -177,7 +178,7 @@ def transition_flow(
     if resize and checkpoint_step is None:
         raise ValueError("changing the device set rebuilds the world: give checkpoint_step")
     capacities = {d: int(cfg.cluster.memory_per_device) for d in range(max(pool.size, target))}
-    models = {s: (_config(cfg, s), s.endswith("/train")) for s in OWN_STATE}
+    models = {s: (stage_config(cfg, s), s.endswith("/train")) for s in OWN_STATE}
     try:
         # The GTG orders the moves so no device overflows, and routes through the store when it must.
         graph = build_gtg(
@@ -273,10 +274,10 @@ def _move_changed(
                 rehydrate_model,
                 pool,
                 run_dir,
-                stage.split("/")[0],
+                model_of(stage),
                 checkpoint_step,
                 new[stage],
-                _config(cfg, stage),
+                stage_config(cfg, stage),
                 stage,
                 optimizer_settings(cfg, stage),
             )
@@ -288,7 +289,7 @@ def _move_changed(
                 move_stage,
                 pool,
                 stage,
-                _config(cfg, stage),
+                stage_config(cfg, stage),
                 old[stage],
                 new[stage],
                 path=path,
@@ -313,7 +314,7 @@ def _move_changed(
             source,
             new[source],
             new[copy],
-            _config(cfg, copy),
+            stage_config(cfg, copy),
         )
         moved, ops = moved + stats.get("bytes_moved", 0), ops + 1
     return moved, ops

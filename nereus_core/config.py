@@ -115,6 +115,20 @@ class ModelConfig(_Frozen):
         return None
 
 
+# Llama-3.1-8B's shapes (Meta's config.json; shared/reference/hardware.md "Model (Llama-3-8B)").
+# Llama-3.1 rather than 3.0 only for the 128k context, since the traces' responses pass 8k tokens.
+LLAMA_3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
+
+
 class ScenarioEvent(_Frozen):
     """Something that happens to a running job before step ``step`` (the demo's scripted changes).
 

@@ -9,10 +9,10 @@ from safetensors.torch import save_file
 
 from nereus_core.config import parse_config
 from nereus_core.model.weights import hf_config
+from nereus_core.plan import MODELS, models_for
 from storage.run_dir import RunDir
 from storage.snapshot import read_full_state
 
-HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
 ARCHITECTURES = {"lm": "LlamaForCausalLM", "value": "LlamaForSequenceClassification"}
 
 
@@ -20,12 +20,12 @@ def export_hf(
     run_dir: str | os.PathLike[str], *, model: str, step: int | None, out: str | os.PathLike[str]
 ) -> Path:
     """Write ``model`` at ``step`` (latest snapshot if None) to ``out``; returns ``out``."""
-    if model not in HEADS:
-        raise ValueError(f"model {model!r} is unknown; valid: {', '.join(HEADS)}")
+    if model not in MODELS:
+        raise ValueError(f"model {model!r} is unknown; valid: {', '.join(MODELS)}")
     run = RunDir(run_dir)
     if not (run.root / "config.yaml").exists():
         raise FileNotFoundError(f"{run.root} is not a run directory (no config.yaml)")
-    config = parse_config(run.read_config()).model.model_copy(update={"head": HEADS[model]})
+    config = models_for(parse_config(run.read_config()).model)[model]
     state = read_full_state(run.root, model, step)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

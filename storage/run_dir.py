@@ -96,10 +96,13 @@ class RunDir:
     def read_rollout(self, step: int) -> dict[str, list[Any]]:
         return pq.read_table(self.root / "rollouts" / f"step={step}.parquet").to_pydict()
 
+    def checkpoint_path(self, step: int) -> Path:
+        return self.root / "state" / "checkpoints" / f"step={step}.json"
+
     def write_checkpoint(self, step: int, record: Mapping[str, Any]) -> None:
         """``state/checkpoints/step=N.json``: written after every model's snapshot at ``step`` committed,
         so it marks a complete resume point (the plan in force, the devices, the job's settings)."""
-        path = self.root / "state" / "checkpoints" / f"step={step}.json"
+        path = self.checkpoint_path(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, json.dumps({"step": step, **dict(record)}, indent=2).encode())
 

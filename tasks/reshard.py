@@ -123,13 +123,22 @@ def _live(pool: DevicePool, job: ReshardJob, plan: Any) -> dict[str, Any]:
     }
 
 
-def _durable(pool: DevicePool, job: ReshardJob, store: ArrowStateStore) -> dict[str, Any]:
+def write_snapshot_of(
+    pool: DevicePool, job: ReshardJob, store: ArrowStateStore, meta: dict[str, Any]
+) -> list[FileEntry]:
+    """The devices of ``job``'s old layout write their pieces (each distinct box once) and the driver
+    commits them as ``store``'s snapshot; returns the files."""
     old = job.old_map.layout
     assignment = write_assignment(job.old_map)
-    t0 = time.perf_counter()
     files = pool.run(old, durable_write, [(assignment[d],) for d in old.devices], job=job, store=store)
-    meta = {"model_stage": job.name, "reshard_to": job.new_map.layout.key}
     commit_snapshot(store.run_dir, store.model, store.step, files, layout=old, meta=meta)
+    return files
+
+
+def _durable(pool: DevicePool, job: ReshardJob, store: ArrowStateStore) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    meta = {"model_stage": job.name, "reshard_to": job.new_map.layout.key}
+    files = write_snapshot_of(pool, job, store, meta)
     t1 = time.perf_counter()
     figures = pool.run_on(_devices(job), durable_read, job=job, store=store)
     return {

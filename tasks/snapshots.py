@@ -17,59 +17,17 @@ from prefect.cache_policies import NO_CACHE
 
 from nereus_core.config import ModelConfig
 from nereus_core.emu import shard_map
-from nereus_core.engine.reshard import ReshardJob, durable_read, durable_write
+from nereus_core.engine.reshard import ReshardJob, durable_read
 from nereus_core.engine.shard import OptimizerSettings
-from nereus_core.gtg import write_assignment
 from nereus_core.layout import Layout
-from storage import commit_snapshot
 from tasks.device_pool import DevicePool
-from tasks.reshard import ArrowStateStore
+from tasks.reshard import ArrowStateStore, write_snapshot_of
 
 
-def write_state(
-    pool: DevicePool,
-    run_dir: str,
-    model: str,
-    step: int,
-    layout: Layout,
-    config: ModelConfig,
-    name: str,
-    optimizer: OptimizerSettings | None,
-    meta: dict[str, Any] | None = None,
-) -> int:
-    """Write ``name``'s state as snapshot ``state/<model>/step=<step>`` and commit it; returns bytes."""
+def _job(name: str, config: ModelConfig, layout: Layout, optimizer: OptimizerSettings | None) -> ReshardJob:
+    """The reshard job of ``name`` onto its own layout: what the durable write and read run with."""
     smap = shard_map(config, layout, train=optimizer is not None)
-    job = ReshardJob(name, config, smap, smap, optimizer)
-    assignment = write_assignment(smap)
-    store = ArrowStateStore(run_dir, model, step)
-    files = pool.run(layout, durable_write, [(assignment[d],) for d in layout.devices], job=job, store=store)
-    commit_snapshot(
-        run_dir,
-        model,
-        step,
-        files,
-        layout=layout,
-        meta={"model_stage": name, "train": optimizer is not None, **(meta or {})},
-    )
-    return sum(f.size for f in files)
-
-
-def read_state(
-    pool: DevicePool,
-    run_dir: str,
-    model: str,
-    step: int,
-    layout: Layout,
-    config: ModelConfig,
-    name: str,
-    optimizer: OptimizerSettings | None,
-) -> dict[str, Any]:
-    """Make ``name`` resident on ``layout`` from snapshot ``state/<model>/step=<step>`` (any layout)."""
-    smap = shard_map(config, layout, train=optimizer is not None)
-    job = ReshardJob(name, config, smap, smap, optimizer)
-    pool.build_groups(layout)
-    figures = pool.run_on(layout.devices, durable_read, job=job, store=ArrowStateStore(run_dir, model, step))
-    return {"bytes_read": sum(f["read"] for f in figures), "read_s": max(f["read_s"] for f in figures)}
+    return ReshardJob(name, config, smap, smap, optimizer)
 
 
 @task(cache_policy=NO_CACHE)  # no retries: a failed write leaves the previous checkpoint in force
@@ -83,10 +41,13 @@ def snapshot_model(
     name: str,
     optimizer: OptimizerSettings | None = None,
 ) -> tuple[int, float]:
-    """Snapshot ``name`` (e.g. actor/train) as ``model`` at ``step``; returns (bytes, seconds)."""
+    """Write ``name``'s state (e.g. actor/train's) as snapshot ``state/<model>/step=<step>`` and commit
+    it; returns (bytes, seconds)."""
     start = time.perf_counter()
-    written = write_state(pool, run_dir, model, step, layout, config, name, optimizer)
-    return written, time.perf_counter() - start
+    meta = {"model_stage": name, "train": optimizer is not None}
+    store = ArrowStateStore(run_dir, model, step)
+    files = write_snapshot_of(pool, _job(name, config, layout, optimizer), store, meta)
+    return sum(f.size for f in files), time.perf_counter() - start
 
 
 @task(cache_policy=NO_CACHE)
@@ -100,7 +61,10 @@ def rehydrate_model(
     name: str,
     optimizer: OptimizerSettings | None = None,
 ) -> dict[str, Any]:
-    """Load ``name`` on ``layout`` from the snapshot of ``model`` at ``step``; returns its figures."""
+    """Make ``name`` resident on ``layout`` from the snapshot of ``model`` at ``step`` (any layout wrote
+    it); returns bytes read and seconds."""
     start = time.perf_counter()
-    figures = read_state(pool, run_dir, model, step, layout, config, name, optimizer)
-    return {**figures, "seconds": time.perf_counter() - start}
+    pool.build_groups(layout)
+    job, store = _job(name, config, layout, optimizer), ArrowStateStore(run_dir, model, step)
+    figures = pool.run_on(layout.devices, durable_read, job=job, store=store)
+    return {"bytes_read": sum(f["read"] for f in figures), "seconds": time.perf_counter() - start}

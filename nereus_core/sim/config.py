@@ -13,24 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nereus_core.config import ConfigError, ModelConfig
+from nereus_core.config import LLAMA_3_8B, ConfigError, ModelConfig
 from nereus_core.controller import ControllerSettings
 
 StrategyKind = Literal["nereus", "static", "openrlhf", "verl"]
 OpenRLHFPlacement = Literal["separate", "paired", "colocated"]
-
-# Llama-3.1-8B's shapes (Meta's config.json; shared/reference/hardware.md "Model (Llama-3-8B)").
-# Llama-3.1 rather than 3.0 only for the 128k context, since the traces' responses pass 8k tokens.
-LLAMA_3_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-)
 
 
 class _Frozen(BaseModel):

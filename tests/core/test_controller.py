@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import LLAMA_3_8B, ModelConfig
 from nereus_core.controller import (
     ControllerSettings,
     ControllerState,
@@ -221,16 +221,7 @@ def test_observed_timings_recalibrate_the_scales() -> None:
 
 
 def test_decision_time_at_1024_devices_and_six_model_stages() -> None:
-    llama_8b = ModelConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-    )
-    state = fresh(llama_8b)
+    state = fresh(LLAMA_3_8B)
     obs = observe(1024, 80 * GB, Workload(batch=1024, prompt_len=512, response_mean=1024, response_high=4096))
     decide(obs, state)
     cpu = []

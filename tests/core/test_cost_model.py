@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nereus_core.calibration import CalibrationSettings, Sample, fit_scales, relative_errors
+from nereus_core.config import LLAMA_3_8B as LLAMA_8B
 from nereus_core.config import ModelConfig
 from nereus_core.cost_model import (
     TERMS,
@@ -29,16 +30,6 @@ from nereus_core.cost_model import (
 from nereus_core.hardware import CPU_WORKERS, H100_SXM, get_profile
 from nereus_core.layout import MODEL_STAGES, Layout
 
-# Llama-3-8B (hardware.md "Model").
-LLAMA_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=8192,
-)
 TINY = ModelConfig()
 IDEAL = H100_SXM.model_copy(
     update={
