@@ -4,8 +4,16 @@ One JSON object per line in ``<run_dir>/journal/<transition_id>.jsonl``, each li
 flushed and fsynced before the operation it announces starts (or after it
 ends), so after a crash the journal tells exactly which operations finished
 (a ``done`` line), which may have half-run (``start`` without ``done``: redo,
-every operation is idempotent) and whether the plan switch committed. A torn
-last line (the crash hit mid-write) is ignored: its operation had not started.
+every operation is idempotent) and whether the plan switch committed.
+
+A torn last line (the crash hit mid-write, or a full disk took half a line) is a
+record that never completed: its operation had not started. Readers ignore it; the
+next writer cuts the file back to its last complete line (truncate, fsync) before
+appending, so a record written after it never glues onto it. Readers do not cut:
+a reader cannot tell a crashed writer from one in the middle of its write. A line
+glued by an older writer (a torn record followed by a whole one on one line) is read
+as the whole record it ends with. Any other unreadable line is damage: ``RunDirError``
+naming the file and line.
 """
 
 from __future__ import annotations
@@ -17,7 +25,52 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from storage.errors import RunDirError
+
 START, DONE, FAILED, COMMIT, ABORT = "start", "done", "failed", "commit", "abort"
+_CHUNK = 4096
+
+
+def _last_newline_end(fd: int, size: int) -> int:
+    """The length of the file's complete lines: one past its last newline (0 if it has none)."""
+    end = size
+    while end > 0:
+        begin = max(0, end - _CHUNK)
+        found = os.pread(fd, end - begin, begin).rfind(b"\n")
+        if found >= 0:
+            return begin + found + 1
+        end = begin
+    return 0
+
+
+def cut_torn_tail(fd: int) -> int:
+    """Truncate the file open as ``fd`` to its last complete line and fsync it; returns the bytes cut."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return 0
+    keep = _last_newline_end(fd, size)
+    os.ftruncate(fd, keep)
+    os.fsync(fd)
+    return size - keep
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _glued_record(line: str) -> Any:
+    """The whole record a line ends with when a torn record was glued in front of it, or raise."""
+    at = line.find('{"', 1)
+    while at > 0:
+        try:
+            return json.loads(line[at:])
+        except json.JSONDecodeError:
+            at = line.find('{"', at + 1)
+    raise json.JSONDecodeError("not a JSON record", line, 0)
 
 
 class Journal:
@@ -28,23 +81,46 @@ class Journal:
         self.transition_id = transition_id
 
     def record(self, op_id: str, phase: str, **details: Any) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Append one record, durably, after cutting a torn last line left by a crash or a full disk."""
         line = json.dumps({"op": op_id, "phase": phase, "t": time.time(), **details}, sort_keys=True)
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        data = (line + "\n").encode()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            cut_torn_tail(fd)
+            while data:  # a short write is retried; if it raises, the next record cuts the rest
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:
+            _fsync_dir(self.path.parent)  # the new file's name survives a crash too
 
     def entries(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
+        """Every complete record, oldest first; a torn last line is left out (see the module doc)."""
+        try:
+            text = self.path.read_bytes().decode("utf-8", errors="replace")
+        except FileNotFoundError:
             return []
-        out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        lines = text.split("\n")[:-1]  # the part after the last newline is torn or empty
+        return [e for number, line in enumerate(lines, 1) if (e := self._parse(number, line)) is not None]
+
+    def _parse(self, number: int, line: str) -> dict[str, Any] | None:
+        if not line.strip():
+            return None
+        try:
             try:
-                out.append(json.loads(line))
+                entry = json.loads(line)
             except json.JSONDecodeError:
-                break  # a torn last line: that write never completed
-        return out
+                entry = _glued_record(line)
+        except json.JSONDecodeError:
+            raise RunDirError(
+                f"{self.path}: line {number} is not a JSON record; the journal is damaged"
+            ) from None
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) for k in ("op", "phase")):
+            raise RunDirError(f"{self.path}: line {number} is not a journal record (no 'op' and 'phase')")
+        return entry
 
     def done_ops(self) -> set[str]:
         return {e["op"] for e in self.entries() if e["phase"] == DONE}
