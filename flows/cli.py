@@ -22,12 +22,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
-
 from nereus_core import __version__
-from nereus_core.config import ConfigError, NereusConfig, parse_config, with_overrides
+from nereus_core.config import ConfigError, NereusConfig, parse_config, shown, with_overrides
+from nereus_core.config_yaml import parse_yaml
 
 SCHEDULER_ENV = "NEREUS_SCHEDULER_ADDRESS"
+MAX_DEVICES_ENV = "NEREUS_MAX_LOCAL_DEVICES"  # an explicit ceiling on a local cluster's slots
+CONFIG_MAX_CHARS = 1_000_000
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MODELS = ("actor", "critic", "reference", "reward")
 
@@ -52,7 +53,8 @@ def _describe(value: Any) -> str:
 def read_config_file(path: Path) -> dict[str, Any]:
     """The mapping in a YAML config file; ``ConfigError`` with one line if there is none."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open(encoding="utf-8") as handle:
+            text = handle.read(CONFIG_MAX_CHARS + 1)  # a config is small; never read a huge file whole
     except FileNotFoundError:
         raise ConfigError("no such file") from None
     except IsADirectoryError:
@@ -61,14 +63,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError("is not a text file; expected YAML") from None
     except OSError as err:
         raise ConfigError(f"cannot read it: {err.strerror or err}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"not valid YAML{at}: {err.problem or err.context}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"not valid YAML: {' '.join(str(err).split())}") from None
+    if len(text) > CONFIG_MAX_CHARS:
+        raise ConfigError(f"is over {CONFIG_MAX_CHARS:,} characters; a config file is a few thousand")
+    data = parse_yaml(text)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -89,9 +86,9 @@ def apply_sets(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
         for part in parents:
             node = node[part]
         try:
-            node[leaf] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML") from None
+            node[leaf] = parse_yaml(raw)
+        except ConfigError as err:
+            raise ConfigError(f"--set {shown(item)}: the value is {err}") from None
     return out
 
 
@@ -174,7 +171,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from nereus_core.controller import ControllerState, Observation, decide
     from nereus_core.cost_model import Workload
     from nereus_core.hardware import get_profile
-    from nereus_core.plan import GlobalPlan
+    from nereus_core.plan import GlobalPlan, default_plan
 
     try:
         cfg = load_config(args.config, sets=args.set)
@@ -186,7 +183,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         remaining_steps=cfg.job.steps,
         devices=cfg.cluster.devices,
         memory_per_device=int(cfg.cluster.memory_per_device),
-        workload=Workload.from_job(cfg.job),
+        workload=Workload.from_config(cfg),
     )
     fresh = ControllerState.initial(cfg.model, profile)
     decision = decide(obs, fresh)
@@ -195,8 +192,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"no plan fits: {decision.reason}")
     else:
         print(_plan_table(decision.chosen))
-    initial = GlobalPlan.from_config(cfg)
-    if initial is not None and decision.chosen is not None and initial != decision.chosen.plan:
+    initial = GlobalPlan.of(default_plan(cfg.plan))  # the plan `nereus run` starts on
+    if decision.chosen is not None and initial != decision.chosen.plan:
         started = ControllerState.initial(cfg.model, profile, plan=initial, devices=obs.devices)
         from_config = decide(obs, started)
         current = from_config.current

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nereus_core.config import ConfigError, NereusConfig, parse_config
-from nereus_core.layout import MODEL_STAGES
+from nereus_core.plan import MODEL_STAGES
 from tasks.device_pool import DevicePool
 from tasks.selfcheck import check_model_stage
 

@@ -5,7 +5,8 @@ Every default lives here, never at a call site. A bad value raises a
 would be valid; the CLI prints that line and exits 2.
 
 This module knows nothing about files or the environment: callers pass in the
-mapping they read (see ``load_config`` in the CLI).
+mapping they read (``config_yaml.parse_yaml`` reads YAML text with limits; ``load_config`` in the CLI reads
+the file).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import re
 from difflib import get_close_matches
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nereus_core.layout import MODEL_STAGES, Layout, ModelStage
+from nereus_core.layout import Layout
+from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems
 from nereus_core.ppo import PPOSettings
 from nereus_core.task import MIN_VOCAB, TaskSettings
 
@@ -198,10 +200,30 @@ class JobConfig(_Frozen):
         return TaskSettings(name=self.task, prompt_len=self.prompt_len, response_len=self.response_len)
 
 
+NAME_MAX_CHARS = 100
+# Word characters (any script), '.', '_' and '-': no path separator, drive colon or control character.
+_NAME = re.compile(r"\w[\w.-]*")
+
+
+def name_error(name: str) -> str | None:
+    """Why ``name`` is not a valid run name, or None. A run name becomes a directory name under
+    ``runs/``, so it is a name, never a path (issue 12: ``/etc/x`` and ``../../x`` escaped ``runs/``)."""
+    if len(name) > NAME_MAX_CHARS or not _NAME.fullmatch(name) or ".." in name:
+        return (
+            f"a run name is 1-{NAME_MAX_CHARS} letters, digits, '.', '_' or '-', starting with a letter "
+            "or digit, without '..' (it names a directory under runs/, it is not a path)"
+        )
+    return None
+
+
 class NereusConfig(_Frozen):
     """The whole resolved config of a run."""
 
-    name: str = Field(default="nereus-run", min_length=1, description="Run name.")
+    name: str = Field(
+        default="nereus-run",
+        min_length=1,
+        description="Run name (a name, not a path: the default run directory is runs/NAME-TIME).",
+    )
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     job: JobConfig = JobConfig()
@@ -210,34 +232,34 @@ class NereusConfig(_Frozen):
         default_factory=dict, description="Initial layout per model-stage, e.g. 'actor/train'."
     )
 
+    def plan_rules(self, devices: int | None = None) -> PlanRules:
+        """What every plan of this job must obey (``plan.problems``), on ``devices`` slots (default: the
+        cluster's)."""
+        return PlanRules(
+            models=models_for(self.model),
+            devices=self.cluster.devices if devices is None else devices,
+            batch=self.job.batch_size,
+            mini_batches=self.ppo.mini_batches,
+        )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        problem = name_error(name)
+        if problem:
+            raise ValueError(f"name={shown(name)}: {problem}")
+        return name
+
     @model_validator(mode="after")
     def _check_plan(self) -> NereusConfig:
-        for stage, layout in self.plan.items():
-            # critic and reward carry a value head (never tied); actor and reference an lm head.
-            head = "value" if stage.split("/")[0] in ("critic", "reward") else "lm"
-            for problem in (
-                self.model.tp_error(layout.tp),
-                self.model.model_copy(update={"head": head}).pp_error(layout.pp),
-                layout.devices_error(self.cluster.devices),
-            ):
-                if problem:
-                    raise ValueError(f"plan.{stage}: {problem}")
-            rows = self.job.batch_size
-            if stage.endswith("/train"):
-                if rows % self.ppo.mini_batches:
-                    raise ValueError(
-                        f"job.batch_size={rows} is not divisible by "
-                        f"ppo.mini_batches={self.ppo.mini_batches}; "
-                        "choose a batch size that is a multiple of it"
-                    )
-                rows //= self.ppo.mini_batches
-            if rows % (layout.dp * layout.micro_batches) != 0:
-                what = "job.batch_size" if rows == self.job.batch_size else "job.batch_size/ppo.mini_batches"
-                raise ValueError(
-                    f"plan.{stage}: {what}={rows} is not divisible by "
-                    f"dp*micro_batches={layout.dp * layout.micro_batches}; "
-                    "choose a batch size that is a multiple of it"
-                )
+        if self.job.batch_size % self.ppo.mini_batches:
+            raise ValueError(
+                f"job.batch_size={self.job.batch_size} is not divisible by "
+                f"ppo.mini_batches={self.ppo.mini_batches}; choose a batch size that is a multiple of it"
+            )
+        found = problems(self.plan, self.plan_rules())
+        if found:
+            raise ValueError(f"plan.{found[0]}")
         if self.model.vocab_size < MIN_VOCAB:
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} is too small for job.task={self.job.task!r}; "
@@ -278,9 +300,46 @@ def _section_fields(loc: tuple[Any, ...]) -> list[str]:
     return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+SHOWN_CHARS = 60  # the most characters of a bad value an error line shows
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr``-like text of ``value``, at most ``limit`` characters, built piece by piece so that a
+    huge (or, from YAML aliases, exponentially shared) value costs no more than ``limit`` to show."""
+    parts: list[str] = []
+    _render(value, parts, [limit + 1])
+    text = "".join(parts)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _render(value: Any, parts: list[str], budget: list[int]) -> None:
+    """Append ``value``'s text to ``parts`` while ``budget[0]`` (characters still wanted) lasts."""
+    if budget[0] <= 0:
+        return
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        opening, closing = {dict: "{}", list: "[]", tuple: "()"}.get(type(value), "{}")
+        _emit(opening, parts, budget)
+        for i, item in enumerate(value):
+            if budget[0] <= 0:
+                return
+            _emit(", " if i else "", parts, budget)
+            if isinstance(value, dict):
+                _render(item, parts, budget)
+                _emit(": ", parts, budget)
+                item = value[item]
+            _render(item, parts, budget)
+        _emit(closing, parts, budget)
+    elif isinstance(value, (str, bytes)):
+        _emit(repr(value[: budget[0]]), parts, budget)
+    elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        _emit(f"<a number of {value.bit_length()} bits>", parts, budget)  # str() of a huge int is slow
+    else:
+        _emit(repr(value)[: budget[0]], parts, budget)  # scalars YAML builds: short reprs
+
+
+def _emit(text: str, parts: list[str], budget: list[int]) -> None:
+    parts.append(text[: max(budget[0], 0)])
+    budget[0] -= len(text)
 
 
 def _one_line(err: ValidationError) -> str:
@@ -316,9 +375,9 @@ def _one_line(err: ValidationError) -> str:
         return msg
     if msg.startswith(f"{where}.") or msg.startswith(f"{where}="):
         return msg  # the validator already named the field in full
-    shown = first.get("input")
-    if kind != "value_error" and not isinstance(shown, dict):
-        return f"{where}={_shown(shown)}: {msg}"
+    bad = first.get("input")
+    if kind != "value_error" and not isinstance(bad, dict):
+        return f"{where}={shown(bad)}: {msg}"
     return f"{where}: {msg}"
 
 
@@ -361,6 +420,8 @@ __all__ = [
     "JobConfig",
     "ModelConfig",
     "NereusConfig",
+    "name_error",
     "parse_config",
+    "shown",
     "with_overrides",
 ]

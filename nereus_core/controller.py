@@ -38,9 +38,10 @@ from nereus_core.cost_model import (
     transition_cost,
 )
 from nereus_core.hardware import HardwareProfile
-from nereus_core.layout import Layout, ModelStage
-from nereus_core.plan import GlobalPlan, PlanEstimate, fill_cache, model_of, models_for
-from nereus_core.plan import evaluate_plan as plan_estimate
+from nereus_core.layout import Layout
+from nereus_core.plan import GlobalPlan, ModelStage, model_of, models_for
+from nereus_core.plan_estimate import PlanEstimate, fill_cache
+from nereus_core.plan_estimate import evaluate_plan as plan_estimate
 from nereus_core.plan_search import Searcher, SearchSpace
 
 GiB = 1024**3

@@ -40,7 +40,7 @@ from typing import Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nereus_core.config import JobConfig, ModelConfig
+from nereus_core.config import ModelConfig, NereusConfig
 from nereus_core.cost_terms import (
     MEMORY_PARTS,
     TERMS,
@@ -79,6 +79,11 @@ class Workload(_Frozen):
     response_mean: float = Field(gt=0, description="Mean response tokens; latency uses it.")
     response_high: int = Field(ge=1, description="High quantile (or max) of response tokens; memory uses it.")
     ppo_epochs: int = Field(default=1, ge=1, description="Passes of the train stages over the batch.")
+    mini_batches: int = Field(
+        default=1,
+        ge=1,
+        description="Optimizer steps per epoch of a train stage (batch split this many ways).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
@@ -90,12 +95,22 @@ class Workload(_Frozen):
         return self
 
     @classmethod
-    def from_job(cls, job: JobConfig) -> Workload:
+    def from_config(
+        cls, config: NereusConfig, lengths: Sequence[int] = (), quantile: float = 0.9
+    ) -> Workload:
+        """The job's workload: its batch, prompt length, PPO epochs and mini-batches, and the response
+        lengths generated (mean and ``quantile``; the config's response length until there are any)."""
+        job, ppo = config.job, config.ppo
+        mean, high = (
+            _mean_and_high(lengths, quantile) if len(lengths) else (job.response_len, job.response_len)
+        )
         return cls(
             batch=job.batch_size,
             prompt_len=job.prompt_len,
-            response_mean=job.response_len,
-            response_high=job.response_len,
+            response_mean=mean,
+            response_high=high,
+            ppo_epochs=ppo.ppo_epochs,
+            mini_batches=ppo.mini_batches,
         )
 
     @classmethod
@@ -105,10 +120,14 @@ class Workload(_Frozen):
         """Mean and ``quantile`` of observed response lengths (memory then uses the quantile)."""
         if not lengths:
             raise ValueError("lengths is empty; give the observed response lengths")
-        values = np.asarray(lengths, dtype=float)
-        mean = max(float(values.mean()), 1.0)
-        high = max(math.ceil(float(np.quantile(values, quantile))), math.ceil(mean))
+        mean, high = _mean_and_high(lengths, quantile)
         return cls(batch=batch, prompt_len=prompt_len, response_mean=mean, response_high=high)
+
+
+def _mean_and_high(lengths: Sequence[int], quantile: float) -> tuple[float, int]:
+    values = np.asarray(lengths, dtype=float)
+    mean = max(float(values.mean()), 1.0)
+    return mean, max(math.ceil(float(np.quantile(values, quantile))), math.ceil(mean))
 
 
 class Scales(_Frozen):

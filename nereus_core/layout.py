@@ -11,19 +11,9 @@ run of ``tp*pp`` devices. Device slots are world ranks of the device pool.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-ModelStage = Literal[
-    "actor/generate",
-    "actor/train",
-    "critic/infer",
-    "critic/train",
-    "reference/infer",
-    "reward/infer",
-]
-MODEL_STAGES: tuple[str, ...] = ModelStage.__args__  # type: ignore[attr-defined]
 
 
 class Coord(NamedTuple):

@@ -1,59 +1,188 @@
-"""Global plans: the layouts of all model-stages together, their id, placement and plan-level sums.
+"""What a global plan is: the model-stages, their layouts, the plan's id and the rules a plan must obey.
 
-Boundary: what a plan *is* and how its stages' estimates add up (step time,
-memory per device). Which plan to run is the controller's business
-(``controller.py``); the per-stage numbers come from ``cost_model.py``.
+Boundary: plan topology only, the one owner of
+- the typed model-stage (``ModelStage``: its model, its stage kind, whether it owns
+  state or is an inference copy of a train stage);
+- the plan id (``plan_id``: the same plan gets the same id in ``nereus plan``, a
+  run's ``plans/`` and the controller);
+- the default plan (``default_plan``: what the config leaves out);
+- whether a plan can run (``problems``: config validation, the plan search and
+  the controller all ask it).
+How a plan's stages add up to a step time and memory is ``plan_estimate.py``;
+which plan to run is ``controller.py``'s business. This module imports no config,
+so the config can ask it.
 
-Placement (DESIGN.md, "global plan"):
-- ``colocated``: every model-stage on the same slots, time-shared; stages run one
-  after another, so a step takes the sum of the stage times (verl's default).
-- ``disaggregated``: ``actor/generate`` on its own slots, the other five on the
-  rest. With ``overlap`` the generation of step k+1 runs while the rest of step k
-  trains (one-step off-policy, as OpenRLHF's async mode and verl's fully_async), so
-  a step takes the longer of the two pools (generation waits for the weight sync);
-  without it the pools take turns and
-  idle (OpenRLHF's default). Either way the actor's new weights are sent to the
-  generation copy every step (``cost_model.weight_sync_s``).
-
-Memory per device: state that stays between stages (weights, optimizer state)
-of every model-stage on the device adds up; gradients, activations and KV caches
-live only while their stage runs, so the largest of them counts.
+Placement (DESIGN.md, "global plan"): ``colocated`` when every model-stage uses
+the same slots (time-shared), else ``disaggregated``.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal, Protocol
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nereus_core.config import ModelConfig, NereusConfig
-from nereus_core.cost_model import Estimate, MemoryEstimate, Scales, Workload, estimate_many, weight_sync_s
-from nereus_core.cost_terms import is_contiguous, slots
-from nereus_core.hardware import HardwareProfile
-from nereus_core.layout import MODEL_STAGES, Layout, ModelStage
+from nereus_core.layout import Layout
 
 Placement = Literal["colocated", "disaggregated"]
-GENERATE = "actor/generate"
+StageKind = Literal["generate", "infer", "train"]
 MODELS = ("actor", "critic", "reference", "reward")
+VALUE_HEAD_MODELS = ("critic", "reward")  # the others keep the lm head
+
+
+class ModelStage(StrEnum):
+    """One model in one stage (DESIGN.md, "model-stage"). A ``str``: plans keyed by it read and
+    write as plain ``"actor/train"`` in YAML, JSON and Parquet."""
+
+    ACTOR_GENERATE = "actor/generate"
+    ACTOR_TRAIN = "actor/train"
+    CRITIC_INFER = "critic/infer"
+    CRITIC_TRAIN = "critic/train"
+    REFERENCE_INFER = "reference/infer"
+    REWARD_INFER = "reward/infer"
+
+    @property
+    def model(self) -> str:
+        return self.value.partition("/")[0]
+
+    @property
+    def kind(self) -> StageKind:
+        return self.value.partition("/")[2]  # type: ignore[return-value]
+
+    @property
+    def trains(self) -> bool:
+        return self.kind == "train"
+
+    @property
+    def copy_of(self) -> ModelStage | None:
+        """The train stage whose weights this inference copy serves (synced after every step)."""
+        return _COPY_SOURCES.get(self)
+
+    @property
+    def owns_state(self) -> bool:
+        """True for the stages that hold a model's state (snapshotted, moved in transitions)."""
+        return self.copy_of is None
+
+
+_COPY_SOURCES = {
+    ModelStage.ACTOR_GENERATE: ModelStage.ACTOR_TRAIN,
+    ModelStage.CRITIC_INFER: ModelStage.CRITIC_TRAIN,
+}
+MODEL_STAGES: tuple[ModelStage, ...] = tuple(ModelStage)
+GENERATE = ModelStage.ACTOR_GENERATE
+OWN_STATE: tuple[ModelStage, ...] = tuple(s for s in ModelStage if s.owns_state)
+COPIES: dict[ModelStage, ModelStage] = dict(_COPY_SOURCES)  # inference copy -> its train stage
+LOAD_ORDER: tuple[ModelStage, ...] = (*OWN_STATE, *COPIES)  # a copy after the stage it follows
+STATE_STAGE: dict[str, ModelStage] = {s.model: s for s in OWN_STATE}  # model -> the stage holding its state
 
 
 def model_of(stage: str) -> str:
-    """``'critic/train'`` -> ``'critic'``."""
-    return stage.partition("/")[0]
+    """``'critic/train'`` -> ``'critic'`` (raises ``ValueError`` for anything else)."""
+    return ModelStage(stage).model
 
 
-def models_for(model: ModelConfig) -> dict[str, ModelConfig]:
-    """The four PPO models built from one config: critic and reward carry a value head when
-    ``ModelConfig`` knows heads (actor and reference keep the lm head)."""
+class _HasHead(Protocol):
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Any: ...
+
+
+def models_for(model: Any) -> dict[str, Any]:
+    """The four PPO models built from one model config: critic and reward carry a value head when
+    the config knows heads (actor and reference keep the lm head)."""
     if "head" not in type(model).model_fields:
         return dict.fromkeys(MODELS, model)
     value = model.model_copy(update={"head": "value"})
     lm = model.model_copy(update={"head": "lm"})
-    return {"actor": lm, "critic": value, "reference": lm, "reward": value}
+    return {m: value if m in VALUE_HEAD_MODELS else lm for m in MODELS}
+
+
+def plan_id(layouts: Mapping[str, Layout]) -> str:
+    """Stable short id of a set of layouts (same layouts, same id, in any process and order)."""
+    digest = hashlib.sha1()
+    for stage in sorted(layouts):
+        v = layouts[stage]
+        digest.update(f";{stage}=tp{v.tp}.pp{v.pp}.dp{v.dp}.m{v.micro_batches}@".encode())
+        # consecutive slots by their range (converting 1,024 ints to text is slow)
+        first, last = v.devices[0], v.devices[-1]
+        contiguous = v.devices == tuple(range(first, last + 1))
+        digest.update(f"{first}..{last}".encode() if contiguous else ",".join(map(str, v.devices)).encode())
+    return "plan-" + digest.hexdigest()[:12]
+
+
+def default_plan(given: Mapping[str, Layout]) -> dict[ModelStage, Layout]:
+    """``given`` with every model-stage it leaves out on slot 0 as one replica (tp=pp=dp=1)."""
+    plan = {ModelStage(s): layout for s, layout in given.items()}
+    for stage in MODEL_STAGES:
+        plan.setdefault(stage, Layout.contiguous())
+    return plan
+
+
+def infer_placement(layouts: Mapping[str, Layout]) -> Placement:
+    """colocated when every model-stage uses the same slots, else disaggregated."""
+    sets = {frozenset(layout.devices) for layout in layouts.values()}
+    return "colocated" if len(sets) == 1 else "disaggregated"
+
+
+def slots_needed(layouts: Mapping[str, Layout]) -> int:
+    """How many device slots ``layouts`` needs (its highest slot + 1)."""
+    return 1 + max(max(layout.devices) for layout in layouts.values())
+
+
+# ------------------------------------------------------------------------------------- the rules
+
+
+@dataclass(frozen=True)
+class PlanRules:
+    """What a plan must fit: the models (per model, with their heads), the pool, the batch.
+
+    Built from the config (``NereusConfig.plan_rules``) or the controller's state;
+    ``problems`` is the one place that applies them."""
+
+    models: Mapping[str, Any]  # model -> ModelConfig (tp_error, pp_error)
+    devices: int
+    batch: int
+    mini_batches: int = 1
+
+
+def stage_rows(stage: str, batch: int, mini_batches: int) -> int:
+    """Sequences one optimizer step (train) or one pass (infer, generate) of ``stage`` sees: a train
+    stage splits the step's batch into ``mini_batches``, so each of its replicas' micro-batches
+    divides ``batch / mini_batches``."""
+    return batch // mini_batches if ModelStage(stage).trains else batch
+
+
+def layout_problems(stage: str, layout: Layout, rules: PlanRules) -> list[str]:
+    """Why ``stage`` cannot run on ``layout`` under ``rules`` (empty if it can), prefixed by the stage."""
+    stage = ModelStage(stage)
+    model = rules.models[stage.model]
+    out = [
+        p
+        for p in (model.tp_error(layout.tp), model.pp_error(layout.pp), layout.devices_error(rules.devices))
+        if p
+    ]
+    if stage.trains and rules.batch % rules.mini_batches:
+        out.append(f"batch {rules.batch} is not divisible by ppo.mini_batches={rules.mini_batches}")
+    else:
+        rows = stage_rows(stage, rules.batch, rules.mini_batches)
+        if rows % (layout.dp * layout.micro_batches):
+            what = "job.batch_size/ppo.mini_batches" if stage.trains else "job.batch_size"
+            out.append(
+                f"{what}={rows} is not divisible by dp*micro_batches={layout.dp * layout.micro_batches}; "
+                "choose a batch size that is a multiple of it"
+            )
+    return [f"{stage}: {p}" for p in out]
+
+
+def problems(layouts: Mapping[str, Layout], rules: PlanRules) -> list[str]:
+    """Why the plan ``layouts`` cannot run under ``rules`` (empty if it can)."""
+    return [p for stage, layout in layouts.items() for p in layout_problems(stage, layout, rules)]
+
+
+# ------------------------------------------------------------------------------------ the plan
 
 
 class GlobalPlan(BaseModel):
@@ -72,18 +201,14 @@ class GlobalPlan(BaseModel):
             )
         return self
 
+    @classmethod
+    def of(cls, layouts: Mapping[str, Layout]) -> GlobalPlan:
+        """The plan of ``layouts``, its placement inferred."""
+        return cls(placement=infer_placement(layouts), layouts=dict(layouts))
+
     @cached_property
     def plan_id(self) -> str:
-        """Stable short id from the placement and every layout (same plan, same id, any process)."""
-        digest = hashlib.sha1(self.placement.encode())
-        for stage in sorted(self.layouts):
-            v = self.layouts[stage]
-            digest.update(f";{stage}=tp{v.tp}.pp{v.pp}.dp{v.dp}.m{v.micro_batches}@".encode())
-            # consecutive slots by their range (converting 1,024 ints to bytes is slow)
-            digest.update(
-                f"{v.devices[0]}..{v.devices[-1]}".encode() if is_contiguous(v) else slots(v).tobytes()
-            )
-        return "plan-" + digest.hexdigest()[:12]
+        return plan_id(self.layouts)
 
     def __hash__(self) -> int:
         return hash(self.plan_id)
@@ -107,134 +232,6 @@ class GlobalPlan(BaseModel):
         ]
         return " | ".join([self.placement, *parts])
 
-    def problems(self, models: Mapping[str, ModelConfig], devices: int, batch: int) -> list[str]:
-        """Why this plan cannot run on ``devices`` slots with a global ``batch`` (empty if it can)."""
-        out = []
-        for stage, layout in self.layouts.items():
-            model = models[model_of(stage)]
-            for problem in (
-                model.tp_error(layout.tp),
-                model.pp_error(layout.pp),
-                layout.devices_error(devices),
-            ):
-                if problem:
-                    out.append(f"{stage}: {problem}")
-            if batch % (layout.dp * layout.micro_batches):
-                out.append(f"{stage}: batch {batch} is not divisible by dp*micro_batches")
-        return out
-
-    @classmethod
-    def from_config(cls, config: NereusConfig) -> GlobalPlan | None:
-        """The config's initial plan, if it lays out every model-stage (else None)."""
-        if set(config.plan) != set(MODEL_STAGES):
-            return None
-        return cls(placement=infer_placement(config.plan), layouts=dict(config.plan))
-
-
-def infer_placement(layouts: Mapping[str, Layout]) -> Placement:
-    """colocated when every model-stage uses the same slots, else disaggregated."""
-    sets = {frozenset(layout.devices) for layout in layouts.values()}
-    return "colocated" if len(sets) == 1 else "disaggregated"
-
-
-def memory_per_device(plan: GlobalPlan, memory: Mapping[str, MemoryEstimate]) -> dict[int, int]:
-    """Bytes each slot needs: the sum of resident state of its model-stages + the largest transient.
-
-    ``memory[stage]`` is the stage's busiest device, used for every device of its
-    layout (an upper bound where pipeline stages differ).
-    """
-    persistent: dict[int, int] = {}
-    transient: dict[int, int] = {}
-    for stage, layout in plan.layouts.items():
-        mem = memory[stage]
-        for d in layout.devices:
-            persistent[d] = persistent.get(d, 0) + mem.persistent
-            transient[d] = max(transient.get(d, 0), mem.transient)
-    return {d: persistent[d] + transient[d] for d in persistent}
-
-
-def step_seconds(
-    placement: Placement, stage_seconds: Mapping[str, float], sync_s: float, *, overlap: bool
-) -> float:
-    """Predicted step time of a plan from its stage times (see the module docstring)."""
-    if placement == "colocated" or not overlap:
-        return sum(stage_seconds.values()) + sync_s
-    rest = sum(v for s, v in stage_seconds.items() if s != GENERATE)
-    return max(stage_seconds.get(GENERATE, 0.0) + sync_s, rest)  # the new weights land before generating
-
-
-class PlanEstimate(BaseModel):
-    """A plan with its per-stage estimates, step time and busiest device's memory."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    plan: GlobalPlan
-    stages: dict[str, Estimate]
-    sync_s: float = Field(description="Weight sync from actor/train to actor/generate, per step.")
-    step_s: float
-    memory_peak: int = Field(description="Bytes on the busiest slot.")
-    usable: int = Field(description="Usable bytes per slot (capacity minus headroom).")
-
-    @property
-    def fits(self) -> bool:
-        return self.memory_peak <= self.usable
-
-
-def evaluate_plan(
-    plan: GlobalPlan,
-    workload: Workload,
-    *,
-    models: Mapping[str, ModelConfig],
-    profile: HardwareProfile,
-    scales: Scales,
-    sync_scale: float,
-    overlap: bool,
-    usable: int,
-    cache: dict | None = None,
-) -> PlanEstimate:
-    """Every stage of ``plan`` estimated on its real slots and links, summed per the placement.
-
-    ``cache`` (a dict the caller keeps for one workload, profile and scales) reuses the
-    estimate of a layout that several plans share.
-    """
-    cache = {} if cache is None else cache
-    fill_cache([plan], workload, models=models, profile=profile, scales=scales, cache=cache)
-    stages = {s: cache[_key(s, layout)] for s, layout in plan.layouts.items()}
-    sync = 0.0
-    train, gen = plan.layouts.get("actor/train"), plan.layouts.get(GENERATE)
-    if train is not None and gen is not None:
-        colocated = plan.placement == "colocated"
-        sync = weight_sync_s(train, gen, models["actor"], profile, colocated=colocated) * sync_scale
-    step = step_seconds(plan.placement, {s: e.seconds for s, e in stages.items()}, sync, overlap=overlap)
-    top = max(max(layout.devices) for layout in plan.layouts.values()) + 1
-    resident, transient = np.zeros(top), np.zeros(top)
-    for s, layout in plan.layouts.items():  # memory_per_device, vectorized over slots
-        idx = slots(layout)
-        resident[idx] += stages[s].memory.persistent
-        transient[idx] = np.maximum(transient[idx], stages[s].memory.transient)
-    peak = int((resident + transient).max())
-    return PlanEstimate(plan=plan, stages=stages, sync_s=sync, step_s=step, memory_peak=peak, usable=usable)
-
-
-def _key(stage: str, layout: Layout) -> tuple:
-    return (stage, layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.devices)
-
-
-def fill_cache(
-    plans: list[GlobalPlan],
-    workload: Workload,
-    *,
-    models: Mapping[str, ModelConfig],
-    profile: HardwareProfile,
-    scales: Scales,
-    cache: dict,
-) -> None:
-    """Estimate, one vectorized pass per model-stage, every layout of ``plans`` not yet in ``cache``."""
-    todo: dict[str, dict[tuple, Layout]] = {}
-    for plan in plans:
-        for s, layout in plan.layouts.items():
-            if _key(s, layout) not in cache:
-                todo.setdefault(s, {})[_key(s, layout)] = layout
-    for s, layouts in todo.items():
-        found = estimate_many(s, list(layouts.values()), workload, models[model_of(s)], profile, scales)
-        cache.update(zip(layouts, found, strict=True))
+    def as_json(self) -> dict[str, Any]:
+        """``{model-stage: layout}`` as plain JSON (a run's ``plans/PLAN_ID.json``)."""
+        return {str(k): v.model_dump(mode="json") for k, v in self.layouts.items()}

@@ -39,8 +39,8 @@ from nereus_core.config import ModelConfig
 from nereus_core.cost_model import Scales, Workload, held_fraction
 from nereus_core.cost_terms import PERSISTENT, contiguous_geometry, model_stats, split_arrays, stage_tables
 from nereus_core.hardware import HardwareProfile
-from nereus_core.layout import MODEL_STAGES, Layout
-from nereus_core.plan import GENERATE, GlobalPlan, Placement, model_of
+from nereus_core.layout import Layout
+from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan, Placement, model_of, stage_rows
 
 INF = float("inf")
 
@@ -139,9 +139,11 @@ def _powers(limit: int) -> list[int]:
 
 
 def candidates(
-    stage: str, model: ModelConfig, profile: HardwareProfile, batch: int, max_world: int
+    stage: str, model: ModelConfig, profile: HardwareProfile, work: Workload, max_world: int
 ) -> tuple[np.ndarray, ...]:
-    """Arrays (tp, pp, dp, m) of the layouts considered for ``stage`` on up to ``max_world`` slots."""
+    """Arrays (tp, pp, dp, m) of the layouts considered for ``stage`` on up to ``max_world`` slots:
+    the degrees ``plan.layout_problems`` admits (tp/pp shard the model, dp*m divides the stage's rows)."""
+    batch = stage_rows(stage, work.batch, work.mini_batches)
     tps = [t for t in _powers(min(profile.devices_per_node, max_world)) if model.tp_error(t) is None]
     layers = model.num_hidden_layers
     pps = [p for p in range(1, min(layers, max_world) + 1) if (p & (p - 1) == 0 or layers % p == 0)]
@@ -169,7 +171,7 @@ def build_table(
     degrees and their pipeline split (they do not depend on ``first``)."""
     stats = model_stats(model)
     if base is None:
-        tp, pp, dp, m = candidates(stage, model, profile, work.batch, max_world)
+        tp, pp, dp, m = candidates(stage, model, profile, work, max_world)
         base = (tp, pp, dp, m, *split_arrays(stats, tp, pp))
     tp, pp, dp, m, *split = base
     geo = contiguous_geometry(stats, profile, tp, pp, dp, m, first, split=tuple(split))
@@ -316,7 +318,7 @@ class Searcher:
         if key not in self._tables:
             model = self.models[model_of(stage)]
             if stage not in self._bases:
-                tp, pp, dp, m = candidates(stage, model, self.profile, self.work.batch, self.space.devices)
+                tp, pp, dp, m = candidates(stage, model, self.profile, self.work, self.space.devices)
                 self._bases[stage] = (tp, pp, dp, m, *split_arrays(model_stats(model), tp, pp))
             self._tables[key] = build_table(
                 stage,

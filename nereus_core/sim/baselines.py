@@ -34,8 +34,9 @@ import numpy as np
 
 from nereus_core.controller import ControllerSettings
 from nereus_core.cost_model import Workload
-from nereus_core.layout import MODEL_STAGES, Layout
-from nereus_core.plan import GENERATE, GlobalPlan, Placement, step_seconds
+from nereus_core.layout import Layout
+from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan, Placement
+from nereus_core.plan_estimate import step_seconds
 from nereus_core.plan_search import Searcher, SearchSpace
 from nereus_core.sim.config import StrategySpec
 from nereus_core.sim.engine import SimError

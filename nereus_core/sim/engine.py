@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from nereus_core.cost_model import Workload
-from nereus_core.layout import MODEL_STAGES
-from nereus_core.plan import GlobalPlan
+from nereus_core.plan import MODEL_STAGES, GlobalPlan
 from nereus_core.sim.world import World
 
 MoveKind = Literal["start", "keep", "switch", "retune", "rescale", "none"]

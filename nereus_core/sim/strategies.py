@@ -30,7 +30,8 @@ from nereus_core.controller import (
 from nereus_core.cost_model import Workload, analytic_transition_cost
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
-from nereus_core.plan import GlobalPlan, step_seconds
+from nereus_core.plan import GlobalPlan
+from nereus_core.plan_estimate import step_seconds
 from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.engine import Move, Prepared, SimError, StepRun
 from nereus_core.sim.world import World, largest_dp, usable_bytes

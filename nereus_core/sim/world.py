@@ -26,8 +26,8 @@ from nereus_core.config import ModelConfig
 from nereus_core.cost_model import Scales, TransitionEstimate, Workload, stage_kind, weight_sync_s
 from nereus_core.cost_terms import PERSISTENT, TERMS, Geometry, layout_geometry, model_stats, stage_tables
 from nereus_core.hardware import HardwareProfile
-from nereus_core.layout import MODEL_STAGES, Layout
-from nereus_core.plan import GENERATE, GlobalPlan, model_of, models_for
+from nereus_core.layout import Layout
+from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan, model_of, models_for
 from nereus_core.sim.config import NoiseSettings
 from nereus_core.sim.trace import Trace
 

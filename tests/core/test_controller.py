@@ -21,8 +21,9 @@ from nereus_core.controller import (
 )
 from nereus_core.cost_model import Workload, estimate
 from nereus_core.hardware import CPU_WORKERS, H100_SXM
-from nereus_core.layout import MODEL_STAGES, Layout
-from nereus_core.plan import GlobalPlan, memory_per_device, model_of
+from nereus_core.layout import Layout
+from nereus_core.plan import MODEL_STAGES, GlobalPlan, PlanRules, model_of, problems
+from nereus_core.plan_estimate import memory_per_device
 
 TINY = ModelConfig()
 MID = ModelConfig(  # ~1.2B parameters: memory binds on small devices
@@ -104,7 +105,7 @@ def test_every_plan_the_controller_returns_fits_in_memory(
     usable = int(capacity * (1 - headroom))
     assert _independent_peak(d.plan, state, w) <= usable
     assert max(d.plan.devices) < devices
-    assert d.plan.problems(state.models, devices, batch) == []
+    assert problems(d.plan.layouts, PlanRules(models=state.models, devices=devices, batch=batch)) == []
 
 
 def _running(plan_workload: Workload, devices: int, capacity: int, **kw) -> ControllerState:

@@ -28,7 +28,8 @@ from nereus_core.cost_model import (
     weight_sync_s,
 )
 from nereus_core.hardware import CPU_WORKERS, H100_SXM, get_profile
-from nereus_core.layout import MODEL_STAGES, Layout
+from nereus_core.layout import Layout
+from nereus_core.plan import MODEL_STAGES
 
 TINY = ModelConfig()
 IDEAL = H100_SXM.model_copy(

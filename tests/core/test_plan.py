@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from nereus_core.config import ModelConfig, parse_config
 from nereus_core.cost_model import MemoryEstimate
-from nereus_core.layout import MODEL_STAGES, Layout
-from nereus_core.plan import GlobalPlan, infer_placement, memory_per_device, models_for, step_seconds
+from nereus_core.layout import Layout
+from nereus_core.plan import (
+    COPIES,
+    MODEL_STAGES,
+    OWN_STATE,
+    GlobalPlan,
+    ModelStage,
+    PlanRules,
+    default_plan,
+    infer_placement,
+    model_of,
+    models_for,
+    plan_id,
+    problems,
+)
+from nereus_core.plan_estimate import memory_per_device, step_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"
@@ -37,12 +52,11 @@ def test_placement_from_the_config_plan() -> None:
     import yaml
 
     cfg = parse_config(yaml.safe_load(EXAMPLE.read_text()))
-    plan = GlobalPlan.from_config(cfg)
-    assert (
-        plan is not None and plan.placement == "disaggregated"
-    )  # the example puts the reference on slot 0 only, the rest on slots 0 and 1
-    assert plan.devices == (0, 1)
-    assert GlobalPlan.from_config(parse_config({})) is None  # no initial plan given
+    plan = GlobalPlan.of(default_plan(cfg.plan))
+    # the example puts the reference on slot 0 only, the rest on slots 0 and 1
+    assert plan.placement == "disaggregated" and plan.devices == (0, 1)
+    # model-stages the config leaves out start on slot 0 as one replica
+    assert default_plan(parse_config({}).plan) == dict.fromkeys(MODEL_STAGES, Layout.contiguous())
     assert infer_placement(colocated().layouts) == "colocated"
     with pytest.raises(ValueError, match="at least one model-stage"):
         GlobalPlan(placement="colocated", layouts={})
@@ -72,12 +86,38 @@ def test_step_time_by_placement() -> None:
 
 def test_problems_name_what_cannot_run() -> None:
     models = models_for(ModelConfig())
-    bad = GlobalPlan(placement="colocated", layouts={"actor/train": Layout.contiguous(tp=3, dp=2)})
-    problems = bad.problems(models, devices=4, batch=8)
-    assert any("tp=3 does not divide" in p for p in problems)
-    assert any("not divisible by dp*micro_batches" in p for p in bad.problems(models, devices=4, batch=9))
-    assert colocated().problems(models, devices=4, batch=8) == []
-    assert colocated(dp=4).problems(models, devices=2, batch=8)  # slots beyond the pool
+    rules = PlanRules(models=models, devices=4, batch=8)
+    bad = {"actor/train": Layout.contiguous(tp=3, dp=2)}
+    assert any("tp=3 does not divide" in p for p in problems(bad, rules))
+    assert any("not divisible by dp*micro_batches" in p for p in problems(bad, replace(rules, batch=9)))
+    assert problems(colocated().layouts, rules) == []
+    assert problems(colocated(dp=4).layouts, replace(rules, devices=2))  # slots beyond the pool
+    # a train stage splits the batch into mini-batches: dp=4 divides 8 but not 8/4
+    assert problems({"actor/generate": Layout.contiguous(dp=4)}, replace(rules, mini_batches=4)) == []
+    split = problems({"actor/train": Layout.contiguous(dp=4)}, replace(rules, mini_batches=4))
+    assert split == [
+        "actor/train: job.batch_size/ppo.mini_batches=2 is not divisible by dp*micro_batches=4; "
+        "choose a batch size that is a multiple of it"
+    ]
+
+
+def test_one_plan_id_for_the_same_layouts_whatever_the_placement_or_key_type() -> None:
+    a = colocated()
+    as_strings = {str(k): v for k, v in a.layouts.items()}
+    assert plan_id(as_strings) == a.plan_id == GlobalPlan.of(as_strings).plan_id
+    assert GlobalPlan(placement="disaggregated", layouts=a.layouts).plan_id == a.plan_id
+
+
+def test_model_stage_knows_its_model_kind_and_state_owner() -> None:
+    assert ModelStage("critic/infer").model == "critic" and ModelStage("critic/infer").kind == "infer"
+    assert ModelStage.ACTOR_GENERATE.copy_of == ModelStage.ACTOR_TRAIN
+    assert OWN_STATE == ("actor/train", "critic/train", "reference/infer", "reward/infer")
+    assert {str(c): str(s) for c, s in COPIES.items()} == {
+        "actor/generate": "actor/train",
+        "critic/infer": "critic/train",
+    }
+    with pytest.raises(ValueError):
+        model_of("actor")
 
 
 def test_models_for_gives_critic_and_reward_a_value_head_when_heads_exist() -> None:

@@ -11,8 +11,7 @@ import pytest
 from nereus_core.config import ConfigError
 from nereus_core.controller import evaluate_plan
 from nereus_core.hardware import H100_SXM
-from nereus_core.layout import MODEL_STAGES
-from nereus_core.plan import GENERATE
+from nereus_core.plan import GENERATE, MODEL_STAGES
 from nereus_core.sim.baselines import OpenRLHFStrategy, VerlStrategy, phased_seconds
 from nereus_core.sim.config import LLAMA_3_8B, NoiseSettings, StrategySpec, parse_sim_config
 from nereus_core.sim.engine import simulate
