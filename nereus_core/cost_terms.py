@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -21,14 +21,29 @@ from nereus_core.hardware import COST_TERMS, HardwareProfile
 from nereus_core.layout import Layout
 from nereus_core.model.weights import param_shapes
 
-if TYPE_CHECKING:
-    from nereus_core.cost_model import Workload
-
 TERMS = COST_TERMS
 MEMORY_PARTS: tuple[str, ...] = ("weights", "gradients", "optimizer", "activations", "kv_cache")
 PERSISTENT = np.array([p in ("weights", "optimizer") for p in MEMORY_PARTS])  # the rest is transient
 StageKind = Literal["generate", "infer", "train"]
 Num = np.ndarray | float  # a scalar, or one value per candidate layout
+
+
+class WorkloadLike(Protocol):
+    """What the formulas read of a step's workload; ``cost_model.Workload`` is the one that validates it.
+
+    A protocol, not an import: the cost model builds on these formulas, never the other way round.
+    """
+
+    @property
+    def batch(self) -> int: ...
+    @property
+    def prompt_len(self) -> int: ...
+    @property
+    def response_mean(self) -> float: ...
+    @property
+    def response_high(self) -> int: ...
+    @property
+    def ppo_epochs(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -224,7 +239,7 @@ def korthikanti_bytes(
 
 
 def stage_tables(
-    kind: StageKind, geo: Geometry, work: Workload, stats: ModelStats, profile: HardwareProfile
+    kind: StageKind, geo: Geometry, work: WorkloadLike, stats: ModelStats, profile: HardwareProfile
 ) -> tuple[np.ndarray, np.ndarray]:
     """Unscaled term seconds ``[len(TERMS), n]`` and memory bytes ``[len(MEMORY_PARTS), n]``."""
     n = geo.tp.shape[0]
@@ -260,7 +275,7 @@ def _generate(
     raw: np.ndarray,
     mem: np.ndarray,
     geo: Geometry,
-    work: Workload,
+    work: WorkloadLike,
     stats: ModelStats,
     profile: HardwareProfile,
 ) -> None:
@@ -320,7 +335,7 @@ def _forward_backward(
     mem: np.ndarray,
     train: bool,
     geo: Geometry,
-    work: Workload,
+    work: WorkloadLike,
     stats: ModelStats,
     profile: HardwareProfile,
 ) -> None:

@@ -14,14 +14,8 @@ import torch
 from nereus_core.config import ModelConfig
 from nereus_core.engine import dispatch
 from nereus_core.engine.forward import forward_outputs, generate
-from nereus_core.engine.shard import (
-    OptimizerSettings,
-    alias_shard,
-    drop_shard,
-    load_shard,
-    set_weights,
-    shard_state,
-)
+from nereus_core.engine.optimizer import OptimizerSettings
+from nereus_core.engine.shard import alias_shard, drop_shard, load_shard, set_weights, shard_state
 from nereus_core.engine.train import LossFn, lm_loss, train_step
 from nereus_core.layout import Layout
 from tasks.device_pool import DevicePool

@@ -13,25 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from nereus_core.config import ModelConfig
+from nereus_core.engine.optimizer import OptimizerSettings, make_engine
 from nereus_core.layout import Layout
 from nereus_core.model.llama import LlamaStage
 from nereus_core.model.weights import init_full_state
 from nereus_core.parallel.device import DeviceContext, RankGroups
-
-
-class OptimizerSettings(BaseModel):
-    """AdamW under DeepSpeed ZeRO-1 over the DP group."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    lr: float = Field(default=1e-3, gt=0, description="Learning rate.")
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
-    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay.")
-    zero_stage: int = Field(default=1, ge=0, le=2, description="DeepSpeed ZeRO stage over the DP group.")
 
 
 @dataclass
@@ -101,8 +89,6 @@ def load_shard(
     stage = build_stage(config, groups, ctx.device, full_state)
     shard = ModelShard(name=name, config=config, groups=groups, stage=stage)
     if optimizer is not None:
-        from nereus_core.engine.train import make_engine
-
         shard.engine = make_engine(stage, groups, optimizer, ctx.backend)
     else:
         stage.eval()

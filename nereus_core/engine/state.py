@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from nereus_core.emu import MOMENTS, STEP, Box, ShardMap
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, exchange
+from nereus_core.engine.optimizer import make_engine
 from nereus_core.engine.shard import ModelShard, OptimizerSettings, get_shard, new_stage
 from nereus_core.model.llama import LlamaStage
 from nereus_core.parallel.device import DeviceContext, RankGroups
@@ -296,8 +297,6 @@ def new_shard(
     shard = ModelShard(name=name, config=smap.config, groups=groups, stage=stage)
     if optimizer is None:
         return shard, empty_state(stage, smap, ctx.rank)
-    from nereus_core.engine.train import make_engine
-
     shard.engine = make_engine(stage, groups, optimizer, ctx.backend)
     base = shard.engine.optimizer.optimizer.state
     partitions = []

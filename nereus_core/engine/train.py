@@ -1,91 +1,25 @@
 """Training on one device of a layout: DeepSpeed ZeRO over the DP group, GPipe over stages.
 
 DeepSpeed owns the optimizer (AdamW, ZeRO-partitioned over the DP group) and the
-gradient reduction; the layout's TP group is handed to it as ``mpu``. The
-pipeline schedule is ours (GPipe, Huang et al. 2019): all micro-batches
+gradient reduction; ``engine.optimizer`` builds its engine when a train stage is
+loaded. The pipeline schedule is ours (GPipe, Huang et al. 2019): all micro-batches
 forward, then all backward in reverse order. Non-last stages backpropagate the
 surrogate ``sum(out * grad_out)``, whose gradient equals the true one, through
 ``engine.backward`` without the 1/GAS scaling the last stage already applied.
-Gradient clipping is off unless asked for: DeepSpeed's default would silently
-change the update.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nereus_core.engine import p2p
 from nereus_core.engine.forward import head_outputs, micro_batches, stage_forward
-from nereus_core.engine.shard import OptimizerSettings, get_shard
-from nereus_core.model.llama import LlamaStage
-from nereus_core.parallel.device import DeviceContext, RankGroups
+from nereus_core.engine.shard import get_shard
+from nereus_core.parallel.device import DeviceContext
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
-
-
-class LayoutMpu:
-    """The ``mpu`` interface DeepSpeed asks of Megatron, answered from a layout's groups."""
-
-    def __init__(self, groups: RankGroups) -> None:
-        self.groups = groups
-
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.dp_group
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.groups.layout.dp
-
-    def get_data_parallel_rank(self) -> int:
-        return self.groups.coord.dp
-
-    def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.tp_group
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.groups.layout.tp
-
-    def get_model_parallel_rank(self) -> int:
-        return self.groups.coord.tp
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-
-
-def deepspeed_config(settings: OptimizerSettings, micro_batch: int, micro_batches: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": micro_batches,
-        "zero_optimization": {"stage": settings.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-
-
-def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettings, backend: str) -> Any:
-    """Wrap ``stage`` in a DeepSpeed engine with AdamW; called on every device of the layout."""
-    import deepspeed
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    optimizer = torch.optim.AdamW(
-        stage.parameters(),
-        lr=settings.lr,
-        betas=settings.betas,
-        eps=settings.eps,
-        weight_decay=settings.weight_decay,
-    )
-    # The micro-batch size is only bookkeeping for DeepSpeed; batches are sized by the caller.
-    config = deepspeed_config(settings, micro_batch=1, micro_batches=groups.layout.micro_batches)
-    engine, *_ = deepspeed.initialize(model=stage, optimizer=optimizer, config=config, mpu=LayoutMpu(groups))
-    return engine
 
 
 def lm_loss(logp_bt: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The optimizer of a train model-stage: AdamW under DeepSpeed ZeRO over the layout's DP group.
+
+Boundary: this module turns a built pipeline stage and its layout's groups into a
+DeepSpeed engine (``make_engine``); it knows nothing about forward passes, losses or
+pipeline schedules (``engine.train`` drives the engine it returns). The layout's TP
+group reaches DeepSpeed as ``mpu``, the interface DeepSpeed asks of Megatron.
+Gradient clipping is off unless asked for: DeepSpeed's default would silently
+change the update.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from nereus_core.model.llama import LlamaStage
+from nereus_core.parallel.device import RankGroups
+
+
+class OptimizerSettings(BaseModel):
+    """AdamW under DeepSpeed ZeRO-1 over the DP group."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lr: float = Field(default=1e-3, gt=0, description="Learning rate.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay.")
+    zero_stage: int = Field(default=1, ge=0, le=2, description="DeepSpeed ZeRO stage over the DP group.")
+
+
+class LayoutMpu:
+    """The ``mpu`` interface DeepSpeed asks of Megatron, answered from a layout's groups."""
+
+    def __init__(self, groups: RankGroups) -> None:
+        self.groups = groups
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.groups.layout.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.coord.dp
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.tp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.groups.layout.tp
+
+    def get_model_parallel_rank(self) -> int:
+        return self.groups.coord.tp
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+def deepspeed_config(settings: OptimizerSettings, micro_batch: int, micro_batches: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": micro_batches,
+        "zero_optimization": {"stage": settings.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettings, backend: str) -> Any:
+    """Wrap ``stage`` in a DeepSpeed engine with AdamW; called on every device of the layout."""
+    # Imported here, not at the top: importing DeepSpeed costs seconds, and only train stages need it.
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    optimizer = torch.optim.AdamW(
+        stage.parameters(),
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+    )
+    # The micro-batch size is only bookkeeping for DeepSpeed; batches are sized by the caller.
+    config = deepspeed_config(settings, micro_batch=1, micro_batches=groups.layout.micro_batches)
+    engine, *_ = deepspeed.initialize(model=stage, optimizer=optimizer, config=config, mpu=LayoutMpu(groups))
+    return engine
