@@ -373,26 +373,43 @@ def analytic_transition_cost(
     return TransitionEstimate.of(wire, ops_s, scales, critical_bytes=total, transfers=changed, analytic=True)
 
 
+def sync_seconds(
+    model: ModelConfig,
+    profile: HardwareProfile,
+    gen_tp: Num,
+    gen_pp: Num,
+    *,
+    link: Iterable[int],
+    train: tuple[Num, Num] | None = None,
+) -> Num:
+    """Unscaled time to refresh the generation copy of the actor after its update, each step,
+    for generation degrees ``gen_tp`` x ``gen_pp`` (scalars or one per candidate layout).
+
+    Colocated (``train`` = actor/train's ``(tp, pp)``), the 3D-HybridEngine reshard of HybridFlow
+    (Table 2): each generation device receives the part of its shard M/(tg*pg) it does not hold
+    (``held_fraction``) over ``link``, the slots of a training replica. Disaggregated (``train``
+    None), each generation device receives its whole shard over ``link``, a generation slot and a
+    training slot (receivers bound the time: the training pool has at least as many senders).
+    """
+    shard_g = model_stats(model).total_params * profile.weight_bytes / (gen_tp * gen_pp)
+    nbytes = shard_g if train is None else shard_g * (1.0 - held_fraction(gen_tp, gen_pp, *train))
+    latency = np.where(nbytes > 0, profile.collective_latency_s, 0.0)  # nothing to move, no round
+    return nbytes / profile.link_bandwidth(link) + latency
+
+
 def weight_sync_s(
     train: Layout, generate: Layout, model: ModelConfig, profile: HardwareProfile, *, colocated: bool
 ) -> float:
-    """Unscaled time to refresh the generation copy of the actor after its update, each step.
-
-    Colocated, the 3D-HybridEngine reshard of HybridFlow (Table 2): each generation device
-    receives the part of its shard M/(tg*pg) it does not hold (``held_fraction``), over the
-    link of a training replica. Disaggregated, each generation device receives its whole
-    shard over the link between the pools (receivers bound the time: the training pool
-    has at least as many senders).
-    """
-    weights = model_stats(model).total_params * profile.weight_bytes
-    shard_g = weights / (generate.tp * generate.pp)
+    """``sync_seconds`` of two layouts of the actor (train and generate)."""
     if colocated:
-        nbytes = shard_g * (1.0 - float(held_fraction(generate.tp, generate.pp, train.tp, train.pp)))
-        spans = profile.spans_nodes(train.replica_groups()[0])
-        bw = profile.inter_bw if spans else profile.intra_bw
-        return nbytes / bw + (profile.collective_latency_s if nbytes else 0.0)
-    bw = profile.link_bandwidth((generate.devices[0], train.devices[0]))
-    return shard_g / bw + profile.collective_latency_s
+        degrees = (train.tp, train.pp)
+        return float(
+            sync_seconds(
+                model, profile, generate.tp, generate.pp, link=train.replica_groups()[0], train=degrees
+            )
+        )
+    link = (generate.devices[0], train.devices[0])
+    return float(sync_seconds(model, profile, generate.tp, generate.pp, link=link))
 
 
 __all__ = [
@@ -415,6 +432,7 @@ __all__ = [
     "reshard_bytes",
     "ring_bytes",
     "stage_kind",
+    "sync_seconds",
     "transition_cost",
     "weight_sync_s",
 ]

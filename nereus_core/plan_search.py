@@ -15,7 +15,7 @@ How it stays fast (the brief asks for <= 50 ms at 1,024 devices x 6 model-stages
    on the first G slots and the other five stages on the rest, G on one ladder
    (powers of two, and 3 x 2^k from two nodes up) for every device count, so the
    candidates of N slots are among those of N+1 and more devices never predict a
-   slower best step. The per-step weight sync (``cost_model.weight_sync_s``) is folded
+   slower best step. The per-step weight sync (``cost_model.sync_seconds``) is folded
    into the generation seconds; colocated, it depends on actor/train's (t, p), so there
    is one colocated split per such pair. Splits are solved cheapest lower bound
    first and skipped once their bound cannot beat the best found.
@@ -36,7 +36,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from nereus_core.config import ModelConfig
-from nereus_core.cost_model import Scales, Workload, held_fraction
+from nereus_core.cost_model import Scales, Workload, sync_seconds
 from nereus_core.cost_terms import PERSISTENT, contiguous_geometry, model_stats, split_arrays, stage_tables
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
@@ -346,26 +346,24 @@ class Searcher:
         out: list[tuple[Placement, list[Part]]] = []
         rest = tuple(s for s in MODEL_STAGES if s != GENERATE)
         gen, train = self.table(GENERATE, 0), self.table("actor/train", 0)
-        weights = model_stats(self.models["actor"]).total_params * self.profile.weight_bytes
-        shard_g = weights / (gen.tp * gen.pp)
-        n = self.space.devices
+        actor, n = self.models["actor"], self.space.devices
+
+        def sync(link: tuple[int, int], degrees: tuple[int, int] | None = None) -> np.ndarray:
+            seconds = sync_seconds(actor, self.profile, gen.tp, gen.pp, link=link, train=degrees)
+            return seconds * self.sync_scale
+
         # Colocated: the sync couples generate and train through train's (t, p); one split per pair.
+        # Layouts start at slot 0: a training replica spans slots 0 .. t*p-1.
         pairs = np.unique(train.tp * 65536 + train.pp)
         for t, p in zip(pairs // 65536, pairs % 65536, strict=True):
-            spans = t * p > self.profile.devices_per_node
-            bw = self.profile.inter_bw if spans else self.profile.intra_bw
-            nbytes = shard_g * (1.0 - held_fraction(gen.tp, gen.pp, t, p))
-            latency = np.where(nbytes > 0, self.profile.collective_latency_s, 0.0)
-            sync = (nbytes / bw + latency) * self.sync_scale
             only = np.where((train.tp == t) & (train.pp == p), train.seconds, INF)
-            parts = [(MODEL_STAGES, 0, n, {GENERATE: gen.seconds + sync, "actor/train": only})]
+            seconds = {GENERATE: gen.seconds + sync((0, t * p - 1), (t, p)), "actor/train": only}
+            parts = [(MODEL_STAGES, 0, n, seconds)]
             out.append(("colocated", parts))
         if not self.space.disaggregated:
             return out
         for _, g in _pools(n, self.profile.devices_per_node, True)[1:]:
-            bw = self.profile.link_bandwidth((0, g))
-            sync = (shard_g / bw + self.profile.collective_latency_s) * self.sync_scale
-            parts = [((GENERATE,), 0, g, {GENERATE: gen.seconds + sync}), (rest, g, n - g, {})]
+            parts = [((GENERATE,), 0, g, {GENERATE: gen.seconds + sync((0, g))}), (rest, g, n - g, {})]
             out.append(("disaggregated", parts))
         return out
 
