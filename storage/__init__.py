@@ -4,6 +4,8 @@ It imports pyarrow and nereus_core types, never prefect or dask. The run
 directory it writes is documented field by field in storage/FORMAT.md.
 """
 
+from storage.errors import RunDirError
+from storage.lock import RunLocked, lock_holder, run_lock
 from storage.manifest import (
     CorruptSnapshotError,
     FileEntry,
@@ -30,6 +32,8 @@ __all__ = [
     "CorruptSnapshotError",
     "FileEntry",
     "Manifest",
+    "RunDirError",
+    "RunLocked",
     "SliceEntry",
     "SnapshotError",
     "SnapshotExistsError",
@@ -38,8 +42,10 @@ __all__ = [
     "commit_snapshot",
     "find_snapshot",
     "list_snapshots",
+    "lock_holder",
     "read_full_state",
     "read_slices",
+    "run_lock",
     "state_dir",
     "step_dir",
     "write_shard_file",

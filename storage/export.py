@@ -19,13 +19,12 @@ ARCHITECTURES = {"lm": "LlamaForCausalLM", "value": "LlamaForSequenceClassificat
 def export_hf(
     run_dir: str | os.PathLike[str], *, model: str, step: int | None, out: str | os.PathLike[str]
 ) -> Path:
-    """Write ``model`` at ``step`` (latest snapshot if None) to ``out``; returns ``out``."""
+    """Write ``model`` at ``step`` (latest snapshot if None) to ``out``; returns ``out``. A missing run,
+    step or damaged file is a ``RunDirError`` (``SnapshotNotFoundError`` lists the committed steps)."""
     if model not in MODELS:
         raise ValueError(f"model {model!r} is unknown; valid: {', '.join(MODELS)}")
     run = RunDir(run_dir)
-    if not (run.root / "config.yaml").exists():
-        raise FileNotFoundError(f"{run.root} is not a run directory (no config.yaml)")
-    config = models_for(parse_config(run.read_config()).model)[model]
+    config = models_for(parse_config(run.read_config()).model)[model]  # RunDirError: not a run dir
     state = read_full_state(run.root, model, step)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

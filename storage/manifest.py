@@ -7,6 +7,12 @@ flushed and fsynced, renamed over ``manifest.json`` with ``os.replace`` (atomic 
 and the directory fsynced so the rename survives a crash. Data files are fsynced before
 the manifest is written, so a committed manifest never names a file that is not on disk.
 
+A manifest is input like any other file of a run directory: every data file it names must
+resolve (symlinks followed) inside the run directory, and its model and step must be those of
+its directory, or it is refused. Since format version 2 it also carries the identity of the
+driver that wrote it (``run_id``, ``incarnation``), so that a partial checkpoint of a dead
+driver is told apart from the current driver's work (storage/snapshot.py).
+
 Boundary: paths, JSON and fsync. Nothing here reads Arrow or tensors (storage/ipc.py does).
 Field by field: storage/FORMAT.md.
 """
@@ -22,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nereus_core.layout import Layout
+from storage.errors import RunDirError
 
 MANIFEST = "manifest.json"
 FORMAT = "nereus-emu-snapshot"
@@ -33,7 +40,7 @@ class SnapshotError(RuntimeError):
     """A snapshot cannot be written or read as asked; the message names the file and the tensor."""
 
 
-class CorruptSnapshotError(SnapshotError):
+class CorruptSnapshotError(SnapshotError, RunDirError):
     """A committed snapshot's bytes do not match its manifest (crc, size, or unreadable Arrow)."""
 
 
@@ -41,8 +48,8 @@ class SnapshotExistsError(SnapshotError, FileExistsError):
     """A committed snapshot already exists at that step; snapshots are immutable once committed."""
 
 
-class SnapshotNotFoundError(SnapshotError, LookupError):
-    """No committed snapshot matches the request."""
+class SnapshotNotFoundError(SnapshotError, RunDirError, LookupError):
+    """No committed snapshot matches the request; the message lists the committed steps."""
 
 
 class _Frozen(BaseModel):
@@ -75,12 +82,16 @@ class Manifest(_Frozen):
     """The committed description of one snapshot."""
 
     format: Literal["nereus-emu-snapshot"] = FORMAT
-    version: Literal[1] = 1
+    version: Literal[1, 2] = 2
     model: str = Field(description="Model name: actor, critic, reference or reward.")
     step: int = Field(ge=0, description="PPO step the state belongs to (after that step's update).")
     layout: Layout | None = Field(default=None, description="Layout the shards were taken under.")
     files: tuple[FileEntry, ...] = Field(description="Data files, in writing order.")
     meta: dict[str, Any] = Field(default_factory=dict, description="Caller's JSON extras (plan id, ...).")
+    run_id: str | None = Field(default=None, description="The run's id (run.json) when written by a driver.")
+    incarnation: int | None = Field(
+        default=None, ge=0, description="The writing driver's incarnation (run.json): 0, +1 per resume."
+    )
 
 
 def check_model_name(model: str) -> str:
@@ -147,16 +158,39 @@ def commit_manifest(directory: Path, manifest: Manifest) -> Path:
     return path
 
 
+def _check_confined(path: Path, directory: Path, manifest: Manifest) -> None:
+    """Refuse a manifest whose data files lie outside its snapshot directory (symlinks followed) or
+    that belongs to another directory: ``directory`` is ``<run_dir>/state/<model>/step=<N>``. The
+    directory itself may be a link (``state/`` moved to a larger disk); its files may not."""
+    here = directory.resolve()
+    for entry in manifest.files:
+        target = (directory / entry.path).resolve()
+        if target.parent != here:
+            where = "its snapshot directory"
+            if not target.is_relative_to(directory.parents[2].resolve()):
+                where = "the run directory"
+            raise RunDirError(f"{path}: path {entry.path!r} is outside {where}")
+    if (directory.parent.name, directory.name) != (manifest.model, f"step={manifest.step}"):
+        raise CorruptSnapshotError(
+            f"{path}: describes {manifest.model} at step {manifest.step}, not its directory "
+            f"{directory.parent.name}/{directory.name}"
+        )
+
+
 def load_manifest(directory: Path) -> Manifest | None:
-    """The committed manifest of ``directory``, or None if there is none (an uncommitted snapshot)."""
+    """The committed manifest of ``directory`` (``<run_dir>/state/<model>/step=<N>``), or None if there
+    is none (an uncommitted snapshot). A damaged one, or one naming a file outside the run directory,
+    is refused (``CorruptSnapshotError``, ``RunDirError``), naming the manifest."""
     path = directory / MANIFEST
     try:
         text = path.read_bytes()
     except FileNotFoundError:
         return None
     try:
-        return Manifest.model_validate_json(text)
+        manifest = Manifest.model_validate_json(text)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise CorruptSnapshotError(f"{path}: not a valid manifest ({where}: {first['msg']})") from None
+    _check_confined(path, directory, manifest)
+    return manifest

@@ -7,6 +7,14 @@ exactly its boxes, read only from the record batches that intersect them.
 ``write_snapshot`` does both steps in one process. ``read_full_state`` is the DESIGN.md
 contract: full parameters with Hugging Face names.
 
+Identity: a writer given the driver's ``incarnation`` stamps the manifest with it and the run
+id (run.json). A committed snapshot is immutable while it belongs to a checkpoint record of the
+same run and incarnation, or to the writing driver itself; any other one at that step is the
+leftover of a driver that died before its checkpoint record (a partial checkpoint) or of a run
+that once used the directory: the next writer removes its manifest first and writes anew, so
+it is never mixed into the new checkpoint. Readers given an ``incarnation`` see only snapshots
+of this run written by that incarnation.
+
 Boundary: files under ``<run_dir>/state`` (storage/FORMAT.md). Slices are described by
 ``nereus_core.emu`` types (``SliceSpec``, ``Box``); which slices a rank needs is the shard
 map's business, not the store's. No pickle: data files are Arrow IPC, manifests JSON.
@@ -26,6 +34,7 @@ from nereus_core.emu import Box, SliceSpec, split_state_name
 from nereus_core.layout import Layout
 from storage.ipc import DTYPES, SliceReader, write_slices
 from storage.manifest import (
+    MANIFEST,
     FileEntry,
     Manifest,
     SliceEntry,
@@ -40,6 +49,7 @@ from storage.manifest import (
     state_dir,
     step_dir,
 )
+from storage.run_dir import RunDir, RunIdentity
 
 PathLike = str | os.PathLike[str]
 Slices = Mapping[str, tuple[torch.Tensor, SliceSpec]] | Iterable[tuple[str, torch.Tensor, SliceSpec]]
@@ -71,16 +81,52 @@ def _as_triples(slices: Slices) -> list[tuple[str, torch.Tensor, SliceSpec]]:
     return list(slices)
 
 
-def _refuse_committed(directory: Path) -> None:
-    if load_manifest(directory) is not None:
+def _identity(run_dir: PathLike, incarnation: int | None) -> RunIdentity | None:
+    """The writer's identity: this run's id with the driver's ``incarnation`` (None: not stamped)."""
+    if incarnation is None:
+        return None
+    return RunIdentity(RunDir(run_dir).identity().run_id, incarnation)
+
+
+def _written_by(manifest: Manifest, who: RunIdentity) -> bool:
+    return (manifest.run_id, manifest.incarnation) == (who.run_id, who.incarnation)
+
+
+def _in_checkpoint(run_dir: PathLike, manifest: Manifest) -> bool:
+    """Whether ``manifest``'s snapshot belongs to a checkpoint record of the same run and incarnation."""
+    run = RunDir(run_dir)
+    if manifest.run_id is None or not run.checkpoint_path(manifest.step).exists():
+        return False
+    record = run.read_checkpoint(manifest.step)
+    return (record["run_id"], record["incarnation"]) == (manifest.run_id, manifest.incarnation)
+
+
+def _refuse_committed(run_dir: PathLike, directory: Path, who: RunIdentity | None) -> None:
+    """Refuse to rewrite a committed snapshot; but a stale one (see the module doc) is uncommitted:
+    its manifest removed (durably) before any new file lands beside it."""
+    manifest = load_manifest(directory)
+    if manifest is None:
+        return
+    if who is None or _written_by(manifest, who) or _in_checkpoint(run_dir, manifest):
         raise SnapshotExistsError(f"{directory}: already committed; a snapshot is never rewritten")
+    (directory / MANIFEST).unlink(missing_ok=True)  # several devices may race here: all agree
+    fsync_dir(directory)
 
 
-def write_shard_file(run_dir: PathLike, model: str, step: int, device: int, slices: Slices) -> FileEntry:
-    """Write ``device``'s slices of ``model`` at ``step`` (not yet visible: commit the snapshot next)."""
+def write_shard_file(
+    run_dir: PathLike,
+    model: str,
+    step: int,
+    device: int,
+    slices: Slices,
+    *,
+    incarnation: int | None = None,
+) -> FileEntry:
+    """Write ``device``'s slices of ``model`` at ``step`` (not yet visible: commit the snapshot next).
+    ``incarnation`` (the writing driver's) lets it replace a stale snapshot at that step."""
     directory = step_dir(run_dir, model, step)
     make_dirs(directory)
-    _refuse_committed(directory)
+    _refuse_committed(run_dir, directory, _identity(run_dir, incarnation))
     path = directory / f"device={device}.arrow"
     entries = write_slices(path, _as_triples(slices))
     return FileEntry(path=path.name, device=device, size=path.stat().st_size, slices=tuple(entries))
@@ -94,19 +140,39 @@ def commit_snapshot(
     *,
     layout: Layout | None = None,
     meta: Mapping[str, Any] | None = None,
+    incarnation: int | None = None,
 ) -> SnapshotRef:
-    """Make the snapshot visible: fsync its directory, then commit its manifest atomically."""
+    """Make the snapshot visible: fsync its directory, then commit its manifest atomically, stamped
+    with the run id and ``incarnation`` when given (the same the shard files were written with)."""
     directory = step_dir(run_dir, model, step)
-    _refuse_committed(directory)
+    who = _identity(run_dir, incarnation)
+    _refuse_committed(run_dir, directory, who)
     for entry in files:
         if not (directory / entry.path).is_file():
             raise SnapshotError(
                 f"{directory / entry.path}: missing; write every shard file before committing"
             )
     fsync_dir(directory)
-    manifest = Manifest(model=model, step=step, layout=layout, files=tuple(files), meta=dict(meta or {}))
+    manifest = Manifest(
+        model=model,
+        step=step,
+        layout=layout,
+        files=tuple(files),
+        meta=dict(meta or {}),
+        run_id=who.run_id if who else None,
+        incarnation=who.incarnation if who else None,
+    )
     commit_manifest(directory, manifest)
+    _drop_unlisted(directory, manifest)
     return SnapshotRef(directory, manifest)
+
+
+def _drop_unlisted(directory: Path, manifest: Manifest) -> None:
+    """Data files a stale snapshot left that the committed one does not list (never read; space)."""
+    listed = {f.path for f in manifest.files}
+    for path in directory.glob("device=*.arrow"):
+        if path.name not in listed:
+            path.unlink(missing_ok=True)
 
 
 def write_snapshot(
@@ -117,38 +183,47 @@ def write_snapshot(
     *,
     layout: Layout | None = None,
     meta: Mapping[str, Any] | None = None,
+    incarnation: int | None = None,
 ) -> SnapshotRef:
     """Write one file per device (``shards[device]``: name -> (tensor, SliceSpec)) and commit them."""
-    files = [write_shard_file(run_dir, model, step, device, slices) for device, slices in shards.items()]
-    return commit_snapshot(run_dir, model, step, files, layout=layout, meta=meta)
+    files = [
+        write_shard_file(run_dir, model, step, device, slices, incarnation=incarnation)
+        for device, slices in shards.items()
+    ]
+    return commit_snapshot(run_dir, model, step, files, layout=layout, meta=meta, incarnation=incarnation)
 
 
-def list_snapshots(run_dir: PathLike, model: str) -> list[SnapshotRef]:
-    """Committed snapshots of ``model``, oldest step first; uncommitted directories are invisible."""
+def list_snapshots(run_dir: PathLike, model: str, *, incarnation: int | None = None) -> list[SnapshotRef]:
+    """Committed snapshots of ``model``, oldest step first; uncommitted directories are invisible.
+    With ``incarnation``: only those this run's driver of that incarnation wrote."""
     root = state_dir(run_dir, model)
     if not root.is_dir():
         return []
+    who = _identity(run_dir, incarnation)
     steps = sorted(
         (step, p) for p in root.iterdir() if p.is_dir() and (step := parse_step(p.name)) is not None
     )
     refs = []
     for _, directory in steps:
         manifest = load_manifest(directory)
-        if manifest is not None:
+        if manifest is not None and (who is None or _written_by(manifest, who)):
             refs.append(SnapshotRef(directory, manifest))
     return refs
 
 
-def find_snapshot(run_dir: PathLike, model: str, step: int | None = None) -> SnapshotRef:
-    """The committed snapshot of ``model`` at ``step``, or the latest one if ``step`` is None."""
-    refs = list_snapshots(run_dir, model)
+def find_snapshot(
+    run_dir: PathLike, model: str, step: int | None = None, *, incarnation: int | None = None
+) -> SnapshotRef:
+    """The committed snapshot of ``model`` at ``step``, or the latest one if ``step`` is None; with
+    ``incarnation``, only one written by this run's driver of that incarnation (a checkpoint's
+    snapshots: pass the checkpoint record's ``incarnation``)."""
+    refs = list_snapshots(run_dir, model, incarnation=incarnation)
     chosen = refs[-1:] if step is None else [r for r in refs if r.step == step]
     if not chosen:
         at = "" if step is None else f" at step {step}"
-        have = [r.step for r in refs]
-        raise SnapshotNotFoundError(
-            f"no committed snapshot of {model}{at} under {state_dir(run_dir, model)}; committed steps: {have}"
-        )
+        by = "" if incarnation is None else f" written by incarnation {incarnation}"
+        have = ", ".join(str(r.step) for r in refs) or "none"
+        raise SnapshotNotFoundError(f"{model} has no snapshot{at}{by}; committed steps: {have}")
     return chosen[0]
 
 
