@@ -40,19 +40,24 @@ PATHS: tuple[str, ...] = ("live", "durable")
 
 @dataclass(frozen=True)
 class ArrowStateStore:
-    """The durable path's store: snapshot ``state/<model>/step=<step>`` of ``run_dir`` (storage/FORMAT.md)."""
+    """The durable path's store: snapshot ``state/<model>/step=<step>`` of ``run_dir`` (storage/FORMAT.md).
+    ``incarnation``: the driver's, stamped on what it writes; what it reads must carry it (None: any)."""
 
     run_dir: str
     model: str
     step: int
+    incarnation: int | None = None
 
     def write_pieces(self, device: int, pieces: Sequence[tuple[str, torch.Tensor, SliceSpec]]) -> FileEntry:
         if faults.armed("fail-snapshot-write"):
             raise faults.disk_full(f"state/{self.model}/step={self.step} device={device}")
-        return write_shard_file(self.run_dir, self.model, self.step, device, list(pieces))
+        return write_shard_file(
+            self.run_dir, self.model, self.step, device, list(pieces), incarnation=self.incarnation
+        )
 
     def read_pieces(self, wanted: Sequence[tuple[str, Box]]) -> list[torch.Tensor]:
-        return read_slices(find_snapshot(self.run_dir, self.model, self.step), list(wanted))
+        ref = find_snapshot(self.run_dir, self.model, self.step, incarnation=self.incarnation)
+        return read_slices(ref, list(wanted))
 
 
 def _maps(config: ModelConfig, old: Layout, new: Layout, *, train: bool) -> tuple[ShardMap, ShardMap]:
@@ -72,14 +77,16 @@ def reshard(
     store_model: str | None = None,
     step: int = 0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    incarnation: int | None = None,
 ) -> dict[str, Any]:
     """Move model-stage ``name`` (resident on ``old_layout``) to ``new_layout``, state and all.
 
     ``optimizer`` (the stage's AdamW settings) marks a train stage: its moments and step count
     move too and a new DeepSpeed engine is built on the new layout. The durable path writes
     the snapshot ``state/<store_model>/step=<step>`` under ``run_dir`` (``store_model``
-    defaults to ``name`` with ``/`` as ``-``). Every exchange waits at most ``timeout_s``; a
-    failure raises ``DeviceRunError`` and leaves the world to be rebuilt (``pool.resize``).
+    defaults to ``name`` with ``/`` as ``-``), stamped with the driver's ``incarnation``. Every
+    exchange waits at most ``timeout_s``; a failure raises ``DeviceRunError`` and leaves the
+    world to be rebuilt (``pool.resize``).
     Returns ``seconds``, ``bytes_moved`` and ``bytes_local`` (the plan's), and per-path figures
     (``plan_groups_s``: planning and building the new layout's groups, included in ``seconds``).
     """
@@ -102,7 +109,8 @@ def reshard(
         stats.update(_live(pool, job, plan))
     else:
         model = store_model if store_model is not None else name.replace("/", "-")
-        stats.update(_durable(pool, job, ArrowStateStore(os.fspath(run_dir), model, step)))  # type: ignore[arg-type]
+        store = ArrowStateStore(os.fspath(run_dir), model, step, incarnation)  # type: ignore[arg-type]
+        stats.update(_durable(pool, job, store))
     stats["seconds"] = time.perf_counter() - start
     return stats
 
@@ -131,7 +139,9 @@ def write_snapshot_of(
     old = job.old_map.layout
     assignment = write_assignment(job.old_map)
     files = pool.run(old, durable_write, [(assignment[d],) for d in old.devices], job=job, store=store)
-    commit_snapshot(store.run_dir, store.model, store.step, files, layout=old, meta=meta)
+    commit_snapshot(
+        store.run_dir, store.model, store.step, files, layout=old, meta=meta, incarnation=store.incarnation
+    )
     return files
 
 

@@ -40,12 +40,13 @@ def snapshot_model(
     config: ModelConfig,
     name: str,
     optimizer: OptimizerSettings | None = None,
+    incarnation: int | None = None,
 ) -> tuple[int, float]:
     """Write ``name``'s state (e.g. actor/train's) as snapshot ``state/<model>/step=<step>`` and commit
-    it; returns (bytes, seconds)."""
+    it, stamped with the driver's ``incarnation`` (``RunDir.identity()``); returns (bytes, seconds)."""
     start = time.perf_counter()
     meta = {"model_stage": name, "train": optimizer is not None}
-    store = ArrowStateStore(run_dir, model, step)
+    store = ArrowStateStore(run_dir, model, step, incarnation)
     files = write_snapshot_of(pool, _job(name, config, layout, optimizer), store, meta)
     return sum(f.size for f in files), time.perf_counter() - start
 
@@ -60,11 +61,14 @@ def rehydrate_model(
     config: ModelConfig,
     name: str,
     optimizer: OptimizerSettings | None = None,
+    incarnation: int | None = None,
 ) -> dict[str, Any]:
     """Make ``name`` resident on ``layout`` from the snapshot of ``model`` at ``step`` (any layout wrote
-    it); returns bytes read and seconds."""
+    it; with ``incarnation``, the checkpoint record's, only one that incarnation wrote); returns bytes
+    read and seconds."""
     start = time.perf_counter()
     pool.build_groups(layout)
-    job, store = _job(name, config, layout, optimizer), ArrowStateStore(run_dir, model, step)
+    job = _job(name, config, layout, optimizer)
+    store = ArrowStateStore(run_dir, model, step, incarnation)
     figures = pool.run_on(layout.devices, durable_read, job=job, store=store)
     return {"bytes_read": sum(f["read"] for f in figures), "seconds": time.perf_counter() - start}
