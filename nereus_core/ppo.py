@@ -161,15 +161,16 @@ def policy_loss(
     advantages_bt: torch.Tensor,
     mask_bt: torch.Tensor,
     clip_ratio: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate (Schulman et al. 2017, eq. 7), token-mean over real tokens.
 
     Per token ``max(-A * r, -A * clip(r, 1 - clip_ratio, 1 + clip_ratio))``, ``r = exp(logp - old_logp)``.
     When the clipped term wins, the loss is constant in ``logp`` there: no gradient pushes the
     ratio further out of the trust region. The log-ratio is clamped to ``[-20, 20]`` against
-    overflow. Stats: ``clip_frac`` (share of tokens where the
-    clipped term wins), ``approx_kl`` (k3 estimate of KL(old || new) from the old policy's
-    samples), ``ratio_mean``.
+    overflow. Stats, as verl's ``compute_policy_loss`` (detached 0-dim tensors, so a caller on an
+    accelerator converts once per step, not per micro-batch): ``clip_frac`` (verl's pg_clipfrac:
+    share of real tokens where the clipped term wins), ``approx_kl`` (verl's ppo_kl: masked mean
+    of ``old_logp - logp``, the k1 estimate of KL(old || new)), ``ratio_mean``.
     """
     log_ratio = (logp_bt - old_logp_bt).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
@@ -178,9 +179,9 @@ def policy_loss(
     loss = masked_mean(torch.maximum(unclipped, clipped), mask_bt)
     with torch.no_grad():
         stats = {
-            "clip_frac": float(masked_mean((clipped > unclipped).to(mask_bt.dtype), mask_bt)),
-            "approx_kl": float(masked_mean(kl_penalty(old_logp_bt, logp_bt, "k3"), mask_bt)),
-            "ratio_mean": float(masked_mean(ratio, mask_bt)),
+            "clip_frac": masked_mean((clipped > unclipped).to(mask_bt.dtype), mask_bt),
+            "approx_kl": masked_mean(old_logp_bt - logp_bt, mask_bt),
+            "ratio_mean": masked_mean(ratio, mask_bt),
         }
     return loss, stats
 
@@ -191,13 +192,13 @@ def value_loss(
     returns_bt: torch.Tensor,
     mask_bt: torch.Tensor,
     clip_range: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``, token-mean over real tokens.
 
     ``V_clip = V_old + clip(V - V_old, -clip_range, clip_range)`` keeps the critic near the values
-    the advantages were computed with (OpenAI baselines ppo2; verl, OpenRLHF). Stats:
-    ``clip_frac`` (share of tokens where the clipped error wins), ``value_mean``, ``mse``
-    (unclipped mean squared error).
+    the advantages were computed with (OpenAI baselines ppo2; verl, OpenRLHF). Stats (detached
+    0-dim tensors): ``value_clip_frac`` (verl's vf_clipfrac: share of real tokens where the clipped
+    error wins), ``value_mean``, ``mse`` (unclipped mean squared error).
     """
     v_clipped = old_values_bt + (values_bt - old_values_bt).clamp(-clip_range, clip_range)
     err = (values_bt - returns_bt).square()
@@ -205,9 +206,9 @@ def value_loss(
     loss = 0.5 * masked_mean(torch.maximum(err, err_clipped), mask_bt)
     with torch.no_grad():
         stats = {
-            "clip_frac": float(masked_mean((err_clipped > err).to(mask_bt.dtype), mask_bt)),
-            "value_mean": float(masked_mean(values_bt, mask_bt)),
-            "mse": float(masked_mean(err, mask_bt)),
+            "value_clip_frac": masked_mean((err_clipped > err).to(mask_bt.dtype), mask_bt),
+            "value_mean": masked_mean(values_bt, mask_bt),
+            "mse": masked_mean(err, mask_bt),
         }
     return loss, stats
 
@@ -222,12 +223,10 @@ def kl_loss(
 AdvantageEstimator = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, float, float], tuple[torch.Tensor, torch.Tensor]
 ]
-PolicyLoss = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, dict[str, float]]
-]
-ValueLoss = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, dict[str, float]]
-]
+# A loss and its statistics (detached 0-dim tensors, named as verl names them).
+LossAndStats = tuple[torch.Tensor, dict[str, torch.Tensor]]
+PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], LossAndStats]
+ValueLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], LossAndStats]
 
 # name -> function, as verl's core_algos registries; PPOSettings accepts exactly these names.
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"gae": gae}
@@ -302,6 +301,7 @@ __all__ = [
     "POLICY_LOSSES",
     "VALUE_LOSSES",
     "KLKind",
+    "LossAndStats",
     "PPOSettings",
     "gae",
     "kl_loss",

@@ -87,30 +87,62 @@ def compute_advantages(rollout: Rollout, settings: ppo.PPOSettings) -> None:
 
 def actor_objective(
     logp_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
-) -> torch.Tensor:
-    """The actor's loss on a micro-batch: PPO's clipped surrogate (+ KL loss when enabled)."""
+) -> ppo.LossAndStats:
+    """The actor's loss on a micro-batch: PPO's clipped surrogate (+ KL loss when enabled).
+
+    Statistics (verl's names in brackets): ``clip_frac`` (pg_clipfrac), ``approx_kl`` (ppo_kl) and,
+    when the engine put the policy's per-token entropy in ``batch['entropy']``, ``entropy``: each a
+    token-mean over the micro-batch's real response tokens, as the loss.
+    """
     mask = batch["mask"]
     logp = response_logp(logp_full, mask.shape[1])
-    loss, _ = ppo.POLICY_LOSSES[settings.policy_loss](
+    loss, loss_stats = ppo.POLICY_LOSSES[settings.policy_loss](
         logp, batch["old_logp"], batch["advantages"], mask, settings.clip_ratio
     )
     if settings.use_kl_loss:
         loss = loss + settings.kl_loss_coef * ppo.kl_loss(
             logp, batch["ref_logp"], mask, settings.kl_loss_kind
         )
-    return loss
+    stats = {"clip_frac": loss_stats["clip_frac"], "approx_kl": loss_stats["approx_kl"]}
+    if "entropy" in batch:
+        stats["entropy"] = ppo.masked_mean(response_logp(batch["entropy"], mask.shape[1]), mask)
+    return loss, stats
 
 
 def critic_objective(
     values_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
-) -> torch.Tensor:
-    """The critic's loss on a micro-batch: clipped value loss against the returns."""
+) -> ppo.LossAndStats:
+    """The critic's loss on a micro-batch: clipped value loss against the returns; statistic
+    ``value_clip_frac`` (verl's vf_clipfrac)."""
     mask = batch["mask"]
     values = response_values(values_full, mask.shape[1])
-    loss, _ = ppo.VALUE_LOSSES[settings.value_loss](
+    loss, loss_stats = ppo.VALUE_LOSSES[settings.value_loss](
         values, batch["values"], batch["returns"], mask, settings.value_clip
     )
-    return loss
+    return loss, {"value_clip_frac": loss_stats["value_clip_frac"]}
+
+
+def length_stats(mask_bt: torch.Tensor, limit: int) -> dict[str, float]:
+    """Generated response lengths of a batch from its response mask ``[b, T]`` (1 for a generated
+    token): ``response_len_mean``, ``response_len_max`` and ``response_clip_frac``, the share of
+    sequences that reached ``limit`` (the max new tokens) instead of ending on their own."""
+    if mask_bt.dim() != 2 or mask_bt.shape[0] == 0:
+        raise ValueError(
+            f"response mask must be [batch, tokens] with batch >= 1, got shape {tuple(mask_bt.shape)}"
+        )
+    if limit < 1:
+        raise ValueError(f"limit={limit} must be the rollout's max new tokens (>= 1)")
+    lengths_b = mask_bt.sum(dim=1).double()
+    longest = float(lengths_b.max())
+    if longest > limit:
+        raise ValueError(
+            f"a response has {longest:g} tokens, above limit={limit}; pass the rollout's max new tokens"
+        )
+    return {
+        "response_len_mean": float(lengths_b.mean()),
+        "response_len_max": longest,
+        "response_clip_frac": float((lengths_b >= limit).double().mean()),
+    }
 
 
 def minibatch_rows(batch: int, mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:

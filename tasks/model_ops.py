@@ -100,10 +100,26 @@ def train(
     loss_fn: LossFn = lm_loss,
 ) -> float:
     """One optimizer step of ``name`` on ``batch``; returns the mean loss over replicas."""
+    return train_stats(pool, layout, batch, name=name, loss_fn=loss_fn)["loss"]
+
+
+def train_stats(
+    pool: DevicePool,
+    layout: Layout,
+    batch: dict[str, torch.Tensor],
+    *,
+    name: str,
+    loss_fn: LossFn = lm_loss,
+    with_entropy: bool = False,
+) -> dict[str, float]:
+    """One optimizer step of ``name`` on ``batch``; the loss, the loss function's statistics and
+    ``grad_norm`` (``engine.train.train_step``), each the mean over replicas."""
     parts = dispatch.per_device_batch(layout, batch)
-    results = pool.run(layout, train_step, [(p,) for p in parts], name=name, loss_fn=loss_fn)
-    losses = [r["loss"] for r in results if r is not None]
-    return sum(losses) / len(losses)
+    results = pool.run(
+        layout, train_step, [(p,) for p in parts], name=name, loss_fn=loss_fn, with_entropy=with_entropy
+    )
+    rows = [r for r in results if r is not None]
+    return {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
 
 
 def full_state(

@@ -151,23 +151,36 @@ def advantages(rollout: ro.Rollout, settings: PPOSettings) -> Timed:
     return _timed(ro.compute_advantages, rollout, settings)
 
 
+# What train returns for each model: the loss and the statistics verl logs per PPO step.
+ACTOR_STATS = ("loss", "clip_frac", "approx_kl", "entropy", "grad_norm")
+CRITIC_STATS = ("loss", "value_clip_frac", "grad_norm")
+
+
 def _train_epochs(
     pool: DevicePool,
     layout: Layout,
     rollout: ro.Rollout,
     *,
     name: str,
-    objective: Any,
+    critic: bool,
     settings: PPOSettings,
     seed: int,
-) -> float:
+) -> dict[str, float]:
+    objective = functools.partial(ro.critic_objective if critic else ro.actor_objective, settings=settings)
     gen = torch.Generator().manual_seed(seed)
-    losses = []
+    steps = []
     for _ in range(settings.ppo_epochs):
         for rows in ro.minibatch_rows(rollout.prompts.shape[0], settings.mini_batches, gen):
             batch = rollout.train_batch(rows)
-            losses.append(model_ops.train(pool, layout, batch, name=name, loss_fn=objective))
-    return sum(losses) / len(losses)
+            steps.append(
+                model_ops.train_stats(
+                    pool, layout, batch, name=name, loss_fn=objective, with_entropy=not critic
+                )
+            )
+    # Every statistic as the loss: the mean over optimizer steps (mini-batches x epochs) of each
+    # step's mean over micro-batches and replicas; grad_norm is one value per optimizer step.
+    keys = CRITIC_STATS if critic else ACTOR_STATS
+    return {key: sum(step[key] for step in steps) / len(steps) for key in keys}
 
 
 @task(cache_policy=NO_CACHE)
@@ -181,19 +194,19 @@ def train(
     settings: PPOSettings,
     seed: int,
     sync: tuple[Layout, str, ModelConfig] | None = None,
-) -> tuple[float, dict[str, float]]:
+) -> tuple[dict[str, float], dict[str, float]]:
     """actor/train or critic/train: PPO epochs over shuffled mini-batches, then (``sync``: the
     inference copy's layout, name and config) the new weights into the inference layout. Returns
-    the mean loss and the seconds of ``train`` and ``sync``, each timed on its own."""
-    objective = functools.partial(ro.critic_objective if critic else ro.actor_objective, settings=settings)
-    loss, seconds = _timed(
-        _train_epochs, pool, layout, rollout, name=name, objective=objective, settings=settings, seed=seed
+    ``(stats, timings)``: the mean loss and statistics over the optimizer steps (``ACTOR_STATS`` or
+    ``CRITIC_STATS``), and the seconds of ``train`` and ``sync``, each timed on its own."""
+    stats, seconds = _timed(
+        _train_epochs, pool, layout, rollout, name=name, critic=critic, settings=settings, seed=seed
     )
     timings = {"train": seconds}
     if sync is not None:
         dst, dst_name, config = sync
         _, timings["sync"] = _timed(_sync, pool, layout, dst, src_name=name, dst_name=dst_name, config=config)
-    return loss, timings
+    return stats, timings
 
 
 def _sync(

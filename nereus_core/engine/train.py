@@ -13,13 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from nereus_core.engine import p2p
 from nereus_core.engine.forward import head_outputs, micro_batches, stage_forward
-from nereus_core.engine.shard import get_shard
+from nereus_core.engine.shard import ModelShard, get_shard
+from nereus_core.model.tensor_parallel import vocab_parallel_entropy
 from nereus_core.parallel.device import DeviceContext
 
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+# A micro-batch's loss, or its loss and statistics (detached 0-dim tensors, e.g. a clip fraction).
+LossFn = Callable[
+    [torch.Tensor, dict[str, torch.Tensor]], torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
 
 
 def lm_loss(logp_bt: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -46,40 +51,100 @@ def train_step(
     *,
     name: str,
     loss_fn: LossFn = lm_loss,
+    with_entropy: bool = False,
 ) -> dict[str, float] | None:
     """One optimizer step on this replica's ``batch`` (``batch['ids']`` ``[b, s]`` plus per-sequence extras).
 
     The loss of a micro-batch is ``loss_fn(outputs, micro-batch)`` with the head's outputs
-    (``forward.head_outputs``: log-probs ``[b, s-1]`` or values ``[b, s]``); the step's
-    loss is their mean over micro-batches and replicas (DeepSpeed averages over DP).
+    (``forward.head_outputs``: log-probs ``[b, s-1]`` or values ``[b, s]``); a loss function may
+    return statistics beside it. ``with_entropy`` (lm head only) adds ``entropy`` ``[b, s-1]`` to
+    each micro-batch: the policy's entropy over the full vocab, aligned with the log-probs.
+    The last stage's tp-rank-0 device returns the loss and each statistic as their mean over
+    micro-batches (the caller averages replicas, as DeepSpeed averages gradients over DP), and
+    ``grad_norm``: the global gradient norm before clipping, over every rank of the layout.
     """
     shard = get_shard(ctx, name)
     if shard.engine is None:
         raise RuntimeError(
             f"model-stage {name!r} on device {ctx.rank} has no optimizer; load it for training"
         )
+    if with_entropy and shard.config.head == "value":
+        raise ValueError(f"model-stage {name!r} has a value head: it has no entropy; pass with_entropy=False")
     engine, groups = shard.engine, shard.groups
     ids_bs = batch["ids"].to(ctx.device)
     positions = torch.arange(ids_bs.shape[1], device=ctx.device)
-    slices = micro_batches(ids_bs.shape[0], groups.layout.micro_batches)
     engine.train()
-    saved, losses = [], []
-    for mb in slices:
+    saved, stats = [], []
+    for mb in micro_batches(ids_bs.shape[0], groups.layout.micro_batches):
         x, out = stage_forward(shard, ids_bs[mb], positions)
         if groups.is_last_stage:
-            outputs = head_outputs(shard, out, ids_bs[mb])
-            out = loss_fn(outputs, _slice(batch, mb, ctx.device))
-            losses.append(out.detach())
+            mb_batch = _slice(batch, mb, ctx.device)
+            if with_entropy:
+                mb_batch["entropy"] = vocab_parallel_entropy(out[:, :-1].detach(), groups.tp_group)
+            out, mb_stats = _loss_and_stats(loss_fn(head_outputs(shard, out, ids_bs[mb]), mb_batch))
+            stats.append({"loss": out.detach(), **mb_stats})
         saved.append((x, out))
-    for x, out in reversed(saved):
+    grad_norm = _backward_and_step(shard, saved, ctx.device)
+    if groups.is_last_stage and groups.coord.tp == 0:
+        # One stacked tensor, one host transfer: a sync per statistic would stall an accelerator.
+        means = torch.stack([torch.stack([s[k] for s in stats]).float().mean() for k in stats[0]])
+        return {**dict(zip(stats[0], means.tolist(), strict=True)), "grad_norm": grad_norm}
+    return None
+
+
+def _loss_and_stats(
+    result: torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if isinstance(result, torch.Tensor):
+        return result, {}
+    loss, stats = result
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def _backward_and_step(
+    shard: ModelShard, saved: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> float:
+    """GPipe's backward, micro-batches in reverse order, then the optimizer step; returns the
+    global gradient norm of the step (before clipping)."""
+    engine, groups = shard.engine, shard.groups
+    # ZeRO-1/2 compute the norm of the reduced, partitioned gradients in their step; without ZeRO
+    # DeepSpeed computes none, so it is taken from the DP-reduced grads before the step clears them.
+    zero = engine.zero_optimization_stage() > 0
+    norm_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for i, (x, out) in enumerate(reversed(saved)):
         if groups.is_last_stage:
             engine.backward(out)
         else:
-            grad = p2p.recv(tuple(out.shape), out.dtype, groups.next_rank, ctx.device)
+            grad = p2p.recv(tuple(out.shape), out.dtype, groups.next_rank, device)
             engine.backward((out * grad).sum(), scale_wrt_gas=False)
         if not groups.is_first_stage:
             p2p.send(x.grad, groups.prev_rank)
-        engine.step()
-    if groups.is_last_stage and groups.coord.tp == 0:
-        return {"loss": float(torch.stack(losses).mean())}
-    return None
+        if not zero and i == len(saved) - 1:
+            norm_sq = _tp_grad_norm_sq(shard, device)
+        engine.step()  # DeepSpeed steps the optimizer at the last micro-batch only
+    if zero:
+        norm = engine.get_global_grad_norm()
+        if norm is None:
+            raise RuntimeError(
+                "DeepSpeed computed no gradient norm; keep zero_optimization.compute_grad_norm on"
+            )
+        norm_sq = torch.as_tensor(norm, dtype=torch.float64, device=device).square()
+    if groups.layout.pp_enabled:
+        # Each stage holds its own layers: the global squared norm is the sum over stages.
+        dist.all_reduce(norm_sq, group=groups.pp_group)
+    return float(norm_sq.sqrt())
+
+
+def _tp_grad_norm_sq(shard: ModelShard, device: torch.device) -> torch.Tensor:
+    """Squared norm of this stage's gradients over its tp ranks: a split weight counts on every
+    rank, a replicated one (same gradient on every rank) on tp rank 0, as DeepSpeed's ZeRO norm."""
+    groups = shard.groups
+    norm_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for param in shard.stage.parameters():
+        if param.grad is not None and (
+            getattr(param, "tensor_model_parallel", False) or groups.coord.tp == 0
+        ):
+            norm_sq += param.grad.double().square().sum()
+    if groups.layout.tp_enabled:
+        dist.all_reduce(norm_sq, group=groups.tp_group)
+    return norm_sq

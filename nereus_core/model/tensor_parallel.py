@@ -16,6 +16,14 @@ see Maddison et al., 2014, arXiv:1411.0052) with the noise drawn for the full
 vocab from a generator in the same state on every tp rank, so the ranks agree
 without exchanging anything but the per-rank best.
 
+Entropy over the split vocab is ``H = log Z - sum_j softmax_j(z) * z_j`` with the logits
+shifted by their global max: one max and one two-value sum all-reduce per token, the same
+pattern as the log-probs, so the statistic costs no gather either.
+
+Every weight split over the tp ranks is marked ``tensor_model_parallel`` (Megatron's
+attribute): DeepSpeed's gradient norm counts a marked parameter on every tp rank and an
+unmarked (replicated) one on tp rank 0 only (``deepspeed.runtime.utils.is_model_parallel_parameter``).
+
 Every function is a no-op fast path when the group is None or has one rank.
 The tp index of a rank defaults to its rank in the group; pass ``tp_rank`` when
 a layout's tp index differs from that (torch orders group ranks by world rank).
@@ -83,6 +91,13 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
+def _split_parameter(local: torch.Tensor) -> nn.Parameter:
+    """A parameter holding one tp rank's slice, marked so the gradient norm counts every slice."""
+    param = nn.Parameter(local)
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    return param
+
+
 def _local_size(size: int, tp_size: int, what: str) -> int:
     if size % tp_size:
         raise ValueError(f"{what}={size} does not split into tp={tp_size} equal shards")
@@ -110,7 +125,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.copy_input = copy_input
         local = _local_size(out_features, tp_size, "out_features")
-        self.weight = nn.Parameter(torch.zeros(local, in_features))
+        self.weight = _split_parameter(torch.zeros(local, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
@@ -127,7 +142,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         local = _local_size(in_features, tp_size, "in_features")
-        self.weight = nn.Parameter(torch.zeros(out_features, local))
+        self.weight = _split_parameter(torch.zeros(out_features, local))
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp(F.linear(x_local, self.weight), self.tp_group)
@@ -149,7 +164,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_group = tp_group
         local = _local_size(num_embeddings, tp_size, "num_embeddings")
         self.vocab_start = tp_rank * local
-        self.weight = nn.Parameter(torch.zeros(local, embedding_dim))
+        self.weight = _split_parameter(torch.zeros(local, embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
@@ -206,6 +221,27 @@ def vocab_parallel_logprobs(
         logprobs = torch.log_softmax(logits_local.float(), dim=-1)
         return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return _VocabParallelLogprobs.apply(logits_local, targets, group, _tp_rank(group, tp_rank))
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits_local: torch.Tensor, group: Group) -> torch.Tensor:
+    """Entropy (nats, fp32) of softmax over the full vocab from vocab-split logits ``[..., V/tp]``.
+
+    A statistic, not a loss: no gradient. Equals the single-device entropy of the gathered logits.
+    """
+    z = logits_local.float()
+    if group_size(group) == 1:
+        logp = torch.log_softmax(z, dim=-1)
+        return -(logp.exp() * logp).sum(dim=-1)
+    global_max = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    shifted = z - global_max.unsqueeze(-1)
+    exp = shifted.exp()
+    # [..., 2]: sum exp(z') and sum exp(z') * z', reduced together in one all-reduce.
+    sums = _all_reduce(
+        torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)], dim=-1), dist.ReduceOp.SUM, group
+    )
+    sum_exp, sum_exp_z = sums.unbind(dim=-1)
+    return sum_exp.log() - sum_exp_z / sum_exp
 
 
 def _argmax_over_shards(scores_local: torch.Tensor, group: Group, tp_rank: int | None) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from nereus_core.model import (
     vocab_parallel_logprobs,
     vocab_parallel_sample,
 )
+from nereus_core.model.tensor_parallel import vocab_parallel_entropy
 from nereus_core.model.weights import param_shapes
 from tests.core.dist_utils import WorldError, run_world
 
@@ -145,6 +147,10 @@ def test_stage_named_parameters_are_hf_names_with_local_shapes() -> None:
     assert shapes["model.layers.3.mlp.down_proj.weight"] == (64, 64)
     assert shapes["lm_head.weight"] == (128, 64)
     assert not stage.state_dict().keys() - set(shapes)
+    # The gradient norm counts a weight on every tp rank exactly when it is split over them.
+    split = {name for name, p in stage.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+    assert split == {name for name in shapes if shard_dim(name) is not None}
+    assert "model.norm.weight" not in split and "lm_head.weight" in split
 
 
 # --- single process against HF ---------------------------------------------------------------
@@ -233,6 +239,20 @@ def test_sample_is_gumbel_max_and_follows_softmax() -> None:
     torch.testing.assert_close(counts / 40_000, torch.softmax(row[0], -1), atol=0.01, rtol=0)
 
 
+def _full_softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the whole vocab, from the definition (float64), as a reference."""
+    p = torch.softmax(logits.double(), dim=-1)
+    return -(p * p.log()).sum(dim=-1).float()
+
+
+def test_entropy_single_device_is_the_softmax_entropy() -> None:
+    logits = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(2)) * 4
+    entropy = vocab_parallel_entropy(logits, None)
+    torch.testing.assert_close(entropy, _full_softmax_entropy(logits), atol=1e-5, rtol=0)
+    uniform = vocab_parallel_entropy(torch.zeros(2, 16), None)
+    torch.testing.assert_close(uniform, torch.full((2,), math.log(16)))
+
+
 # --- tensor parallel over gloo -------------------------------------------------------------
 
 
@@ -249,6 +269,7 @@ def _tp_world_case(rank: int, world: int, cfg: ModelConfig) -> dict[str, Any]:
     return {
         "logits": logits.detach(),
         "logprobs": logprobs.detach(),
+        "entropy": vocab_parallel_entropy(logits, group),
         "grads": {name: p.grad for name, p in stage.named_parameters()},
         "tokens": tokens,
         "samples": samples,
@@ -263,8 +284,10 @@ def _check_tp_case(cfg: ModelConfig, per_rank: list[dict[str, Any]]) -> None:
     ref = _hf_reference(cfg)
     logits = torch.cat([r["logits"] for r in per_rank], dim=-1)
     torch.testing.assert_close(logits, ref["logits"], atol=1e-5, rtol=0)
+    entropy = _full_softmax_entropy(ref["logits"])
     for r in per_rank:
         torch.testing.assert_close(r["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+        torch.testing.assert_close(r["entropy"], entropy, atol=1e-5, rtol=0)
         assert torch.equal(r["tokens"], ref["tokens"])
         assert torch.equal(r["samples"], per_rank[0]["samples"])
     expected_samples = vocab_parallel_sample(logits[:, -1], 0.8, torch.Generator().manual_seed(11), None)

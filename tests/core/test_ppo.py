@@ -1,4 +1,5 @@
-"""PPO math (nereus_core/ppo.py) on small tensors computed by hand."""
+"""PPO math (nereus_core/ppo.py), the rollout's objectives and length statistics (nereus_core/rollout.py),
+on small tensors computed by hand."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from nereus_core.ppo import (
     shaped_rewards,
     value_loss,
 )
+from nereus_core.rollout import actor_objective, critic_objective, length_stats
 
 
 def t(rows: list[list[float]]) -> torch.Tensor:
@@ -199,11 +201,12 @@ def test_policy_loss_inside_and_outside_the_clip_range() -> None:
     logp = (old + torch.log(t([RATIOS]))).requires_grad_()
     loss, stats = policy_loss(logp, old, t([ADVANTAGES]), t([MASK]), clip_ratio=0.2)
     assert float(loss.detach()) == pytest.approx(0.7 / 6)
-    assert stats["clip_frac"] == pytest.approx(2 / 6)
-    assert stats["ratio_mean"] == pytest.approx(6.1 / 6)
-    # k3 of KL(old || new) = (r - 1) - log r per token.
-    k3 = sum((r - 1) - math.log(r) for r in RATIOS[:6]) / 6
-    assert stats["approx_kl"] == pytest.approx(k3)
+    # Two of the six real tokens take the clipped branch; the padded one (r=3, A=50) would too.
+    assert float(stats["clip_frac"]) == pytest.approx(2 / 6)
+    assert float(stats["ratio_mean"]) == pytest.approx(6.1 / 6)
+    # verl's ppo_kl: the token-mean of old_logp - logp = -log r, padding left out.
+    assert float(stats["approx_kl"]) == pytest.approx(-sum(math.log(r) for r in RATIOS[:6]) / 6)
+    assert all(not v.requires_grad and v.dim() == 0 for v in stats.values())
     # d/dlogp of -A r is -A r; zero where the clipped term wins and on padding.
     loss.backward()
     assert logp.grad is not None
@@ -239,18 +242,60 @@ def test_value_loss_clipping_by_hand() -> None:
     #   V= 0.5 R= 1.0: (V-R)^2 = 0.25, (V_clip-R)^2 = 0.64 -> 0.64 (clipped wins)
     #   V= 0.1 R= 1.0: 0.81, 0.81                          -> 0.81
     #   V=-0.5 R=-0.1: 0.16, 0.01                          -> 0.16
-    # loss = 0.5 * (0.64 + 0.81 + 0.16) / 3
+    # loss = 0.5 * (0.64 + 0.81 + 0.16) / 3. The padded token (V=9, R=5: 16 vs 23.04) would be
+    # clipped too: masking decides the clip fraction.
     values = t([[0.5, 0.1, -0.5, 9.0]]).requires_grad_()
-    returns, mask = t([[1.0, 1.0, -0.1, 0.0]]), t([[1, 1, 1, 0]])
+    returns, mask = t([[1.0, 1.0, -0.1, 5.0]]), t([[1, 1, 1, 0]])
     loss, stats = value_loss(values, torch.zeros_like(returns), returns, mask, clip_range=0.2)
     assert float(loss.detach()) == pytest.approx(0.5 * 1.61 / 3)
-    assert stats["clip_frac"] == pytest.approx(1 / 3)
-    assert stats["mse"] == pytest.approx((0.25 + 0.81 + 0.16) / 3)
-    assert stats["value_mean"] == pytest.approx(0.1 / 3)
+    assert float(stats["value_clip_frac"]) == pytest.approx(1 / 3)
+    assert float(stats["mse"]) == pytest.approx((0.25 + 0.81 + 0.16) / 3)
+    assert float(stats["value_mean"]) == pytest.approx(0.1 / 3)
     # The clipped token gets no gradient; the others get (V - R) / 3.
     loss.backward()
     assert values.grad is not None
     close(values.grad, [[0.0, -0.9 / 3, -0.4 / 3, 0.0]])
+
+
+# ---- the rollout's objectives and lengths --------------------------------------------------------
+
+
+def test_actor_objective_statistics_on_the_response_columns() -> None:
+    # Prompt of 2 tokens: the lm head's 8 columns are 1 prompt column (junk) + the 7 response ones.
+    old = t([[-1.0] * 7])
+    logp_full = torch.cat([t([[123.0]]), old + torch.log(t([RATIOS]))], dim=1)
+    entropy_full = t([[1000.0, 1, 2, 3, 4, 5, 6, 1000]])
+    batch = {"mask": t([MASK]), "old_logp": old, "advantages": t([ADVANTAGES]), "entropy": entropy_full}
+    loss, stats = actor_objective(logp_full, batch, settings=PPOSettings())
+    assert float(loss) == pytest.approx(0.7 / 6)
+    assert set(stats) == {"clip_frac", "approx_kl", "entropy"}
+    assert float(stats["clip_frac"]) == pytest.approx(2 / 6)
+    assert float(stats["entropy"]) == pytest.approx(21 / 6)  # the padded 1000 and the prompt's left out
+    del batch["entropy"]
+    assert "entropy" not in actor_objective(logp_full, batch, settings=PPOSettings())[1]
+
+
+def test_critic_objective_reports_the_value_clip_fraction() -> None:
+    # Prompt of 2, response of 4: the response's values are columns 1..4 of the head's 6.
+    values_full = t([[50.0, 0.5, 0.1, -0.5, 9.0, 50.0]])
+    batch = {"mask": t([[1, 1, 1, 0]]), "values": t([[0.0] * 4]), "returns": t([[1.0, 1.0, -0.1, 5.0]])}
+    loss, stats = critic_objective(values_full, batch, settings=PPOSettings(value_clip=0.2))
+    assert float(loss) == pytest.approx(0.5 * 1.61 / 3)
+    assert set(stats) == {"value_clip_frac"} and float(stats["value_clip_frac"]) == pytest.approx(1 / 3)
+
+
+def test_length_stats_of_ragged_responses() -> None:
+    # Lengths 5, 3, 0 and 5 (the last one with a hole: 4 tokens) under a limit of 5.
+    mask = t([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 1, 1]])
+    stats = length_stats(mask, limit=5)
+    assert stats == {"response_len_mean": 3.0, "response_len_max": 5.0, "response_clip_frac": 0.25}
+    # Fixed-length responses (the demo's task): every one at the limit.
+    assert length_stats(torch.ones(3, 6), limit=6)["response_clip_frac"] == 1.0
+    assert length_stats(torch.ones(3, 6), limit=8)["response_clip_frac"] == 0.0
+    with pytest.raises(ValueError, match="above limit=4"):
+        length_stats(mask, limit=4)
+    with pytest.raises(ValueError, match=r"\[batch, tokens\]"):
+        length_stats(torch.ones(5), limit=5)
 
 
 # ---- registry and settings -----------------------------------------------------------------------
