@@ -32,6 +32,8 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from nereus_core.config import ConfigError
+from nereus_core.config_yaml import parse_yaml
 from nereus_core.layout import Layout
 from storage.errors import RunDirError
 from storage.manifest import atomic_write
@@ -136,18 +138,6 @@ def _load_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """The safe loader without anchors and aliases: the config we write has none, and a few hundred
-    bytes of nested aliases expand to gigabytes in whoever walks the result."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            raise yaml.composer.ComposerError(
-                None, None, "aliases are not accepted here", self.peek_event().start_mark
-            )
-        return super().compose_node(parent, index)
-
-
 def _load_yaml_mapping(path: Path) -> dict[str, Any]:
     size = path.stat().st_size if path.exists() else 0
     if size > CONFIG_MAX_BYTES:
@@ -156,14 +146,9 @@ def _load_yaml_mapping(path: Path) -> dict[str, Any]:
         raise RunDirError(f"{path.parent} is not a run directory (no {path.name})")
     text = _read_text(path, "run config")
     try:
-        data = yaml.load(text, Loader=_NoAliasLoader)  # a SafeLoader: no Python objects
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or type(err).__name__
-        raise RunDirError(f"{path}: not valid YAML ({problem}{at})") from None
-    except RecursionError:
-        raise RunDirError(f"{path}: nested too deeply to be a config") from None
+        data = parse_yaml(text)  # safe types, bounded values (aliases expanded) and depth
+    except ConfigError as err:
+        raise RunDirError(f"{path}: {err}") from None
     if not isinstance(data, dict):
         raise RunDirError(f"{path}: not a mapping but {type(data).__name__}; the file is damaged")
     return data
@@ -227,7 +212,7 @@ class RunDir:
         return new.incarnation
 
     def read_config(self) -> dict[str, Any]:
-        """config.yaml as a mapping; ``RunDirError`` if missing, not YAML, aliased or not a mapping."""
+        """config.yaml as a mapping; ``RunDirError`` if missing, not YAML, too big or not a mapping."""
         return _load_yaml_mapping(self.root / "config.yaml")
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
