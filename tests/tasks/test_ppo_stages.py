@@ -1,0 +1,41 @@
+"""tasks/ppo_stages.train's statistics: each the mean over optimizer steps (mini-batches x epochs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from nereus_core import rollout as ro
+from nereus_core.layout import Layout
+from nereus_core.ppo import PPOSettings
+from tasks import model_ops, ppo_stages
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
+def test_train_averages_each_statistic_over_optimizer_steps(monkeypatch: Any, critic: bool) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def fake_train_stats(pool: Any, layout: Layout, batch: dict[str, torch.Tensor], **kw: Any) -> dict:
+        calls.append({"rows": batch["ids"].shape[0], **kw})
+        i = float(len(calls))  # step i reports i for every statistic, 10 * i for the loss
+        keys = ppo_stages.CRITIC_STATS if critic else ppo_stages.ACTOR_STATS
+        return {**{key: i for key in keys}, "loss": 10 * i, "ratio_mean": -1.0}
+
+    monkeypatch.setattr(model_ops, "train_stats", fake_train_stats)
+    rollout = ro.Rollout(
+        prompts=torch.zeros(8, 2, dtype=torch.long),
+        responses=torch.zeros(8, 3, dtype=torch.long),
+        mask=torch.ones(8, 3),
+    )
+    settings = PPOSettings(ppo_epochs=2, mini_batches=2)
+    stats, timings = ppo_stages.train.fn(
+        None, Layout.contiguous(), rollout, name="m", critic=critic, settings=settings, seed=0
+    )
+    assert [c["rows"] for c in calls] == [4, 4, 4, 4]
+    assert all(c["with_entropy"] is not critic for c in calls)  # entropy for the policy only
+    expected = ppo_stages.CRITIC_STATS if critic else ppo_stages.ACTOR_STATS
+    assert list(stats) == list(expected)  # only the named statistics
+    assert stats["loss"] == pytest.approx(25.0) and stats["grad_norm"] == pytest.approx(2.5)
+    assert set(timings) == {"train"}
