@@ -114,15 +114,80 @@ def default_out_dir(cfg: NereusConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str) -> int:
+def _available_memory() -> int | None:
+    """Bytes this machine can still hand out (``MemAvailable``), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_bounds(cfg: NereusConfig, *, devices: int | None = None, resume: bool = False) -> None:
+    """``nereus_core.preflight.check`` against this machine (CPUs this process may use, memory
+    available now, ``NEREUS_MAX_LOCAL_DEVICES``); ``ConfigError`` with one line if a bound is broken."""
+    from nereus_core.preflight import Machine, check
+
+    raw = os.environ.get(MAX_DEVICES_ENV, "").strip()
+    if raw and not (raw.isdigit() and int(raw) >= 1):
+        raise ConfigError(f"{MAX_DEVICES_ENV}={shown(raw)}: give a whole number of device slots, at least 1")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    machine = Machine(
+        cpus=cpus, available_memory=_available_memory(), max_local_devices=int(raw) if raw else None
+    )
+    check(cfg, machine, devices=devices, resume=resume)
+
+
+def run_dir_problem(root: Path, *, resuming: bool) -> str | None:
+    """Why no driver may start on the run directory ``root`` now, or None: another driver holds its
+    lock, it holds a completed run, or its summary or newest checkpoint cannot be read. An early look
+    so that these end in one line before Prefect or Dask start; the flow takes the lock itself."""
+    if not root.exists():
+        return None
+    from storage.errors import RunDirError
+    from storage.lock import lock_holder
+    from storage.run_dir import RunDir
+
+    holder = lock_holder(root)
+    if holder is not None:
+        return f"in use by {holder}; wait for it to finish" + ("" if resuming else " or choose another --out")
+    run = RunDir(root)
+    try:
+        summary = run.read_summary() if (root / "summary.json").exists() else {}
+        if summary.get("status") == "completed":
+            if resuming:
+                return "holds a completed run, nothing to resume; start a new one with nereus run --out NEW"
+            return "already holds a completed run; choose another --out"
+        if run.latest_checkpoint() is None and resuming:
+            return "no checkpoint to resume from (none was written); start it again with nereus run"
+    except (RunDirError, ValueError, LookupError, TypeError, AttributeError) as err:
+        text = " ".join(str(err).split())
+        return text if isinstance(err, RunDirError) else f"a file of it is damaged: {shown(text, 200)}"
+    return None
+
+
+def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, *, bounded: bool) -> int:
+    """Validate CONFIG (and, when ``bounded``, the machine's bounds and the run directory), then run
+    the flow; everything up to the flow call is quick and ends bad input in one line."""
     # Prefect's embedded server gets 20 s to start by default; a busy 2-core machine can need more.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         cfg = load_config(args.config, sets=args.set, steps=args.steps)
+        if bounded:
+            check_bounds(cfg)
     except ConfigError as err:
         return _fail(args.config, str(err))
     out = args.out or default_out_dir(cfg)
+    problem = run_dir_problem(out, resuming=False) if bounded else None
+    if problem:
+        return _fail(out, problem)
     flow_fn = getattr(importlib.import_module(module), flow_name)
     print(f"nereus: {cfg.name}: {what} on {cfg.cluster.devices} device slots -> {out}")
     # The Dask scheduler's and nannies' INFO lines drown the run's own progress.
@@ -136,30 +201,34 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str) 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    return _run_flow(args, "flows.ppo_job", "ppo_job", f"PPO for {args.steps or 'the configured'} steps")
+    what = f"PPO for {args.steps or 'the configured'} steps"
+    return _run_flow(args, "flows.ppo_job", "ppo_job", what, bounded=True)
 
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
-    return _run_flow(args, "flows.selfcheck", "selfcheck_flow", "runtime self-check")
+    return _run_flow(args, "flows.selfcheck", "selfcheck_flow", "runtime self-check", bounded=False)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from storage import SnapshotError
     from storage.export import export_hf
 
     try:
         path = export_hf(args.run_dir, model=args.model, step=args.step, out=args.hf)
-    except (FileNotFoundError, ValueError, KeyError) as err:
-        return _fail(args.run_dir, str(err).strip("'\""))
+    except (FileNotFoundError, ValueError, LookupError, SnapshotError) as err:
+        # RunDirError and SnapshotNotFoundError (which lists the committed steps) among them
+        return _fail(args.run_dir, " ".join(str(err).strip("'\"").split()))
     print(f"nereus: exported {args.model} to {path}")
     return EXIT_OK
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from flows.report import write_report
+    from storage.errors import RunDirError
 
     try:
         paths = write_report(args.run_dir)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, RunDirError) as err:  # no summary, or a damaged one
         return _fail(args.run_dir, str(err))
     for path in paths:
         print(f"nereus: wrote {path}")
@@ -269,20 +338,19 @@ def cmd_resume(args: argparse.Namespace) -> int:
     config = Path(args.run_dir) / "config.yaml"
     if not config.is_file():
         return _fail(args.run_dir, "not a run directory (no config.yaml); give the --out of a nereus run")
-    from storage.run_dir import RunDir
-
-    if RunDir(args.run_dir).latest_checkpoint() is None:
-        return _fail(
-            args.run_dir, "no checkpoint to resume from (none was written); start it again with nereus run"
-        )
-    if args.devices is not None and args.devices < 1:
-        return _fail(args.run_dir, f"--devices {args.devices}: give at least 1")
+    problem = run_dir_problem(Path(args.run_dir), resuming=True)
+    if problem:
+        return _fail(args.run_dir, problem)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         cfg = parse_config(read_config_file(config))
     except ConfigError as err:
         return _fail(config, str(err))
+    try:  # --devices N is bounded like cluster.devices of a new run
+        check_bounds(cfg, devices=args.devices, resume=True)
+    except ConfigError as err:
+        return _fail(args.run_dir, str(err))
     from flows.ppo_job import ppo_job
 
     on = f" on {args.devices} device slots" if args.devices else ""

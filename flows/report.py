@@ -6,17 +6,42 @@ import json
 import os
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from storage.errors import RunDirError
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 
 
-def _scores(run: RunDir, out: Path) -> Path:
-    history = run.read_summary().get("history", [])
+def _read_summary(run: RunDir) -> dict[str, Any]:
+    """``summary.json`` as a mapping whose history entries have what the plots need; a damaged or edited
+    file is a ``RunDirError`` naming it and what is wrong."""
+    path = run.root / "summary.json"
+    try:
+        summary = run.read_summary()
+    except RunDirError:
+        raise
+    except (ValueError, UnicodeDecodeError) as err:  # truncated mid-write, or not JSON at all
+        raise RunDirError(f"{path} is damaged: not valid JSON ({' '.join(str(err).split())})") from None
+    if not isinstance(summary, dict):
+        raise RunDirError(f"{path} is damaged: expected a JSON object, got {type(summary).__name__}")
+    history = summary.get("history", [])
+    needed = ("step", "rule_score", "score")
+    if not isinstance(history, list) or not all(_has(h, needed) for h in history):
+        raise RunDirError(f"{path} is damaged: 'history' must be a list of entries with {', '.join(needed)}")
+    return summary
+
+
+def _has(entry: object, keys: tuple[str, ...]) -> bool:
+    return isinstance(entry, dict) and all(k in entry for k in keys)
+
+
+def _scores(summary: dict[str, Any], out: Path) -> Path:
+    history = summary.get("history", [])
     steps = [h["step"] for h in history]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [h["rule_score"] for h in history], label="rule score (task)")
@@ -87,8 +112,7 @@ def transitions_table(run: RunDir, around: int = 3) -> list[dict]:
     return out
 
 
-def _transitions(run: RunDir, out: Path) -> Path:
-    summary = run.read_summary()
+def _transitions(run: RunDir, summary: dict[str, Any], out: Path) -> Path:
     rows = transitions_table(run)
     share = summary.get("transition_s_total", 0.0) / summary["wall_s"] if summary.get("wall_s") else 0.0
     path = out / "transitions.json"
@@ -102,6 +126,7 @@ def write_report(run_dir: str | os.PathLike[str]) -> list[Path]:
     run = RunDir(run_dir)
     if not (run.root / "summary.json").exists():
         raise FileNotFoundError(f"{run.root} has no summary.json; is it a run directory?")
+    summary = _read_summary(run)
     out = run.root / "plots"
     out.mkdir(exist_ok=True)
-    return [_scores(run, out), _stage_times(run, out), _transitions(run, out)]
+    return [_scores(summary, out), _stage_times(run, out), _transitions(run, summary, out)]

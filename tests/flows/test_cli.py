@@ -6,16 +6,22 @@ neither Prefect nor Dask.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import re
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import yaml
 
-from flows.cli import SCHEDULER_ENV, main
+from flows.cli import MAX_DEVICES_ENV, SCHEDULER_ENV, main
 from nereus_core.config import NereusConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,3 +207,203 @@ def test_bad_config_in_a_subprocess(tmp_path: Path) -> None:
         "lower a degree or add devices"
     ]
     assert done.stdout == ""
+
+
+# ----------------------------------------------------------------- hostile input, in a subprocess
+# Each case runs the real CLI (no fake flows): it must end in one line on stderr with exit 2, no
+# traceback, within seconds (no Prefect server, no Dask cluster), and leave no run directory.
+
+SECONDS = 8.0  # the CLI's own start (torch and pydantic imports) is about 1.5 s here
+
+
+def cli(cwd: Path, *argv: str, **env: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    full_env = {k: v for k, v in os.environ.items() if k not in (SCHEDULER_ENV, MAX_DEVICES_ENV)}
+    full_env["PYTHONPATH"] = str(ROOT)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *argv],
+        cwd=cwd,
+        env=full_env | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done, time.perf_counter() - started
+
+
+def assert_refused(done: subprocess.CompletedProcess[str], seconds: float, *needles: str) -> str:
+    assert done.returncode == 2, done
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("nereus: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert seconds < SECONDS, (seconds, lines[0])
+    return lines[0]
+
+
+def files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def alias_bomb() -> str:
+    """About 600 bytes that expand to 9**9 values (the "billion laughs")."""
+    names = "abcdefghi"
+    lines = [f"{names[0]}: &{names[0]} [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]" for p, n in itertools.pairwise(names)]
+    return "\n".join(lines) + "\n"
+
+
+EX = str(EXAMPLE)
+BOMB_FLOW = "{" + alias_bomb().strip().replace("\n", ", ") + "}"
+
+RUN_CASES = {
+    "bomb-file": (["run", "bomb.yaml"], "bomb.yaml: refused: expands to more than 100,000 values"),
+    "bomb-plan": (["plan", "bomb.yaml"], "refused: expands to more than 100,000 values"),
+    "bomb-set": (
+        ["run", EX, "--out", "out", "--set", f"job.scenario={BOMB_FLOW}"],
+        "the value is refused: expands",
+    ),
+    "batch-trillion": (
+        ["run", EX, "--out", "out", "--set", "job.batch_size=1000000000000"],
+        "in the driver, more than",
+    ),
+    "one-byte-slots": (
+        ["run", EX, "--out", "out", "--set", "cluster.memory_per_device=1", "--set", "job.adapt=false"],
+        "cluster.memory_per_device=1 B: the initial plan",
+    ),
+    "devices-4096": (
+        ["run", EX, "--out", "out", "--set", "cluster.devices=4096"],
+        "cluster.devices=4096 exceeds the",
+    ),
+    "name-absolute": (["run", EX, "--set", "name=/etc/x"], "name='/etc/x': a run name is"),
+    "name-parent": (["run", EX, "--set", "name=../../x"], "name='../../x': a run name is"),
+    "name-long": (["run", EX, "--set", f"name={'n' * 101}"], "a run name is 1-100 letters"),
+}
+
+
+@pytest.mark.parametrize(("argv", "needle"), list(RUN_CASES.values()), ids=list(RUN_CASES))
+def test_hostile_run_input_is_refused_before_anything_starts(
+    tmp_path: Path, argv: list[str], needle: str
+) -> None:
+    (tmp_path / "bomb.yaml").write_text(alias_bomb())
+    before = files_under(tmp_path)
+    assert_refused(*cli(tmp_path, *argv), needle)
+    assert files_under(tmp_path) == before  # neither runs/ nor the --out directory
+
+
+def test_the_bomb_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    """Peak RSS of the whole CLI process (ru_maxrss of the only child of a fresh interpreter)."""
+    (tmp_path / "bomb.yaml").write_text(alias_bomb())
+    measure = (
+        "import resource, subprocess, sys; "
+        "argv = [sys.executable, '-m', 'flows.cli', 'plan', 'bomb.yaml']; "
+        "done = subprocess.run(argv, capture_output=True); "
+        "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != SCHEDULER_ENV} | {"PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", measure], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    code, peak_kib = map(int, out.stdout.split())
+    assert code == 2
+    assert peak_kib * 1024 < 300 * 2**20, f"peak RSS {peak_kib / 1024:.0f} MiB"
+
+
+def make_run(root: Path, *, steps: tuple[int, ...] = (2,), summary: dict[str, Any] | None = None) -> Path:
+    """A run directory of the demo config with checkpoint records at ``steps`` (no snapshots)."""
+    from storage.run_dir import RunDir
+
+    cfg = NereusConfig.model_validate(yaml.safe_load(EXAMPLE.read_text()))
+    run = RunDir.create(root, cfg.model_dump(mode="json"))
+    plan = {k: v.model_dump(mode="json") for k, v in cfg.plan.items()}
+    for step in steps:
+        run.write_checkpoint(step, {"plan_id": "p", "plan": plan, "devices": 2, "response_len": 6})
+    if summary is not None:
+        run.write_summary(summary)
+    return root
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+def _drop_plan(path: Path) -> None:
+    record = json.loads(path.read_text())
+    del record["plan"]
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [(_truncate, "step=2.json"), (_drop_plan, "step=2.json")],
+    ids=["truncated-checkpoint", "edited-checkpoint"],
+)
+def test_resume_on_a_damaged_checkpoint_is_one_line(tmp_path: Path, damage: Any, needle: str) -> None:
+    run = make_run(tmp_path / "run")
+    damage(run / "state" / "checkpoints" / "step=2.json")
+    before = files_under(run)
+    assert_refused(*cli(tmp_path, "resume", str(run)), needle)
+    assert files_under(run) == before
+
+
+def test_resume_of_a_completed_run_is_refused_before_any_server_starts(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", summary={"status": "completed", "steps": 40})
+    before = files_under(run)
+    assert_refused(*cli(tmp_path, "resume", str(run)), "holds a completed run, nothing to resume")
+    assert files_under(run) == before
+
+
+@pytest.mark.parametrize(
+    ("devices", "env", "needle"),
+    [
+        ("0", {}, "--devices 0: give at least 1"),
+        ("-3", {}, "--devices -3: give at least 1"),
+        ("9", {MAX_DEVICES_ENV: "8"}, "--devices 9 exceeds the 8 device slots"),
+        ("100000", {}, "--devices 100000 exceeds the"),
+        ("2", {MAX_DEVICES_ENV: "lots"}, f"{MAX_DEVICES_ENV}='lots': give a whole number"),
+    ],
+)
+def test_resume_devices_are_bounded_like_run(
+    tmp_path: Path, devices: str, env: dict[str, str], needle: str
+) -> None:
+    run = make_run(tmp_path / "run")
+    before = files_under(run)
+    assert_refused(*cli(tmp_path, "resume", str(run), "--devices", devices, **env), needle)
+    assert files_under(run) == before
+
+
+@pytest.mark.parametrize("command", ["run", "resume"])
+def test_a_second_driver_on_a_locked_run_is_refused(tmp_path: Path, command: str) -> None:
+    from storage.lock import run_lock
+
+    run = make_run(tmp_path / "run")
+    with run_lock(run):
+        before = files_under(run)  # the holder's .lock included
+        argv = ["run", str(EXAMPLE), "--out", str(run)] if command == "run" else ["resume", str(run)]
+        line = assert_refused(*cli(tmp_path, *argv), f"in use by pid {os.getpid()}")
+    assert ("choose another --out" in line) == (command == "run")
+    assert files_under(run) == before
+
+
+def test_report_on_a_truncated_summary_is_one_line(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", summary={"status": "completed", "history": []})
+    _truncate(run / "summary.json")
+    assert_refused(*cli(tmp_path, "report", str(run)), "summary.json")
+    assert not (run / "plots").exists()
+
+
+def test_export_of_a_step_without_a_snapshot_lists_the_committed_steps(tmp_path: Path) -> None:
+    from nereus_core.emu import Box, SliceSpec
+    from storage import write_snapshot
+
+    run = make_run(tmp_path / "run")
+    for step in (0, 4):
+        write_snapshot(
+            run, "actor", step, {0: {"w": (torch.zeros(2, 3), SliceSpec((2, 3), Box((0, 0), (2, 3))))}}
+        )
+    argv = ["export", str(run), "--model", "actor", "--step", "7", "--hf", str(tmp_path / "hf")]
+    line = assert_refused(*cli(tmp_path, *argv), "actor", "step 7", "committed steps")
+    assert re.search(r"committed steps: \[?0, 4\]?$", line), line
+    assert not (tmp_path / "hf").exists()

@@ -1,0 +1,163 @@
+"""Bounds a run must meet before anything starts: devices the pool can supply, a rollout batch that
+fits in the driver's memory, an initial plan that fits each device slot's memory.
+
+Boundary: pure checks of a validated ``NereusConfig`` against facts about the machine that the
+caller passes in (``Machine``: CPU count, memory available to the driver). Reading those facts,
+and starting Prefect, Dask or a run directory, is the CLI's business; it calls ``check`` first, so
+a config that cannot run is refused in one line within seconds instead of minutes into a run.
+
+What is not checked here: the size of an external Dask pool (``cluster.scheduler_address``; the
+scheduler's workers are counted when the pool starts), and plans the controller switches to later
+(it only picks plans that fit, ``controller.decide``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nereus_core.config import ConfigError, NereusConfig
+from nereus_core.controller import ControllerState, evaluate_plan
+from nereus_core.cost_model import Workload
+from nereus_core.hardware import get_profile
+from nereus_core.plan import GlobalPlan, default_plan
+
+# A local device slot is a worker process; on a CPU machine several share a core (the demo runs 4
+# slots on 2 cores). Past this many per CPU a LocalCluster only thrashes, and thousands of
+# processes exhaust the machine before the first step.
+LOCAL_SLOTS_PER_CPU = 4
+
+# Columns the driver holds per token of a step's rollout (nereus_core/rollout.py, ``Rollout``):
+# the token ids over prompt + response, and seven response-aligned columns. Counted at 8 bytes a
+# value over the whole sequence, an upper bound of the tensors (int64 ids, float32 values).
+ROLLOUT_TOKEN_COLUMNS = ("ids", "mask", "old_logp", "ref_logp", "values", "rewards", "advantages", "returns")
+BYTES_PER_VALUE = 8
+# The rollout's tensors may take at most this share of the memory available to the driver: it also
+# holds their copies on the way to Parquet and the batches it hands to the stages.
+DRIVER_MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the driver's machine offers, read by the caller (``os``, ``/proc/meminfo``)."""
+
+    cpus: int
+    available_memory: int | None  # bytes the driver may still allocate; None when unknown
+    max_local_devices: int | None = None  # an explicit ceiling; None: cpus * LOCAL_SLOTS_PER_CPU
+
+    @property
+    def local_devices(self) -> int:
+        """The most device slots a LocalCluster on this machine may have."""
+        if self.max_local_devices is not None:
+            return self.max_local_devices
+        return max(self.cpus, 1) * LOCAL_SLOTS_PER_CPU
+
+    def local_devices_why(self) -> str:
+        if self.max_local_devices is not None:
+            return f"the explicit ceiling of {self.max_local_devices}"
+        return f"{max(self.cpus, 1)} CPUs x {LOCAL_SLOTS_PER_CPU} slots per CPU"
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def devices_problem(cfg: NereusConfig, machine: Machine, *, devices: int | None = None) -> str | None:
+    """Why the run's device slots exceed what a local cluster can supply, or None.
+
+    ``devices`` is ``nereus resume --devices N`` (it replaces ``cluster.devices``). Scenario events
+    that grow the pool count too. With ``cluster.scheduler_address`` nothing is checked here."""
+    if devices is not None and devices < 1:
+        return f"--devices {devices}: give at least 1 device slot"
+    if cfg.cluster.scheduler_address:
+        return None
+    limit = machine.local_devices
+    fix = "or give cluster.scheduler_address (an existing Dask pool)"
+    wanted = [("--devices" if devices is not None else "cluster.devices", devices or cfg.cluster.devices)]
+    wanted += [(f"job.scenario (step {e.step}) devices", e.devices) for e in cfg.job.scenario if e.devices]
+    for what, n in wanted:
+        if n > limit:
+            sep = " " if what == "--devices" else "="
+            return (
+                f"{what}{sep}{n} exceeds the {limit} device slots a local cluster may have on this "
+                f"machine ({machine.local_devices_why()}); lower it, {fix}"
+            )
+    return None
+
+
+def rollout_bytes(cfg: NereusConfig) -> int:
+    """Upper bound of one step's rollout tensors in the driver, at the longest response the job sets."""
+    tokens = cfg.job.prompt_len + max(cfg.job.response_lens())
+    return cfg.job.batch_size * tokens * len(ROLLOUT_TOKEN_COLUMNS) * BYTES_PER_VALUE
+
+
+def batch_problem(cfg: NereusConfig, machine: Machine) -> str | None:
+    """Why a step's rollout would not fit in the driver's memory, or None (also when it is unknown)."""
+    if machine.available_memory is None:
+        return None
+    need, budget = rollout_bytes(cfg), int(machine.available_memory * DRIVER_MEMORY_SHARE)
+    if need <= budget:
+        return None
+    job = cfg.job
+    return (
+        f"job.batch_size={job.batch_size}: a step's rollout ({job.batch_size} x "
+        f"{job.prompt_len + max(job.response_lens())} tokens x {len(ROLLOUT_TOKEN_COLUMNS)} columns) "
+        f"needs {_size(need)} in the driver, more than {DRIVER_MEMORY_SHARE:.0%} of the "
+        f"{_size(machine.available_memory)} available; lower job.batch_size or the sequence lengths"
+    )
+
+
+def plan_memory_problem(cfg: NereusConfig) -> str | None:
+    """Why the plan the run starts on (the config's plan, defaults for what it leaves out) does not fit
+    ``cluster.memory_per_device``, by the memory model ``nereus plan`` and the controller use; or None.
+    Checked whether or not ``job.adapt`` is on: the first step always runs on this plan."""
+    plan = GlobalPlan.of(default_plan(cfg.plan))
+    state = ControllerState.initial(cfg.model, get_profile(cfg.job.profile), plan=plan)
+    capacity = int(cfg.cluster.memory_per_device)
+    usable = int(capacity * (1.0 - state.settings.headroom))
+    estimate = evaluate_plan(plan, Workload.from_config(cfg), state, usable)
+    if estimate.fits:
+        return None
+    return (
+        f"cluster.memory_per_device={_size(capacity)}: the initial plan {plan.plan_id} needs "
+        f"{_size(estimate.memory_peak)} on its busiest slot, more than the {_size(usable)} usable "
+        f"({state.settings.headroom:.0%} kept free); raise it, spread the plan over more slots or "
+        "shrink the batch (nereus plan CONFIG shows plans that fit)"
+    )
+
+
+def problems(
+    cfg: NereusConfig, machine: Machine, *, devices: int | None = None, resume: bool = False
+) -> list[str]:
+    """Every bound ``cfg`` breaks on ``machine``, cheapest check first (empty if none).
+
+    ``resume``: the run continues from a checkpoint whose plan the controller re-plans for the
+    devices at hand, so the config's initial plan is not checked."""
+    found = [devices_problem(cfg, machine, devices=devices), batch_problem(cfg, machine)]
+    if not resume and not any(found):  # the plan check assumes sizes that fit a machine
+        found.append(plan_memory_problem(cfg))
+    return [p for p in found if p]
+
+
+def check(cfg: NereusConfig, machine: Machine, *, devices: int | None = None, resume: bool = False) -> None:
+    """Raise ``ConfigError`` with the first of ``problems`` (one line), if any."""
+    found = problems(cfg, machine, devices=devices, resume=resume)
+    if found:
+        raise ConfigError(found[0])
+
+
+__all__ = [
+    "BYTES_PER_VALUE",
+    "DRIVER_MEMORY_SHARE",
+    "LOCAL_SLOTS_PER_CPU",
+    "ROLLOUT_TOKEN_COLUMNS",
+    "Machine",
+    "batch_problem",
+    "check",
+    "devices_problem",
+    "plan_memory_problem",
+    "problems",
+    "rollout_bytes",
+]
