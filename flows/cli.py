@@ -22,11 +22,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
-from nereus_core import __version__
+from nereus_core import __version__, faults
 from nereus_core.config import ConfigError, NereusConfig, parse_config, shown, with_overrides
 from nereus_core.config_yaml import parse_yaml
 
 SCHEDULER_ENV = "NEREUS_SCHEDULER_ADDRESS"
+FAULT_ENV = "NEREUS_FAULT"  # fault-injection tests: <point>[,<point>...] (nereus_core.faults.POINTS)
 MAX_DEVICES_ENV = "NEREUS_MAX_LOCAL_DEVICES"  # an explicit ceiling on a local cluster's slots
 CONFIG_MAX_CHARS = 1_000_000
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -436,6 +437,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return done.code if isinstance(done.code, int) else EXIT_USAGE
     if args.command is None:
         parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        faults.arm(p.strip() for p in os.environ.get(FAULT_ENV, "").split(",") if p.strip())
+    except ValueError as err:
+        print(f"nereus: {FAULT_ENV}: {err}", file=sys.stderr)
         return EXIT_USAGE
     try:
         return args.handler(args)

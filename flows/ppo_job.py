@@ -595,9 +595,7 @@ def ppo_job(
     start = time.perf_counter()
     fit: dict[str, Any] = {}
     first = 0 if point is None else point["step"]
-    with DevicePool(
-        cfg.cluster.devices, scheduler_address=cfg.cluster.scheduler_address, backend=cfg.cluster.backend
-    ) as pool:
+    with DevicePool.for_cluster(cfg.cluster) as pool:
         logger.info(
             "device pool of %d ready; DeepSpeed warmed up in %.1f s", pool.size, model_ops.warm_up(pool)
         )

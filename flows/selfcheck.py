@@ -62,9 +62,7 @@ def selfcheck_flow(
     if not cfg.plan:
         raise ConfigError("plan: no model-stage layouts to check; add e.g. plan.actor/train")
     start = time.perf_counter()
-    with DevicePool(
-        cfg.cluster.devices, scheduler_address=cfg.cluster.scheduler_address, backend=cfg.cluster.backend
-    ) as pool:
+    with DevicePool.for_cluster(cfg.cluster) as pool:
         world_s = dict(pool.timings).get(f"world {cfg.cluster.devices}", float("nan"))
         logger.info("device pool of %d slots up; world formed in %.2f s", pool.size, world_s)
         rows = [

@@ -42,11 +42,43 @@ class ClusterConfig(_Frozen):
     )
     scheduler_address: str | None = Field(
         default=None,
-        description="An existing Dask scheduler (tcp://host:port); None starts a LocalCluster.",
+        description=(
+            "An existing Dask scheduler (tls://host:port, or tcp:// on a trusted network); "
+            "None starts a LocalCluster on loopback."
+        ),
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="torch.distributed backend; auto picks nccl on CUDA, gloo otherwise."
     )
+    tls_ca_file: str | None = Field(
+        default=None, description="PEM CA certificate of a tls:// scheduler's cluster (Dask TLS)."
+    )
+    tls_cert_file: str | None = Field(
+        default=None, description="PEM certificate this driver presents to a tls:// scheduler."
+    )
+    tls_key_file: str | None = Field(default=None, description="PEM private key of tls_cert_file.")
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ClusterConfig:
+        files = {
+            "tls_ca_file": self.tls_ca_file,
+            "tls_cert_file": self.tls_cert_file,
+            "tls_key_file": self.tls_key_file,
+        }
+        given = [name for name, path in files.items() if path is not None]
+        tls = (self.scheduler_address or "").startswith("tls://")
+        if given and not tls:
+            raise ValueError(
+                f"cluster.{given[0]} is set but cluster.scheduler_address={shown(self.scheduler_address)} "
+                "is not tls://; TLS files apply to a tls://host:port scheduler"
+            )
+        missing = [name for name, path in files.items() if path is None]
+        if tls and missing:
+            raise ValueError(
+                f"cluster.scheduler_address is tls:// but cluster.{missing[0]} is not set; "
+                "give tls_ca_file, tls_cert_file and tls_key_file"
+            )
+        return self
 
 
 class ModelConfig(_Frozen):

@@ -1,26 +1,48 @@
-"""Named fault points for fault-injection tests: ``NEREUS_FAULT=<point>[,<point>...]`` arms them.
+"""Named fault points for fault-injection tests, armed by the caller with ``arm(points)``.
 
-An armed point fires once per process. Points and what they do:
+Boundary: this module only remembers which points are armed in this process and
+fires each once; it reads nothing from the environment. The ``nereus`` CLI arms
+the points named in its ``NEREUS_FAULT`` variable, and the device pool arms the
+same points on every worker it starts (a snapshot is written inside a worker).
+Points and what they do:
 
 - ``kill-driver:move``: the driver kills itself (SIGKILL) as a transition's first move starts;
 - ``kill-worker:rehydrate``: the driver kills device rank 1's worker as a rehydration starts;
 - ``fail-snapshot-write``: a device's snapshot writer raises ``OSError(ENOSPC)`` (disk full).
 
-Nothing fires unless the variable names the point; production runs never set it.
+Nothing fires unless a point was armed; production runs never arm one.
 """
 
 from __future__ import annotations
 
 import errno
-import os
+from collections.abc import Iterable
 
-ENV = "NEREUS_FAULT"
+POINTS: tuple[str, ...] = ("kill-driver:move", "kill-worker:rehydrate", "fail-snapshot-write")
+
+_armed: set[str] = set()
 _fired: set[str] = set()
 
 
+def arm(points: Iterable[str]) -> None:
+    """Arm exactly ``points`` in this process (none: disarm all); each fires once after arming."""
+    wanted = set(points)
+    unknown = sorted(wanted - set(POINTS))
+    if unknown:
+        raise ValueError(f"unknown fault point {unknown[0][:80]!r}; known points: {', '.join(POINTS)}")
+    _armed.clear()
+    _armed.update(wanted)
+    _fired.clear()
+
+
+def armed_points() -> tuple[str, ...]:
+    """The points armed in this process (fired or not), to arm the same ones elsewhere."""
+    return tuple(p for p in POINTS if p in _armed)
+
+
 def armed(point: str) -> bool:
-    """True once per process when ``point`` is named in ``NEREUS_FAULT``."""
-    if point in _fired or point not in os.environ.get(ENV, "").split(","):
+    """True the first time it is asked about an armed ``point``; False otherwise."""
+    if point not in _armed or point in _fired:
         return False
     _fired.add(point)
     return True

@@ -4,7 +4,10 @@ Boundary: the actor owns one ``nereus_core.parallel.device.DeviceContext`` and
 carries out what the driver asks (join or leave the torch.distributed world,
 build a layout's groups, run a core function with the context). It holds no
 policy: which function runs where is decided by the engine in nereus_core, and
-the rendezvous (ranks, master address and port) by ``tasks.device_pool``.
+the rendezvous (ranks, master address and port) by ``tasks.device_pool``. What the
+world needs of the process is set here: the variables DeepSpeed reads, the network
+interface gloo and NCCL listen on (the one of the worker's own Dask address: loopback
+for a local cluster), and the fault points the driver armed (``nereus_core.faults``).
 
 Dask runs the methods of an actor in one dedicated thread on its worker, so the
 blocking torch.distributed calls made here never share a thread with another
@@ -25,11 +28,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
-from distributed import get_worker
-from distributed.comm import get_address_host
 
+from nereus_core import faults
 from nereus_core.layout import Coord, Layout
 from nereus_core.parallel.device import DeviceContext
+from tasks.cluster import get_address_host, get_worker, interface_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -165,11 +168,13 @@ def _qualname(fn: object) -> str:
 class DeviceActor:
     """One device slot: its DeviceContext, driven by the pool through Dask actor calls."""
 
-    def __init__(self, slot_key: str) -> None:
+    def __init__(self, slot_key: str, fault_points: Sequence[str] = ()) -> None:
         self.slot_key = slot_key
         self.worker = get_worker().address
         self._ctx: DeviceContext | None = None
         self._in_world = False
+        self._rendezvous: socket.socket | None = None  # rank 0's store socket, until it joins
+        faults.arm(fault_points)
 
     @property
     def rank(self) -> int | None:
@@ -186,11 +191,25 @@ class DeviceActor:
         }
 
     @_reported
-    def free_port(self) -> int:
-        """A TCP port that was free on this host a moment ago (the rendezvous port when rank 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return int(sock.getsockname()[1])
+    def open_rendezvous(self) -> int:
+        """Listen on a free port of this worker's own address for the world's store; returns the port.
+
+        Called on rank 0 before every rank joins: the socket is held until this actor's ``join``
+        hands it to the store, so the port cannot be taken in between, and ranks that connect
+        early wait in its backlog.
+        """
+        self._close_rendezvous()
+        host = get_address_host(self.worker)
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.bind(address)
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+        self._rendezvous = sock
+        return int(sock.getsockname()[1])
 
     @_reported
     def join(
@@ -213,11 +232,17 @@ class DeviceActor:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         if self._in_world:
             self.leave()
+        listen_fd = None
+        if rank == 0:
+            if self._rendezvous is None:
+                raise RuntimeError("rank 0 joins on the socket of open_rendezvous; call it first")
+            listen_fd, self._rendezvous = self._rendezvous.detach(), None  # the store owns it now
         if backend == "nccl":
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
         elif torch_threads is not None:
             # One worker stands in for one device; several per host must not oversubscribe the cores.
             torch.set_num_threads(torch_threads)
+        self._set_environment(rank, world_size, local_rank, master_addr, master_port)
         ctx = DeviceContext.init_world(
             rank=rank,
             world_size=world_size,
@@ -225,7 +250,7 @@ class DeviceActor:
             master_port=master_port,
             backend=backend,
             timeout_s=timeout_s,
-            local_rank=local_rank,
+            listen_fd=listen_fd,
         )
         ctx.resident = resident
         self._ctx = ctx
@@ -264,6 +289,28 @@ class DeviceActor:
             "layouts": sorted(ctx.groups) if ctx is not None else [],
             "resident": sorted(ctx.resident) if ctx is not None else [],
         }
+
+    def _set_environment(
+        self, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int
+    ) -> None:
+        """What DeepSpeed reads when it attaches to the world, and the interface gloo and NCCL bind:
+        the one holding this worker's own address (loopback for a local cluster), unless set already."""
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(local_rank),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        interface = interface_of(get_address_host(self.worker))
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+
+    def _close_rendezvous(self) -> None:
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
 
     def _context(self) -> DeviceContext:
         if self._ctx is None or not self._in_world:

@@ -1,7 +1,8 @@
-"""The device pool: the one place Nereus talks to Dask.
+"""The device pool: Dask workers as device slots, joined in one torch.distributed world.
 
-Boundary: the pool owns the Dask cluster (or a client of an existing scheduler),
-places one ``DeviceActor`` on each worker it uses, and forms the
+Boundary: the pool owns a ``tasks.cluster.DaskCluster`` (a LocalCluster on loopback,
+or a client of an existing scheduler), places one ``DeviceActor`` on each worker it
+uses, arms on it the fault points armed in the driver, and forms the
 torch.distributed world over them. It dispatches calls to the actors and
 gathers results; it never decides what runs where (the engine in nereus_core
 passes top-level functions, the pool runs them on a layout's devices).
@@ -12,6 +13,8 @@ grow appends the new workers, a shrink removes the highest ranks, so a
 surviving worker keeps its rank and its actor keeps its resident objects.
 Every change of the device set rebuilds the world (all actors leave, all join
 a fresh rendezvous); the layouts' groups die with it and callers rebuild them.
+The rendezvous store listens on rank 0's own worker address only (loopback for a
+local cluster), on a socket that rank 0's actor opens before anyone joins.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from distributed import Actor, Client, Future, LocalCluster
-from distributed.comm import get_address_host
-
+from nereus_core import faults
+from nereus_core.config import ClusterConfig
 from nereus_core.layout import Layout
+from tasks.cluster import Actor, Client, ClusterError, DaskCluster, Future, TlsFiles, get_address_host
 from tasks.device_actor import DeviceActor, DevicePoolError, DeviceRunError, RankFailure, gather, issue
 
 __all__ = ["DevicePool", "DevicePoolError", "DeviceRunError", "RankFailure"]
@@ -54,12 +57,14 @@ class DevicePool:
         collective_timeout_s: float = 300.0,
         torch_threads: int | None = 1,
         failure_grace_s: float = 30.0,
+        tls: TlsFiles | None = None,
     ) -> None:
         if devices < 1:
             raise ValueError(f"devices={devices}; a pool needs at least 1 device")
         if backend not in BACKEND_CHOICES:
             raise ValueError(f"backend={backend!r}; choose one of {BACKEND_CHOICES}")
         self.scheduler_address = scheduler_address
+        self.tls = tls
         self.requested_backend = backend
         self.backend: str | None = None
         self.connect_timeout_s = connect_timeout_s
@@ -69,8 +74,8 @@ class DevicePool:
         self.torch_threads = torch_threads
         self.failure_grace_s = failure_grace_s
         self.timings: list[tuple[str, float]] = []
-        self._cluster: LocalCluster | None = None
-        self._client: Client | None = None
+        self.rendezvous: tuple[str, int] | None = None  # where the current world's store listens
+        self._cluster: DaskCluster | None = None
         self._workers: list[str] = []  # addresses in rank order
         self._actors: dict[str, Any] = {}  # address -> Actor proxy
         self._futures: dict[str, Future] = {}  # address -> the actor's key (keeps it alive)
@@ -87,6 +92,16 @@ class DevicePool:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def for_cluster(cls, cluster: ClusterConfig, devices: int | None = None) -> DevicePool:
+        """The pool a config's ``cluster`` section asks for (``devices`` overrides its slot count)."""
+        return cls(
+            cluster.devices if devices is None else devices,
+            scheduler_address=cluster.scheduler_address,
+            backend=cluster.backend,
+            tls=TlsFiles.of(cluster),
+        )
 
     # ----------------------------------------------------------------- public
 
@@ -202,9 +217,6 @@ class DevicePool:
         self._futures.clear()
         self._workers.clear()
         self._built.clear()
-        if self._client is not None:
-            self._client.close()
-            self._client = None
         if self._cluster is not None:
             self._cluster.close()
             self._cluster = None
@@ -220,38 +232,20 @@ class DevicePool:
     # ---------------------------------------------------------------- workers
 
     def _connect(self, devices: int) -> None:
-        if self.scheduler_address is None:
-            self._cluster = LocalCluster(
-                n_workers=devices,
-                threads_per_worker=1,
-                processes=True,
-                dashboard_address=None,
-                # The scheduler's HTTP server starts even without a dashboard, on 8787 by default.
-                scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
-                memory_limit=0,
-                silence_logs=logging.ERROR,
-            )
-            self._client = Client(self._cluster, set_as_default=False)
-            return
         try:
-            self._client = Client(
-                self.scheduler_address, timeout=self.connect_timeout_s, set_as_default=False
+            self._cluster = DaskCluster(
+                devices, self.scheduler_address, tls=self.tls, connect_timeout_s=self.connect_timeout_s
             )
-        except (OSError, TimeoutError) as exc:
-            raise DevicePoolError(
-                f"cannot reach the Dask scheduler at {self.scheduler_address} within "
-                f"{self.connect_timeout_s:g}s ({type(exc).__name__}); "
-                "check the address or start the scheduler"
-            ) from None
+        except ClusterError as exc:
+            raise DevicePoolError(str(exc)) from None
 
     def _worker_names(self) -> dict[str, Any]:
-        return {a: w.get("name") for a, w in self._client_().scheduler_info()["workers"].items()}
+        return self._cluster_().worker_names()
 
     def _acquire(self, devices: int) -> list[str]:
         """Addresses of ``devices - size`` workers not yet in the pool, in a stable order."""
         need = devices - self.size
-        if self._cluster is not None:
-            self._cluster.scale(devices)
+        self._cluster_().scale(devices)
         deadline = time.monotonic() + self.worker_timeout_s
         while True:
             names = self._worker_names()
@@ -273,6 +267,7 @@ class DevicePool:
             a: client.submit(
                 DeviceActor,
                 a,
+                faults.armed_points(),
                 key=f"nereus-device-actor-{uuid.uuid4().hex}",
                 actor=True,
                 workers=[a],
@@ -298,13 +293,11 @@ class DevicePool:
         # Actor proxies sit in reference cycles (their call closures); collect them so that
         # their keys are released and the scheduler forgets the actors before retiring workers.
         gc.collect()
-        if self._cluster is None:
+        if not self._cluster_().owns_workers:
             return  # an external scheduler's workers are not ours to stop
         self._wait_until(lambda: not any(self._client_().has_what(workers=addresses).values()), 10.0)
         names = self._worker_names()
-        for a in addresses:
-            self._cluster.worker_spec.pop(names.get(a), None)
-        self._cluster.scale(len(self._cluster.worker_spec))
+        self._cluster_().retire([names.get(a) for a in addresses])
         if not self._wait_until(
             lambda: not set(addresses) & set(self._worker_names()), self.worker_timeout_s
         ):
@@ -323,12 +316,12 @@ class DevicePool:
     # ------------------------------------------------------------------ world
 
     def _form_world(self) -> None:
-        """All actors join a fresh world: rank 0's host is the master, on a port free there."""
+        """All actors join a fresh world: rank 0's own address is the master, on a port it holds open."""
         n = self.size
         if self.backend is None:
             self.backend = self._resolve_backend()
         host = get_address_host(self._workers[0])
-        port = self._gather("free_port", [self._call(0, "free_port")], self.join_timeout_s)[0]
+        port = self._gather("open_rendezvous", [self._call(0, "open_rendezvous")], self.join_timeout_s)[0]
         local_ranks = _local_ranks(self._workers)
         opts = {"timeout_s": self.collective_timeout_s, "torch_threads": self.torch_threads}
         calls = [
@@ -336,6 +329,7 @@ class DevicePool:
             for r in range(n)
         ]
         self._gather("join", calls, self.join_timeout_s)
+        self.rendezvous = (host, port)
         logger.info("device pool: world of %d formed (%s, master %s:%d)", n, self.backend, host, port)
 
     def _resolve_backend(self) -> str:
@@ -350,10 +344,13 @@ class DevicePool:
 
     # ---------------------------------------------------------------- helpers
 
-    def _client_(self) -> Client:
-        if self._client is None:
+    def _cluster_(self) -> DaskCluster:
+        if self._cluster is None:
             raise DevicePoolError("the device pool is closed")
-        return self._client
+        return self._cluster
+
+    def _client_(self) -> Client:
+        return self._cluster_().client
 
     def _call(self, rank: int, method: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
         return rank, issue(self._actors[self._workers[rank]], method, *args, **kwargs)

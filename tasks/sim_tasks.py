@@ -6,15 +6,14 @@
   either in this process or on a Dask worker of the sweep's cluster (by its address).
 - ``write_outputs``: summary.json, steps.parquet, plans.json, timing.json and the plots.
 
-``SweepCluster`` is the Dask glue: a LocalCluster of a few single-threaded worker
-processes, or a client of an existing scheduler, or nothing when the sweep is small
-enough to run in the driver.
+``SweepCluster`` decides where the runs go: the shared ``tasks.cluster.DaskCluster``
+(a LocalCluster of a few single-threaded worker processes on loopback, or a client of
+an existing scheduler), or nothing when the sweep is small enough to run in the driver.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import statistics
 from pathlib import Path
 from types import TracebackType
@@ -22,7 +21,6 @@ from types import TracebackType
 import matplotlib
 import pyarrow as pa
 import pyarrow.parquet as pq
-from distributed import Client, LocalCluster
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -33,6 +31,7 @@ from nereus_core.config import ConfigError
 from nereus_core.sim.config import SimConfig, SweepSettings
 from nereus_core.sim.job import SimJob, SimResult, run_job
 from nereus_core.sim.trace import Trace, TraceError, parse_trace
+from tasks.cluster import Client, DaskCluster
 
 _CLIENTS: dict[str, Client] = {}
 
@@ -69,8 +68,7 @@ class SweepCluster:
     def __init__(self, settings: SweepSettings, runs: int) -> None:
         self.settings, self.runs = settings, runs
         self.address: str | None = None
-        self._cluster: LocalCluster | None = None
-        self._client: Client | None = None
+        self._cluster: DaskCluster | None = None
 
     @property
     def uses_dask(self) -> bool:
@@ -83,21 +81,9 @@ class SweepCluster:
         if not self.uses_dask:
             return self
         s = self.settings
-        if s.scheduler_address is not None:
-            self._client = Client(s.scheduler_address, timeout=30, set_as_default=False)
-        else:
-            self._cluster = LocalCluster(
-                n_workers=min(s.workers, self.runs),
-                threads_per_worker=1,
-                processes=True,
-                dashboard_address=None,
-                scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
-                memory_limit=0,
-                silence_logs=logging.ERROR,
-            )
-            self._client = Client(self._cluster, set_as_default=False)
-        self.address = self._client.scheduler.address
-        _CLIENTS[self.address] = self._client
+        self._cluster = DaskCluster(min(s.workers, self.runs), s.scheduler_address, connect_timeout_s=30)
+        self.address = self._cluster.address
+        _CLIENTS[self.address] = self._cluster.client
         return self
 
     def __exit__(
@@ -105,10 +91,9 @@ class SweepCluster:
     ) -> None:
         if self.address is not None:
             _CLIENTS.pop(self.address, None)
-        if self._client is not None:
-            self._client.close()
         if self._cluster is not None:
             self._cluster.close()
+            self._cluster = None
 
 
 def execute(job: SimJob, scheduler: str | None) -> SimResult:

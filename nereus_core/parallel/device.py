@@ -3,8 +3,9 @@
 A ``DeviceContext`` lives inside one device actor (the Dask glue in ``tasks/``
 owns it) and is handed to every core function the actor runs. It knows its
 world rank, the process groups of each layout it has built, and the objects
-resident on this device (model shards, engines). It knows nothing about Dask:
-whoever owns it decides where the rendezvous is.
+resident on this device (model shards, engines). It knows nothing about Dask or
+the environment: whoever owns it decides where the rendezvous is and on which
+interface it listens.
 
 Group creation follows torch.distributed's rule that ``new_group`` is called by
 every rank of the world, for every group, in the same order; ``build_groups``
@@ -13,7 +14,6 @@ does exactly that for one layout, so callers must call it on all devices.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -79,24 +79,26 @@ class DeviceContext:
         master_port: int,
         backend: str = "gloo",
         timeout_s: float = 300.0,
-        local_rank: int | None = None,
+        listen_fd: int | None = None,
     ) -> DeviceContext:
-        """Join the world as ``rank`` (``local_rank``: its index on its machine, default ``rank``);
-        every rank must call this with the same address."""
-        # DeepSpeed reads these when it attaches to an existing world.
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank if local_rank is None else local_rank),
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
+        """Join the world as ``rank``; every rank must call this with the same address.
+
+        The rendezvous store is created here rather than by an ``init_method`` URL, so that rank 0
+        serves it on ``listen_fd``: a listening socket its caller bound to ``master_addr`` (the store
+        then listens on that interface only; it owns and closes the socket). Without one, torch binds
+        every interface (issue 12). Whatever DeepSpeed reads from the environment is the caller's.
+        """
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(
+            master_addr,
+            master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            master_listen_fd=listen_fd if rank == 0 else None,
         )
         dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())

@@ -31,9 +31,10 @@ import torch
 from prefect.testing.utilities import prefect_test_harness
 from transformers import LlamaForCausalLM
 
+from flows.cli import FAULT_ENV as ENV
 from flows.ppo_job import ppo_job
+from nereus_core import faults
 from nereus_core.config import parse_config
-from nereus_core.faults import ENV
 from storage import list_snapshots, read_full_state
 from storage.export import export_hf
 from storage.journal import journals
@@ -125,9 +126,12 @@ def _config(**job: object) -> dict:
 def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict, fault: str) -> Path:
     out = tmp_path / "run"
     monkeypatch.setenv("NEREUS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv(ENV, fault)  # device workers inherit it when the pool starts them
-    with prefect_test_harness(server_startup_timeout=300):
-        ppo_job(config=parse_config(config), out_dir=str(out))
+    faults.arm([fault])  # as the CLI does; the device pool arms it on the workers it starts
+    try:
+        with prefect_test_harness(server_startup_timeout=300):
+            ppo_job(config=parse_config(config), out_dir=str(out))
+    finally:
+        faults.arm(())
     return out
 
 

@@ -1,8 +1,10 @@
-"""Tests of tasks/device_pool.py: real Dask workers forming a real gloo world."""
+"""Tests of tasks/device_pool.py and tasks/cluster.py: real Dask workers forming a real gloo world."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,9 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import LocalCluster
+from distributed.security import Security
 
+from nereus_core import faults
+from nereus_core.config import ConfigError, parse_config
 from nereus_core.layout import Layout
 from nereus_core.parallel.device import DeviceContext
+from tasks.cluster import ClusterError, DaskCluster, TlsFiles
 from tasks.device_pool import DevicePool, DevicePoolError, DeviceRunError
 
 # The per-rank helpers below travel to the workers by value: the workers need
@@ -64,6 +70,10 @@ def fail_on_odd(ctx: DeviceContext, word: str) -> int:
     return ctx.rank
 
 
+def armed_here(ctx: DeviceContext) -> tuple[str, ...]:
+    return faults.armed_points()
+
+
 def _children() -> set[int]:
     """Child processes of the test process, except multiprocessing's resource tracker.
 
@@ -82,6 +92,21 @@ def _children() -> set[int]:
 
 def _pids(pool: DevicePool) -> dict[str, int]:
     return {i["worker"]: i["pid"] for i in pool.info()}
+
+
+def _listeners(pids: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket owned by ``pids``."""
+    out = []
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                out.append((pid, conn.laddr.ip, conn.laddr.port))
+    return out
+
+
+def _exposed(listeners: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
+    """The listeners another machine could reach: any address but loopback (:: and 0.0.0.0 included)."""
+    return [item for item in listeners if not ipaddress.ip_address(item[1].split("%")[0]).is_loopback]
 
 
 # ------------------------------------------------------------------------ tests
@@ -169,17 +194,103 @@ def test_grow_and_shrink_in_one_driver(caplog: pytest.LogCaptureFixture) -> None
     assert "resized 2 -> 4" in caplog.text
 
 
+def test_no_listener_of_a_local_pool_is_reachable_from_another_machine(pool2: DevicePool) -> None:
+    me = psutil.Process()
+    pids = {me.pid} | {p.pid for p in me.children(recursive=True)}  # driver, nannies, workers
+    listeners = _listeners(pids)
+    assert _exposed(listeners) == [], "a local pool listens beyond loopback"
+    # The world's rendezvous store is among them, served by rank 0's worker on loopback.
+    host, port = pool2.rendezvous or ("", 0)
+    rank0 = pool2.info()[0]["pid"]
+    assert (rank0, "127.0.0.1", port) in listeners and host == "127.0.0.1"
+
+
+def test_exposed_listeners_are_caught() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("0.0.0.0", 0))  # every interface, as torch's store binds by default
+        sock.listen(1)
+        port = sock.getsockname()[1]
+        found = _exposed(_listeners({psutil.Process().pid}))
+    assert ("0.0.0.0", port) in [(address, p) for _, address, p in found]
+
+
+def test_workers_arm_the_fault_points_armed_in_the_driver() -> None:
+    faults.arm(["fail-snapshot-write"])
+    try:
+        with DevicePool(1) as pool:
+            assert pool.run_all(armed_here) == [("fail-snapshot-write",)]
+    finally:
+        faults.arm(())
+    assert faults.armed_points() == ()
+
+
 def test_external_scheduler_uses_its_workers() -> None:
-    with LocalCluster(
-        n_workers=3, threads_per_worker=1, dashboard_address=None, silence_logs=logging.ERROR
-    ) as c:
-        with DevicePool(2, scheduler_address=c.scheduler_address) as pool:
+    with DaskCluster(3) as c:
+        with DevicePool(2, scheduler_address=c.address) as pool:
             assert pool.run_all(world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
             pool.resize(3)
             assert pool.run_all(world_sum)[0] == (0, 3, 6.0)
         with pytest.raises(DevicePoolError, match=r"has 3 workers .* need 4 devices"):
-            DevicePool(4, scheduler_address=c.scheduler_address, worker_timeout_s=0.5)
-        assert len(c.scheduler_info["workers"]) == 3  # the pool did not stop workers it does not own
+            DevicePool(4, scheduler_address=c.address, worker_timeout_s=0.5)
+        assert len(c.worker_names()) == 3  # the pool did not stop workers it does not own
+
+
+def test_tls_scheduler_is_reached_with_the_configured_files(tmp_path: Any) -> None:
+    made = Security.temporary()  # one CA-signed certificate and key, as PEM text
+    paths = {}
+    for name, pem in (("ca", made.tls_ca_file), ("cert", made.tls_client_cert), ("key", made.tls_client_key)):
+        paths[name] = tmp_path / f"{name}.pem"
+        paths[name].write_text(pem)
+    files = TlsFiles(str(paths["ca"]), str(paths["cert"]), str(paths["key"]))
+    with LocalCluster(
+        n_workers=1,
+        threads_per_worker=1,
+        host="127.0.0.1",
+        protocol="tls://",
+        security=made,
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    ) as c:
+        assert c.scheduler_address.startswith("tls://")
+        tls = {"tls_ca_file": files.ca_file, "tls_cert_file": files.cert_file, "tls_key_file": files.key_file}
+        cfg = parse_config({"cluster": {"scheduler_address": c.scheduler_address, **tls}})
+        with DevicePool.for_cluster(cfg.cluster, devices=1) as pool:
+            assert pool.tls == files
+            assert pool.run_all(world_sum) == [(0, 1, 1.0)]
+    missing = TlsFiles(str(tmp_path / "nope.pem"), files.cert_file, files.key_file)
+    with pytest.raises(ClusterError, match=r"^cluster\.tls_ca_file: .*nope\.pem is not a readable file"):
+        missing.security()
+
+
+def test_tls_files_come_from_the_cluster_config() -> None:
+    tls = {"tls_ca_file": "ca.pem", "tls_cert_file": "c.pem", "tls_key_file": "k.pem"}
+    cfg = parse_config({"cluster": {"scheduler_address": "tls://10.0.0.1:8786", **tls}})
+    assert TlsFiles.of(cfg.cluster) == TlsFiles("ca.pem", "c.pem", "k.pem")
+    assert TlsFiles.of(parse_config({}).cluster) is None
+    with pytest.raises(ConfigError, match=r"tls_ca_file is set but .* is not tls://"):
+        parse_config({"cluster": {"scheduler_address": "tcp://10.0.0.1:8786", **tls}})
+    with pytest.raises(ConfigError, match=r"is tls:// but cluster\.tls_key_file is not set"):
+        parse_config(
+            {
+                "cluster": {
+                    "scheduler_address": "tls://10.0.0.1:8786",
+                    "tls_ca_file": "a",
+                    "tls_cert_file": "b",
+                }
+            }
+        )
+
+
+def test_plain_tcp_to_another_host_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="tasks.cluster")
+    with pytest.raises(ClusterError, match=r"cannot reach the Dask scheduler at tcp://192\.0\.2\.1:8786"):
+        DaskCluster(1, "tcp://192.0.2.1:8786", connect_timeout_s=0.5)  # TEST-NET-1: nobody answers
+    warned = [r.getMessage() for r in caplog.records if r.name == "tasks.cluster"]
+    assert len(warned) == 1 and "anyone who can reach it can run code on its workers" in warned[0]
+    caplog.clear()
+    with pytest.raises(ClusterError):
+        DaskCluster(1, "tcp://127.0.0.1:9", connect_timeout_s=0.5)
+    assert not [r for r in caplog.records if r.name == "tasks.cluster"]  # loopback: not another host
 
 
 def test_unknown_scheduler_is_one_clear_error() -> None:
