@@ -20,4 +20,13 @@ def step_table(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> str:
         f"({stats['overhead_s'] / wall:.1%}) | score {stats['score']:.3f} rule {stats['rule_score']:.3f} "
         f"| kl {stats['kl']:.4f}"
     )
+    if "actor_loss" in stats:  # the PPO statistics verl logs (pg_clipfrac, ppo_kl, entropy, grad_norm, ...)
+        lines.append(
+            f"actor loss {stats['actor_loss']:.4f} clip {stats['actor_clip_frac']:.3f} "
+            f"kl {stats['actor_approx_kl']:.2e} entropy {stats['actor_entropy']:.3f} "
+            f"grad {stats['actor_grad_norm']:.3f} | critic loss {stats['critic_loss']:.4f} "
+            f"vclip {stats['critic_value_clip_frac']:.3f} grad {stats['critic_grad_norm']:.3f} | "
+            f"response len {stats['response_len_mean']:.1f} max {stats['response_len_max']:.0f} "
+            f"at limit {stats['response_clip_frac']:.0%}"
+        )
     return "\n".join(lines)

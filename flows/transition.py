@@ -1,17 +1,20 @@
 """The transition subflow: switch the running job from plan A to plan B, journaled.
 
-    journal: transition start (plans, reason, route, the checkpoint plan A is safe in)
-      live route (same devices; the GTG found a memory-safe order):
-      -> each model-stage whose layout changes, in the GTG's order: move_stage (P2P reshard of
-         parameters + AdamW state); stages the GTG sends durable: rehydrate from the checkpoint
-      durable route (the device set changes, or no live order exists):
-      -> drop every shard -> resize the pool (a new world) -> rehydrate every model-stage under
-         plan B from the checkpoint (a device lost meanwhile: rebuild the world, rehydrate again)
+    journal: transition start (plans, reason, route, the executed schedule, the checkpoint)
+      same devices: the GTG (nereus_core.gtg) orders the ops so no device overflows; the executor
+        runs them grouped into units (nereus_core.gtg.execution), wave by wave, after replaying
+        that very order against the devices' capacities:
+          move:<stage>    live reshard of parameters + AdamW state (slices device to device)
+          unload:<stage>  a durable stage drops its old shards (its state is in the checkpoint)
+          load:<stage>    ... and is rehydrated on its new layout from the checkpoint
+        no memory-safe order of whole units: every changed stage goes durable instead
+      another device set: drop every shard -> resize the pool (a new world) -> rehydrate every
+        model-stage under plan B from the checkpoint (a device lost meanwhile: rebuild, again)
       -> inference copies of trained models (actor/generate, critic/infer): relink
       -> journal: commit (the plan switch); the job continues on plan B
-Every operation writes a ``start`` line before it runs and a ``done`` line after, so after a
-crash the journal says how far it got; ``nereus resume`` then finishes the switch from the
-checkpoint (plan B) or rolls it back (plan A), see flows/ppo_job.py.
+Every unit writes a ``start`` line before it runs and a ``done`` line after, so after a crash the
+journal says how far it got; ``nereus resume`` then finishes the switch from the checkpoint
+(plan B) or rolls it back (plan A): nereus_core.job.resume_point.
 """
 
 from __future__ import annotations
@@ -24,51 +27,66 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from nereus_core import faults
-from nereus_core.config import ModelConfig, NereusConfig
-from nereus_core.engine.shard import OptimizerSettings, drop_all
-from nereus_core.gtg import TransitionInfeasible, build_gtg
+from nereus_core.config import NereusConfig
+from nereus_core.engine.shard import drop_all
+from nereus_core.gtg import TransitionGraph, TransitionInfeasible, build_gtg
+from nereus_core.gtg.execution import NoStageSchedule, StageSchedule, stage_schedule
+from nereus_core.job import model_config, optimizer_settings
 from nereus_core.layout import Layout
-from nereus_core.plan import model_of, models_for
+from nereus_core.plan import COPIES, OWN_STATE, ModelStage
 from storage.journal import ABORT, COMMIT, DONE, FAILED, START, Journal
+from storage.run_dir import RunDir
 from tasks import model_ops
 from tasks.device_pool import DevicePool
 from tasks.snapshots import rehydrate_model
 from tasks.transition_ops import move_stage, relink_copy
 
-COPIES = {"actor/generate": "actor/train", "critic/infer": "critic/train"}
-OWN_STATE = ("actor/train", "critic/train", "reference/infer", "reward/infer")
-
-
-def stage_config(cfg: NereusConfig, stage: str) -> ModelConfig:
-    """The model config of a model-stage: critic and reward carry the value head."""
-    return models_for(cfg.model)[model_of(stage)]
-
-
-def optimizer_settings(cfg: NereusConfig, stage: str) -> OptimizerSettings | None:
-    """AdamW settings of a train model-stage (None for an inference stage)."""
-    if not stage.endswith("/train"):
-        return None
-    lr = cfg.ppo.actor_lr if stage.startswith("actor") else cfg.ppo.critic_lr
-    return OptimizerSettings(lr=lr, weight_decay=cfg.job.weight_decay)
+Plan = dict[str, Layout]
 
 
 def _run_op(journal: Journal, op_id: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     if op_id in journal.done_ops():
         return {"seconds": 0.0, "bytes_moved": 0, "skipped": True}
     journal.record(op_id, START)
-    stats = fn(*args, **kwargs)
+    stats = fn(*args, **kwargs) or {}
     journal.record(op_id, DONE, seconds=stats.get("seconds", 0.0), bytes_moved=stats.get("bytes_moved", 0))
     return stats
 
 
-def _stage_order(graph: Any, stages: list[str]) -> list[str]:
-    """Changed stages in the order their first operation runs in the GTG's wave schedule."""
+def _rehydrate(
+    pool: DevicePool, cfg: NereusConfig, run_dir: str, step: int, stage: str, layout: Layout
+) -> dict:
+    stats = rehydrate_model(
+        pool,
+        run_dir,
+        ModelStage(stage).model,
+        step,
+        layout,
+        model_config(cfg, stage),
+        stage,
+        optimizer_settings(cfg, stage),
+        incarnation=RunDir(run_dir).read_checkpoint(step)["incarnation"],  # the checkpoint's own writer
+    )
+    return {**stats, "bytes_moved": stats.get("bytes_read", 0)}
 
-    def first_wave(stage: str) -> int:
-        waves = (i for i, wave in enumerate(graph.waves) for op in wave if f":{stage}" in op)
-        return next(waves, len(graph.waves))
 
-    return sorted(stages, key=lambda s: (first_wave(s), OWN_STATE.index(s)))
+def _relink(pool: DevicePool, cfg: NereusConfig, journal: Journal, plan: Plan, copies: list) -> int:
+    moved = 0
+    for copy in copies:
+        source = COPIES[copy]
+        stats = _run_op(
+            journal,
+            f"relink:{copy}",
+            relink_copy,
+            pool,
+            copy,
+            source,
+            plan[source],
+            plan[copy],
+            model_config(cfg, copy),
+        )
+        moved += stats.get("bytes_moved", 0)
+    return moved
 
 
 def rehydrate_all(
@@ -76,7 +94,7 @@ def rehydrate_all(
     cfg: NereusConfig,
     run_dir: str,
     journal: Journal,
-    plan: dict[str, Layout],
+    plan: Plan,
     checkpoint_step: int,
     devices: int,
 ) -> int:
@@ -95,21 +113,10 @@ def rehydrate_all(
                 logger.warning("fault injection: killing device worker pid %d during rehydration", pid)
                 os.kill(pid, signal.SIGKILL)
             for stage in OWN_STATE:
-                model = model_of(stage)
-                stats = _run_op(
-                    journal,
-                    f"rehydrate:{stage}#{attempt}",
-                    rehydrate_model,
-                    pool,
-                    run_dir,
-                    model,
-                    checkpoint_step,
-                    plan[stage],
-                    stage_config(cfg, stage),
-                    stage,
-                    optimizer_settings(cfg, stage),
-                )
-                read += stats.get("bytes_read", 0)
+                op = f"rehydrate:{stage}#{attempt}"
+                read += _run_op(
+                    journal, op, _rehydrate, pool, cfg, run_dir, checkpoint_step, stage, plan[stage]
+                )["bytes_moved"]
             break
         except Exception as err:
             journal.record(f"rehydrate#{attempt}", FAILED, error=f"{type(err).__name__}: {err}"[:500])
@@ -118,20 +125,7 @@ def rehydrate_all(
             logger.warning("rehydration failed (%s); rebuilding the world and rehydrating again", err)
             _resize(pool, devices)  # a lost worker is replaced; every group is rebuilt
             _drop_all(pool)
-    for copy, source in COPIES.items():
-        stats = _run_op(
-            journal,
-            f"relink:{copy}",
-            relink_copy,
-            pool,
-            copy,
-            source,
-            plan[source],
-            plan[copy],
-            stage_config(cfg, copy),
-        )
-        read += stats.get("bytes_moved", 0)
-    return read
+    return read + _relink(pool, cfg, journal, plan, list(COPIES))
 
 
 def _drop_all(pool: DevicePool) -> dict[str, Any]:
@@ -149,14 +143,27 @@ def _resize(pool: DevicePool, devices: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start, "resize_s": resized - start}
 
 
+def _plan_moves(cfg: NereusConfig, old: Plan, new: Plan, capacities: dict[int, int], live: bool) -> tuple:
+    """The GTG and the schedule the executor runs; a GTG order that whole units cannot follow safely
+    sends every changed stage durable (always safe: plan B alone fits, checked by the GTG)."""
+    models = {s: (model_config(cfg, s), ModelStage(s).trains) for s in OWN_STATE}
+    a, b = {s: old[s] for s in OWN_STATE}, {s: new[s] for s in OWN_STATE}
+    graph = build_gtg(a, b, models, capacities, allow_live=live)
+    try:
+        return graph, stage_schedule(graph, capacities), graph.reason
+    except NoStageSchedule as err:
+        graph = build_gtg(a, b, models, capacities, allow_live=False)
+        return graph, stage_schedule(graph, capacities), f"durable: {err}"
+
+
 @flow(name="nereus-transition", validate_parameters=False)
 def transition_flow(
     pool: DevicePool,
     cfg: NereusConfig,
     run_dir: str,
     transition_id: str,
-    old: dict[str, Layout],
-    new: dict[str, Layout],
+    old: Plan,
+    new: Plan,
     *,
     step: int,
     reason: str,
@@ -167,9 +174,9 @@ def transition_flow(
     """Move every model-stage whose layout differs from ``old`` to ``new``; returns the figures.
 
     ``checkpoint_step``: every model's state at this step is committed in the run directory
-    (``state/<model>/step=N``, plan A's state): the durable route rehydrates from it, and
-    ``nereus resume`` finishes an interrupted switch from it. ``devices``: the pool's size under
-    plan B (a change takes the durable route; it needs the checkpoint).
+    (``state/<model>/step=N``, plan A's state): durable units rehydrate from it, and ``nereus
+    resume`` finishes an interrupted switch from it. ``devices``: the pool's size under plan B (a
+    change rebuilds the world; it needs the checkpoint). ``path``: the reshard path of live units.
     """
     logger = get_run_logger()
     journal = Journal(run_dir, transition_id)
@@ -178,26 +185,17 @@ def transition_flow(
     if resize and checkpoint_step is None:
         raise ValueError("changing the device set rebuilds the world: give checkpoint_step")
     capacities = {d: int(cfg.cluster.memory_per_device) for d in range(max(pool.size, target))}
-    models = {s: (stage_config(cfg, s), s.endswith("/train")) for s in OWN_STATE}
     try:
-        # The GTG orders the moves so no device overflows, and routes through the store when it must.
-        graph = build_gtg(
-            {s: old[s] for s in OWN_STATE},
-            {s: new[s] for s in OWN_STATE},
-            models,
-            capacities,
-            allow_live=not resize,
-        )
-    except TransitionInfeasible as err:
+        graph, schedule, route_reason = _plan_moves(cfg, old, new, capacities, live=not resize)
+    except (TransitionInfeasible, NoStageSchedule) as err:
         journal.record("transition", ABORT, step=step, reason=reason, error=str(err))
         logger.warning("transition %s refused before any move: %s", transition_id, err)
         return {"seconds": 0.0, "bytes_moved": 0, "operations": 0, "status": "refused", "error": str(err)}
     route = "durable" if resize else graph.route
-    route_reason = (
-        f"the device set changes ({pool.size} -> {target} slots): the world is rebuilt"
-        if resize
-        else graph.reason
-    )
+    if resize:
+        route_reason = f"the device set changes ({pool.size} -> {target} slots): the world is rebuilt"
+    if schedule.waves and any(u.startswith("load:") for u in schedule.order) and checkpoint_step is None:
+        raise ValueError(f"{route_reason}: durable units rehydrate from a checkpoint; give checkpoint_step")
     journal.record(
         "transition",
         START,
@@ -207,6 +205,7 @@ def transition_flow(
         route=route,
         route_reason=route_reason,
         critical_path_s=graph.critical_path_s,
+        schedule=[list(w) for w in schedule.waves],
         checkpoint_step=checkpoint_step,
         devices_before=pool.size,
         devices=target,
@@ -214,22 +213,22 @@ def transition_flow(
         new={k: v.model_dump(mode="json") for k, v in new.items()},
     )
     logger.info(
-        "GTG: route %s (%s), %d ops, critical path %.3f s",
-        route,
-        route_reason,
-        len(graph.ops),
-        graph.critical_path_s,
+        "GTG: route %s (%s), %d ops in %d units", route, route_reason, len(graph.ops), len(schedule.order)
     )
     start = time.perf_counter()
-    moved, ops = 0, 0
     try:
-        if route == "durable" and checkpoint_step is not None:
-            moved = rehydrate_all(pool, cfg, run_dir, journal, new, checkpoint_step, target)
-            ops = len(OWN_STATE) + len(COPIES)
+        if resize:
+            moved = rehydrate_all(pool, cfg, run_dir, journal, new, checkpoint_step, target)  # type: ignore[arg-type]
+            units = len(OWN_STATE) + len(COPIES)
         else:
-            moved, ops = _move_changed(
-                pool, cfg, run_dir, journal, graph, old, new, step, path, checkpoint_step
+            moved = _run_schedule(
+                pool, cfg, run_dir, journal, graph, schedule, old, new, path, step, checkpoint_step
             )
+            changed = [c for c, s in COPIES.items() if old[c] != new[c] or old[s] != new[s]]
+            for copy in changed:
+                model_ops.unload_model(pool, old[copy], name=copy)
+            moved += _relink(pool, cfg, journal, new, changed)
+            units = len(schedule.order) + len(changed)
     except BaseException as err:
         journal.record("transition", ABORT, error=f"{type(err).__name__}: {err}"[:500])
         raise
@@ -238,83 +237,59 @@ def transition_flow(
     return {
         "seconds": seconds,
         "bytes_moved": moved,
-        "operations": ops,
+        "operations": units,
         "status": "committed",
         "route": route,
         "gtg_critical_path_s": graph.critical_path_s,
+        "peak_bytes": max(schedule.peak_bytes.values(), default=0),
     }
 
 
-def _move_changed(
+def _run_schedule(
     pool: DevicePool,
     cfg: NereusConfig,
     run_dir: str,
     journal: Journal,
-    graph: Any,
-    old: dict[str, Layout],
-    new: dict[str, Layout],
-    step: int,
+    graph: TransitionGraph,
+    schedule: StageSchedule,
+    old: Plan,
+    new: Plan,
     path: str,
+    step: int,
     checkpoint_step: int | None,
-) -> tuple[int, int]:
-    """The live route: each changed stage moved in the GTG's order (durable ones from the checkpoint)."""
-    logger = get_run_logger()
-    moved, ops = 0, 0
-    changed = [s for s in OWN_STATE if old[s] != new[s]]
-    for stage in _stage_order(graph, changed):
-        if faults.armed("kill-driver:move"):
-            journal.record(f"move:{stage}", START)
-            logger.warning("fault injection: the driver dies while moving %s", stage)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if stage in graph.durable_stages and checkpoint_step is not None:
-            model_ops.unload_model(pool, old[stage], name=stage)
-            stats = _run_op(
-                journal,
-                f"rehydrate:{stage}",
-                rehydrate_model,
-                pool,
-                run_dir,
-                model_of(stage),
-                checkpoint_step,
-                new[stage],
-                stage_config(cfg, stage),
-                stage,
-                optimizer_settings(cfg, stage),
+) -> int:
+    """Run the schedule's units wave by wave (a wave's units one after another: the replay that
+    proved the schedule safe counts all of a wave's allocations before any of its frees)."""
+    logger, moved, done = get_run_logger(), 0, 0
+    for wave in schedule.waves:
+        for unit in wave:
+            kind, _, stage = unit.partition(":")
+            if kind == "move":
+                stats = _run_op(
+                    journal,
+                    unit,
+                    move_stage,
+                    pool,
+                    stage,
+                    model_config(cfg, stage),
+                    old[stage],
+                    new[stage],
+                    path=path,
+                    optimizer=optimizer_settings(cfg, stage),
+                    run_dir=run_dir,
+                    step=step,
+                )
+            elif kind == "unload":
+                stats = _run_op(journal, unit, model_ops.unload_model, pool, old[stage], name=stage)
+            else:
+                stats = _run_op(
+                    journal, unit, _rehydrate, pool, cfg, run_dir, checkpoint_step, stage, new[stage]
+                )
+            moved, done = moved + stats.get("bytes_moved", 0), done + 1
+            logger.info(
+                "%s %s -> %s (%s bytes)", unit, old[stage].key, new[stage].key, stats.get("bytes_moved")
             )
-            stats["bytes_moved"] = stats.get("bytes_read", 0)
-        else:
-            stats = _run_op(
-                journal,
-                f"move:{stage}",
-                move_stage,
-                pool,
-                stage,
-                stage_config(cfg, stage),
-                old[stage],
-                new[stage],
-                path=path,
-                optimizer=optimizer_settings(cfg, stage),
-                run_dir=run_dir,
-                step=step,
-            )
-        moved, ops = moved + stats.get("bytes_moved", 0), ops + 1
-        logger.info(
-            "moved %s %s -> %s (%s bytes)", stage, old[stage].key, new[stage].key, stats.get("bytes_moved")
-        )
-    for copy, source in COPIES.items():
-        if old[copy] == new[copy] and old[source] == new[source]:
-            continue
-        model_ops.unload_model(pool, old[copy], name=copy)
-        stats = _run_op(
-            journal,
-            f"relink:{copy}",
-            relink_copy,
-            pool,
-            copy,
-            source,
-            new[source],
-            new[copy],
-            stage_config(cfg, copy),
-        )
-        moved, ops = moved + stats.get("bytes_moved", 0), ops + 1
-    return moved, ops
+            if done < len(schedule.order) and faults.armed("kill-driver:move"):
+                logger.warning("fault injection: the driver dies after %s, with units still to run", unit)
+                os.kill(os.getpid(), signal.SIGKILL)
+    return moved

@@ -105,3 +105,15 @@ def test_snapshots_differ_between_steps_and_reference_stays_put(run_dir):
     ref1 = read_full_state(run_dir, "reference", step=1)
     ref2 = read_full_state(run_dir, "reference", step=2)
     assert all(torch.equal(ref1[k], ref2[k]) for k in ref1)
+
+
+def test_history_logs_the_ppo_statistics_and_response_lengths_of_every_step(run_dir):
+    history = RunDir(run_dir).read_rows("metrics/history.parquet")
+    assert [h["step"] for h in history] == [0, 1]
+    for h in history:
+        for key in ("actor_loss", "actor_clip_frac", "actor_approx_kl", "actor_entropy", "actor_grad_norm"):
+            assert key in h and h[key] == h[key], key  # present and not NaN
+        assert 0.0 <= h["actor_clip_frac"] <= 1.0 and h["actor_entropy"] > 0 and h["actor_grad_norm"] > 0
+        assert 0.0 <= h["critic_value_clip_frac"] <= 1.0 and h["critic_grad_norm"] > 0
+        # the count task's responses are fixed-length: every one reaches the limit
+        assert h["response_len_mean"] == h["response_len_max"] == 4 and h["response_clip_frac"] == 1.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.ppo_job import _open_run, _resume_point
+from flows.job_start import opened
 from nereus_core.config import ConfigError, parse_config
 from nereus_core.layout import Layout
 from storage.journal import START, Journal
@@ -36,56 +36,77 @@ def _interrupted(run: RunDir, checkpoint_step: int) -> Journal:
     return journal
 
 
+def _resume(run: RunDir, devices: int | None = None):
+    with opened(parse_config(run.read_config()), str(run.root), devices) as (_, cfg, point):
+        return point, cfg
+
+
 def test_newest_checkpoint_sets_devices_and_response_length(run):
-    point, cfg = _resume_point(run, parse_config(run.read_config()), None)
-    assert point["step"] == 5 and point["plan"] == A and point["devices"] == 4
+    incarnation = run.identity().incarnation
+    point, cfg = _resume(run)
+    assert point.step == 5 and point.layouts == A and point.devices == 4
     assert cfg.cluster.devices == 4 and cfg.job.response_len == 12
+    assert run.identity().incarnation == incarnation + 1  # a new driver took the run over
 
 
 def test_interrupted_switch_from_that_checkpoint_is_finished_on_plan_b(run):
     journal = _interrupted(run, checkpoint_step=5)
-    point, _ = _resume_point(run, parse_config(run.read_config()), None)
-    assert point["plan"] == B
+    point, _ = _resume(run)
+    assert point.layouts == B
     assert journal.status() == "committed" and journal.entries()[-1]["finished_by"] == "resume"
 
 
 def test_switch_that_does_not_fit_the_devices_at_hand_is_rolled_back(run):
     journal = _interrupted(run, checkpoint_step=5)
-    point, cfg = _resume_point(run, parse_config(run.read_config()), 2)  # plan B needs slot 3
-    assert point["plan"] == A and point["devices"] == 2 and point["record_devices"] == 4
+    point, cfg = _resume(run, 2)  # plan B needs slot 3
+    assert point.layouts == A and point.devices == 2 and point.checkpoint_devices == 4
     assert cfg.cluster.devices == 2
     assert journal.status() == "aborted" and journal.entries()[-1]["rolled_back_by"] == "resume"
 
 
 def test_switch_from_an_older_checkpoint_is_rolled_back(run):
     journal = _interrupted(run, checkpoint_step=2)
-    point, _ = _resume_point(run, parse_config(run.read_config()), None)
-    assert point["plan"] == A and journal.status() == "aborted"
+    point, _ = _resume(run)
+    assert point.layouts == A and journal.status() == "aborted"
 
 
-def test_no_checkpoint_is_one_clear_error(tmp_path):
-    run = RunDir.create(tmp_path, parse_config({}).model_dump(mode="json"))
-    with pytest.raises(FileNotFoundError, match="no checkpoint to resume from"):
-        _resume_point(run, parse_config({}), None)
+def test_a_completed_run_is_refused(run):
+    run.write_summary({"status": "completed"})
+    with pytest.raises(ConfigError, match="already holds a completed run"):
+        _resume(run)
+
+
+def test_no_checkpoint_starts_a_new_run(tmp_path):
+    cfg = parse_config({})
+    old = RunDir.create(tmp_path, cfg.model_dump(mode="json")).identity().run_id
+    with opened(cfg, str(tmp_path), None) as (run, _, point):
+        assert point is None and run.identity().run_id != old
 
 
 def test_same_config_on_an_unfinished_run_resumes_it(run):
     """What a retry of the failed flow run (same parameters) or a second `nereus run --out` does."""
-    cfg = parse_config(run.read_config())
-    _, resumed_cfg, point = _open_run(cfg, str(run.root), None)
-    assert point is not None and point["step"] == 5 and resumed_cfg.job.response_len == 12
+    point, resumed_cfg = _resume(run)
+    assert point is not None and point.step == 5 and resumed_cfg.job.response_len == 12
 
 
-def test_another_config_or_a_completed_run_is_refused(run):
+def test_another_config_is_refused(run):
     other = parse_config(run.read_config()).model_copy(update={"name": "other"})
-    with pytest.raises(ConfigError, match="unfinished run of another config; continue it with nereus resume"):
-        _open_run(other, str(run.root), None)
-    run.write_summary({"status": "completed"})
-    with pytest.raises(ConfigError, match="already holds a completed run"):
-        _open_run(parse_config(run.read_config()), str(run.root), None)
+    refused = pytest.raises(
+        ConfigError, match="unfinished run of another config; continue it with nereus resume"
+    )
+    with refused, opened(other, str(run.root), None):
+        pass
 
 
 def test_a_new_directory_starts_fresh(tmp_path):
-    cfg = parse_config({})
-    opened, _, point = _open_run(cfg, str(tmp_path / "new"), 3)
-    assert point is None and parse_config(opened.read_config()).cluster.devices == 3
+    with opened(parse_config({}), str(tmp_path / "new"), 3) as (run, _, point):
+        assert point is None and parse_config(run.read_config()).cluster.devices == 3
+
+
+def test_a_second_driver_on_a_live_run_is_refused(run):
+    from storage.lock import RunLocked
+
+    cfg = parse_config(run.read_config())
+    locked = pytest.raises(RunLocked, match="is in use by pid")
+    with opened(cfg, str(run.root), None), locked, opened(cfg, str(run.root), None):
+        pass

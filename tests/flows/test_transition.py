@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.ppo_job import Job
-from flows.transition import OWN_STATE, transition_flow
+from flows.transition import transition_flow
+from nereus_core import job as jb
 from nereus_core.config import parse_config
 from nereus_core.engine.train import lm_loss, score_mse_loss
 from nereus_core.layout import Layout
 from nereus_core.model.weights import init_full_state
+from nereus_core.plan import OWN_STATE
 from storage.journal import Journal
-from storage.run_dir import RunDir
-from tasks import model_ops
+from tasks import job_ops, model_ops
 from tasks.device_pool import DevicePool
 from tasks.reshard import gather_state
 
@@ -29,10 +29,10 @@ PLAN_B = {
 }
 
 
-def _state(job: Job, plan: dict[str, Layout]) -> dict[str, dict[str, torch.Tensor]]:
+def _state(pool: DevicePool, cfg, plan: dict[str, Layout]) -> dict[str, dict[str, torch.Tensor]]:
     return {
         stage: gather_state(
-            job.pool, plan[stage], name=stage, config=job.config_of(stage), train=stage.endswith("/train")
+            pool, plan[stage], name=stage, config=jb.model_config(cfg, stage), train=stage.trains
         )
         for stage in OWN_STATE
     }
@@ -43,19 +43,19 @@ def test_transition_moves_all_state_bitwise_and_training_goes_on(tmp_path) -> No
     ids = torch.randint(1, 11, (8, 8), generator=torch.Generator().manual_seed(3))
     batch_critic = {"ids": ids, "score": torch.linspace(0, 1, 8)}
     with prefect_test_harness(server_startup_timeout=300), DevicePool(4) as pool:
-        job = Job(pool, cfg, RunDir.create(tmp_path, cfg.model_dump(mode="json")))
-        job.load(init_full_state(job.config_of("reward/infer")))
-        plan_a = dict(job.plan)
+        state = jb.start(cfg)
+        reward = init_full_state(jb.model_config(cfg, "reward/infer"))
+        job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward)
+        plan_a = dict(state.layouts)
         # One step each so the AdamW moments and step counts are not trivial.
         model_ops.train(pool, plan_a["actor/train"], {"ids": ids}, name="actor/train", loss_fn=lm_loss)
         model_ops.train(
             pool, plan_a["critic/train"], batch_critic, name="critic/train", loss_fn=score_mse_loss
         )
-        before = _state(job, plan_a)
+        before = _state(pool, cfg, plan_a)
         logp_before = model_ops.forward(pool, plan_a["actor/train"], ids, name="actor/train")
         stats = transition_flow(pool, cfg, str(tmp_path), "t-test", plan_a, PLAN_B, step=1, reason="test")
-        job.switch_to(PLAN_B)
-        after = _state(job, PLAN_B)
+        after = _state(pool, cfg, PLAN_B)
         logp_after = model_ops.forward(pool, PLAN_B["actor/train"], ids, name="actor/train")
         # The generation copy follows the trained actor after the transition.
         logp_gen = model_ops.forward(pool, PLAN_B["actor/generate"], ids, name="actor/generate")

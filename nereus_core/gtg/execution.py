@@ -1,0 +1,116 @@
+"""What the transition executor runs: the GTG's operations grouped into units, in waves.
+
+The device side carries out a unit of ops in one collective call, so this module groups the
+GTG's ops into the units the executor has:
+- ``move:<stage>``: a live model-stage's allocs, transfers, copies and frees (``engine.reshard``:
+  every device of both layouts allocates its new shard, the pieces move, the old shards go);
+- ``unload:<stage>`` and ``load:<stage>``: a durable model-stage's snapshot and frees, then its
+  allocs and rehydrations (the snapshot is the checkpoint the transition starts from).
+It then proves, with the GTG's own memory replay, that running the units in the returned order
+never puts a device over its capacity:
+
+1. every edge between ops of two different units (data, memory, port) becomes an edge between
+   the units; a cycle means the GTG's order interleaves two units' ops, which one call per unit
+   cannot do: no unit-level schedule exists (the caller takes the durable route);
+2. the units' levels are the waves (a wave's units may run at once);
+3. each wave is replayed as one GTG wave (all its allocations before any of its frees, the worst
+   case of running its units together); if a device overflows, the units run one per wave in
+   topological order and are replayed again; if that overflows too, there is no safe schedule.
+
+Boundary: pure planning over a ``TransitionGraph``; flows/transition.py executes the waves.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from nereus_core.gtg.graph import TransitionGraph, device_loads, replay_peaks, resolve_capacities
+
+
+@dataclass(frozen=True)
+class StageSchedule:
+    """Units in waves, with the op ids of each unit and the replayed peak per device."""
+
+    waves: tuple[tuple[str, ...], ...]
+    ops: dict[str, tuple[str, ...]]  # unit -> its op ids, in the GTG's order
+    peak_bytes: dict[int, int]
+    serial: bool  # True when the units had to run one per wave to stay within capacity
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return tuple(s for wave in self.waves for s in wave)
+
+
+class NoStageSchedule(ValueError):
+    """No order of whole units is memory-safe (or the GTG interleaves two units)."""
+
+
+def unit_of(graph: TransitionGraph, op_id: str) -> str:
+    """The unit an op belongs to ('' for regroup and commit): ``move:``, ``unload:`` or ``load:``."""
+    op = graph.op(op_id)
+    if not op.stage:
+        return ""
+    if graph.moves[op.stage].mode != "durable":
+        return f"move:{op.stage}"
+    return f"{'unload' if op.kind in ('snapshot', 'free') else 'load'}:{op.stage}"
+
+
+def stage_schedule(graph: TransitionGraph, capacities: dict[int, int]) -> StageSchedule:
+    """The executed schedule of ``graph`` (see the module docstring); raises ``NoStageSchedule``.
+    ``capacities`` as for ``build_gtg``."""
+    ops: dict[str, list[str]] = defaultdict(list)
+    for op in graph.ops:
+        if unit := unit_of(graph, op.id):
+            ops[unit].append(op.id)
+    stages = sorted(ops)
+    after: dict[str, set[str]] = {s: set() for s in stages}
+    for e in graph.edges:
+        a, b = unit_of(graph, e.before), unit_of(graph, e.after)
+        if a and b and a != b:
+            after[a].add(b)
+    levels = _levels(stages, after)
+    initial = device_loads(graph.moves, "old", graph.dtype_bytes)
+    final = device_loads(graph.moves, "new", graph.dtype_bytes)
+    caps = resolve_capacities(capacities, initial, final)
+    frozen = {s: tuple(v) for s, v in ops.items()}
+    for serial, waves in ((False, levels), (True, tuple((s,) for wave in levels for s in wave))):
+        peak = _replay(graph, waves, frozen, initial)
+        if all(peak[d] <= caps.get(d, peak[d]) for d in peak):
+            return StageSchedule(waves, frozen, peak, serial)
+    over = {d: (peak[d], caps[d]) for d in peak if d in caps and peak[d] > caps[d]}
+    raise NoStageSchedule(f"running whole units overflows devices (peak, capacity): {over}")
+
+
+def _levels(stages: list[str], after: dict[str, set[str]]) -> tuple[tuple[str, ...], ...]:
+    indegree = {s: 0 for s in stages}
+    for a in stages:
+        for b in after[a]:
+            indegree[b] += 1
+    ready, waves, seen = sorted(s for s in stages if indegree[s] == 0), [], 0
+    while ready:
+        waves.append(tuple(ready))
+        seen += len(ready)
+        nxt = []
+        for a in ready:
+            for b in after[a]:
+                indegree[b] -= 1
+                if indegree[b] == 0:
+                    nxt.append(b)
+        ready = sorted(nxt)
+    if seen != len(stages):
+        stuck = sorted(s for s in stages if indegree[s] > 0)
+        raise NoStageSchedule(f"the GTG interleaves the ops of {stuck}: no order of whole units")
+    return tuple(waves)
+
+
+def _replay(
+    graph: TransitionGraph,
+    waves: tuple[tuple[str, ...], ...],
+    ops: dict[str, tuple[str, ...]],
+    initial: dict[int, int],
+) -> dict[int, int]:
+    op_waves = tuple(tuple(i for s in wave for i in ops[s]) for wave in waves)
+    by_id = {op.id: op for op in graph.ops}
+    peak, _, _ = replay_peaks(op_waves, by_id, initial)
+    return peak

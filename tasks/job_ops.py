@@ -1,0 +1,164 @@
+"""The job's whole-state operations on the pool: load every model-stage, checkpoint, digest, probe.
+
+Boundary: each call carries out one thing the job flow asks for on the device pool and the run
+directory; what to do and when is nereus_core.job's. The checkpoint and the verification are
+Prefect tasks (the UI shows and times them); the helpers they share are plain calls.
+
+Verification is against live memory, never against the checkpoint a state was loaded from:
+``live_digests`` gathers every model's full state (parameters, AdamW moments, step count) from
+the devices that hold it and hashes it, so "before the switch" and "after the switch" (or "when
+the checkpoint was written" and "after resume rehydrated it") are two independent readings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from nereus_core.config import NereusConfig
+from nereus_core.engine.memory import held_bytes as device_held_bytes
+from nereus_core.job import JobState, model_config, optimizer_settings
+from nereus_core.layout import Layout
+from nereus_core.plan import COPIES, LOAD_ORDER, STATE_STAGE, ModelStage
+from nereus_core.task import make_prompts
+from storage.run_dir import RunDir
+from tasks import model_ops
+from tasks.device_pool import DevicePool
+from tasks.reshard import gather_state
+from tasks.snapshots import snapshot_model
+
+PROBED = (ModelStage.ACTOR_TRAIN, ModelStage.CRITIC_TRAIN)  # the actor's log-probs, the critic's values
+
+
+def load_models(
+    pool: DevicePool,
+    config: NereusConfig,
+    layouts: Mapping[ModelStage, Layout],
+    aliased: frozenset[ModelStage],
+    reward_state: dict[str, torch.Tensor] | None,
+) -> None:
+    """Every model-stage on its layout: own state from the seed (the reward model and the critic from
+    the fitted reward model, as OpenRLHF starts the critic), copies sharing or copying their source."""
+    for stage in LOAD_ORDER:
+        layout = layouts[stage]
+        if stage in aliased:
+            model_ops.alias_model(pool, layout, name=stage, target=COPIES[stage])
+            continue
+        full = reward_state if stage.model in ("reward", "critic") else None
+        model_ops.load_model(
+            pool,
+            layout,
+            name=stage,
+            config=model_config(config, stage),
+            optimizer=optimizer_settings(config, stage),
+            full_state=full,
+        )
+
+
+def live_state(
+    pool: DevicePool, config: NereusConfig, layouts: Mapping[ModelStage, Layout]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Every model's full state as the devices hold it now, by model."""
+    return {
+        model: gather_state(
+            pool, layouts[stage], name=stage, config=model_config(config, stage), train=stage.trains
+        )
+        for model, stage in STATE_STAGE.items()
+    }
+
+
+def digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def live_digests(
+    pool: DevicePool, config: NereusConfig, layouts: Mapping[ModelStage, Layout]
+) -> dict[str, str]:
+    """One digest per model of its live state (see the module docstring)."""
+    return {model: digest(state) for model, state in live_state(pool, config, layouts).items()}
+
+
+@task(cache_policy=NO_CACHE)  # no retries: a failed write leaves the previous checkpoint in force
+def checkpoint(pool: DevicePool, run_dir: str, state: JobState, step: int, *, digests: bool) -> float:
+    """Snapshot every model's whole state as ``step`` (the state that generates rollout ``step``),
+    then write the checkpoint record that makes it a resume point; returns seconds. With
+    ``digests`` the record also holds every model's live digest (what resume verifies against)."""
+    run, start = RunDir(run_dir), time.perf_counter()
+    incarnation = run.identity().incarnation  # a partial checkpoint of a dead driver is never reused
+    for model, stage in STATE_STAGE.items():
+        snapshot_model.fn(
+            pool,
+            run_dir,
+            model,
+            step,
+            state.layouts[stage],
+            model_config(state.config, stage),
+            stage,
+            optimizer_settings(state.config, stage),
+            incarnation=incarnation,
+        )
+    record: dict[str, Any] = {
+        "plan_id": state.plan_id,
+        "plan": {str(k): v.model_dump(mode="json") for k, v in state.layouts.items()},
+        "devices": state.devices,
+        "response_len": state.config.job.response_len,
+    }
+    if digests:
+        record["live_digests"] = live_digests(pool, state.config, state.layouts)
+    run.write_checkpoint(step, record)
+    return time.perf_counter() - start
+
+
+def held_bytes(pool: DevicePool) -> dict[int, int]:
+    """Bytes of model state each device slot holds now (``nereus_core.engine.memory``)."""
+    return dict(enumerate(pool.run_on(range(pool.size), device_held_bytes)))
+
+
+def probe(
+    pool: DevicePool, config: NereusConfig, layouts: Mapping[ModelStage, Layout]
+) -> dict[str, torch.Tensor]:
+    """The actor's log-probs and the critic's values on a fixed batch (the verification's inputs)."""
+    prompts = make_prompts(config.job.task_settings, 8, seed=12345, step=0)
+    gen = torch.Generator().manual_seed(12345)
+    responses = torch.randint(1, config.model.vocab_size, (8, config.job.response_len), generator=gen)
+    ids = torch.cat([prompts, responses], dim=1)
+    return {s: model_ops.forward(pool, layouts[s], ids, name=s) for s in PROBED}
+
+
+@task(cache_policy=NO_CACHE)
+def verify_live_state(
+    pool: DevicePool,
+    config: NereusConfig,
+    layouts: Mapping[ModelStage, Layout],
+    expected: Mapping[str, str],
+    *,
+    what: str,
+    probe_before: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Every model's live state digest == ``expected`` (read from live memory before), and the probe's
+    outputs == ``probe_before`` within 1e-5 when given. Raises naming the first model that differs."""
+    now = live_digests(pool, config, layouts)
+    differ = sorted(m for m in expected if now.get(m) != expected[m])
+    if differ or set(now) != set(expected):
+        raise RuntimeError(f"{what}: the live state of {differ or sorted(set(now) ^ set(expected))} changed")
+    out: dict[str, Any] = {"verified_bitwise": True}
+    if probe_before is not None:
+        after = probe(pool, config, layouts)
+        diff = max((after[s] - probe_before[s]).abs().max().item() for s in PROBED)
+        if diff > 1e-5:
+            raise RuntimeError(f"{what}: the probe's outputs moved by {diff:.2e} > 1e-5")
+        out["verified_max_diff"] = diff
+    get_run_logger().info("verified (%s): every model's live state bitwise equal to before", what)
+    return out
