@@ -1,13 +1,21 @@
-"""The import rule: ``flows -> tasks -> {storage, nereus_core}``, ``storage -> nereus_core``.
+"""The rules of DESIGN that code structure must keep, checked on the source.
+
+- imports run ``flows -> tasks -> {storage, nereus_core}``, ``storage -> nereus_core``;
+- Prefect tasks are made in ``tasks/``, flows in ``flows/``;
+- one module imports Dask (``tasks/cluster.py``);
+- ``nereus_core`` never reads or sets environment variables;
+- no import cycles among the project's modules.
 
 Every ``.py`` file of the four packages is parsed with ``ast`` (nothing is imported),
-and every import in it counts, including lazy ones inside functions and
-``importlib.import_module("...")`` calls with a literal name.
+and every import in it counts, including lazy ones inside functions, those under
+``TYPE_CHECKING`` and ``importlib.import_module("...")`` calls with a literal name.
+Each checker is also run on small fake sources, to show that it can fail.
 """
 
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -42,6 +50,15 @@ def _call_name(func: ast.expr) -> str:
     return func.id if isinstance(func, ast.Name) else ""
 
 
+def _from_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` statement imports from."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join([*parts, node.module] if node.module else parts)
+
+
 def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
     """Absolute names of every module that ``source`` (the text of ``module``) imports."""
     found: set[str] = set()
@@ -50,12 +67,7 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                parts = parts[: len(parts) - (node.level - 1)]
-                base = ".".join([*parts, node.module] if node.module else parts)
-            else:
-                base = node.module or ""
+            base = _from_base(node, package)
             if base:
                 found.add(base)
             # `from . import x` and `from pkg import sub` may import submodules.
@@ -138,3 +150,205 @@ def test_allowed_imports_pass() -> None:
     assert violations("flows", {"prefect", "tasks.device_pool", "storage"}) == []
     assert violations("storage", {"pyarrow", "nereus_core.layout", "torch"}) == []
     assert violations("nereus_core", {"torch", "torch.distributed", "deepspeed", "pydantic"}) == []
+
+
+# ------------------------------------------------------------- the rules DESIGN states beyond layers
+
+DECORATOR_HOME = {"task": "tasks", "flow": "flows"}  # a Prefect task is defined in tasks/, a flow in flows/
+ENVIRONMENT = {"environ", "environb", "getenv", "putenv", "unsetenv"}
+
+
+@cache
+def _project_sources() -> dict[str, tuple[Path, str]]:
+    """Module name -> (path, text) of every module of the four packages."""
+    return {_module_name(path): (path, path.read_text(encoding="utf-8")) for _, path in _sources()}
+
+
+def prefect_decorators(source: str) -> list[tuple[str, int]]:
+    """``(task|flow, line)`` of every Prefect task or flow made in ``source``: decorators and calls
+    (``task(fn)``), through ``from prefect import task [as x]`` or ``import prefect [as p]``."""
+    tree = ast.parse(source)
+    names: dict[str, str] = {}  # local name -> task | flow
+    modules: set[str] = set()  # local names of the prefect module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "prefect" and not node.level:
+            names.update({a.asname or a.name: a.name for a in node.names if a.name in DECORATOR_HOME})
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name for a in node.names if a.name == "prefect")
+
+    def kind(expr: ast.expr) -> str | None:
+        if isinstance(expr, ast.Call):
+            expr = expr.func
+        if isinstance(expr, ast.Name):
+            return names.get(expr.id)
+        if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id in modules:
+            return expr.attr if expr.attr in DECORATOR_HOME else None
+        return None
+
+    found = set()
+    for node in ast.walk(tree):
+        exprs = list(getattr(node, "decorator_list", [])) + ([node] if isinstance(node, ast.Call) else [])
+        found.update((k, e.lineno) for e in exprs if (k := kind(e)) is not None)
+    return sorted(found, key=lambda item: item[1])
+
+
+def misplaced_decorators(module: str, source: str) -> list[str]:
+    package = module.split(".")[0]
+    return [
+        f"{module}:{line}: a Prefect {kind} belongs in {DECORATOR_HOME[kind]}/"
+        for kind, line in prefect_decorators(source)
+        if package != DECORATOR_HOME[kind]
+    ]
+
+
+def environment_uses(source: str) -> list[int]:
+    """Lines of ``source`` that read or change the process environment (``os.environ``, ``os.getenv``...)."""
+    tree = ast.parse(source)
+    os_names = {
+        a.asname or a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import)
+        for a in n.names
+        if a.name == "os"
+    }
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and not node.level:
+            lines += [node.lineno] if any(a.name in ENVIRONMENT for a in node.names) else []
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in ENVIRONMENT
+            and isinstance(node.value, ast.Name)
+            and node.value.id in os_names
+        ):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def dask_importers(sources: dict[str, str]) -> set[str]:
+    """Modules among ``sources`` (name -> text) that import dask or distributed, lazily or not."""
+    return {
+        module
+        for module, text in sources.items()
+        if any(name.split(".")[0] in DASK for name in imported_modules(text, module))
+    }
+
+
+def _import_edges(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``source`` imports. ``from pkg import sub`` is an edge to the
+    submodule ``pkg.sub`` when there is one, else to ``pkg`` (its ``__init__`` runs for the name)."""
+    package = module if is_package else module.rpartition(".")[0]
+    edges: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = _from_base(node, package)
+            subs = {f"{base}.{a.name}" for a in node.names} & known
+            edges |= subs | ({base} if len(subs) < len(node.names) else set())
+        elif isinstance(node, ast.Import | ast.Call):
+            edges |= imported_modules(ast.unparse(node), module, is_package)  # plain and importlib
+    return edges & known
+
+
+def import_cycle(sources: dict[str, str], packages: set[str] = frozenset()) -> list[str] | None:
+    """One import cycle among ``sources`` (name -> text) as ``[a, b, ..., a]``, or None.
+
+    Every import counts: lazy ones in functions and those under ``TYPE_CHECKING`` too.
+    ``packages`` names the modules that are packages (``__init__``), for relative imports.
+    """
+    graph = {
+        module: sorted(_import_edges(text, module, module in packages, set(sources)) - {module})
+        for module, text in sources.items()
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for name in graph[module]:
+            if state.get(name) == 1:
+                return [*path[path.index(name) :], name]
+            if name not in state and (cycle := visit(name)) is not None:
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)) is not None:
+            return cycle
+    return None
+
+
+@pytest.mark.parametrize(("package", "path"), _sources(), ids=_id)
+def test_prefect_tasks_live_in_tasks_and_flows_in_flows(package: str, path: Path) -> None:
+    module = _module_name(path)
+    assert misplaced_decorators(module, path.read_text(encoding="utf-8")) == []
+
+
+def test_dask_is_imported_by_one_module() -> None:
+    sources = {m: text for m, (_, text) in _project_sources().items()}
+    assert dask_importers(sources) == {"tasks.cluster"}
+
+
+def test_nereus_core_never_touches_the_environment() -> None:
+    found = {
+        str(path.relative_to(ROOT)): lines
+        for module, (path, text) in _project_sources().items()
+        if module.split(".")[0] == "nereus_core" and (lines := environment_uses(text))
+    }
+    assert found == {}, "nereus_core reads or sets environment variables; pass the values in"
+
+
+def test_no_import_cycles() -> None:
+    sources = _project_sources()
+    packages = {m for m, (path, _) in sources.items() if path.name == "__init__.py"}
+    cycle = import_cycle({m: text for m, (_, text) in sources.items()}, packages)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+# Each rule's checker, shown able to fail on small fake sources.
+
+
+def test_decorator_checker_catches_misplaced_tasks_and_flows() -> None:
+    source = (
+        "from prefect import task as t, flow\nimport prefect as p\n"
+        "@t(retries=1)\ndef a(): ...\n@flow\ndef b(): ...\n@p.task\ndef c(): ...\nd = t(len)\n"
+    )
+    assert prefect_decorators(source) == [("task", 3), ("flow", 5), ("task", 7), ("task", 9)]
+    assert len(misplaced_decorators("flows.x", source)) == 3
+    assert len(misplaced_decorators("tasks.x", source)) == 1
+    assert misplaced_decorators("nereus_core.x", source) != []
+    assert misplaced_decorators("tasks.x", "from prefect import task\n@task\ndef a(): ...\n") == []
+    assert prefect_decorators("from functools import cache\n@cache\ndef task(): ...\n") == []
+
+
+def test_environment_checker_catches_reads_and_writes() -> None:
+    assert environment_uses("import os\nx = os.environ.get('A')\n") == [2]
+    assert environment_uses("import os as o\ndef f():\n    return o.getenv('A')\n") == [3]
+    assert environment_uses("from os import environ\n") == [1]
+    assert environment_uses("import os\nos.putenv('A', '1')\n") == [2]
+    assert environment_uses("import os\np = os.path.join('a')\nenviron = {}\n") == []
+
+
+def test_dask_checker_counts_every_importing_module() -> None:
+    sources = {
+        "tasks.a": "from distributed import Client",
+        "tasks.b": "def f():\n    import dask.array",
+        "tasks.c": "import torch.distributed",
+    }
+    assert dask_importers(sources) == {"tasks.a", "tasks.b"}
+
+
+def test_cycle_checker_names_a_cycle_lazy_or_type_checking() -> None:
+    lazy = {"p.a": "from p.b import x", "p.b": "def f():\n    from p.c import y", "p.c": "import p.a"}
+    assert import_cycle(lazy) == ["p.a", "p.b", "p.c", "p.a"]
+    typing_only = {
+        "p.a": "from p.b import x",
+        "p.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.a import W",
+    }
+    assert import_cycle(typing_only) == ["p.a", "p.b", "p.a"]
+    relative = {"p": "from .a import x", "p.a": "from . import b", "p.b": "import os"}
+    assert import_cycle(relative, packages={"p"}) is None
+    relative["p.b"] = "from p import x"
+    assert import_cycle(relative, packages={"p"}) == ["p", "p.a", "p.b", "p"]
