@@ -36,6 +36,7 @@ class StageSchedule:
     ops: dict[str, tuple[str, ...]]  # unit -> its op ids, in the GTG's order
     peak_bytes: dict[int, int]
     serial: bool  # True when the units had to run one per wave to stay within capacity
+    follows_gtg: bool = True  # False: ordered by data edges and the replay, not the GTG's memory edges
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -63,26 +64,82 @@ def stage_schedule(graph: TransitionGraph, capacities: dict[int, int]) -> StageS
     for op in graph.ops:
         if unit := unit_of(graph, op.id):
             ops[unit].append(op.id)
-    stages = sorted(ops)
-    after: dict[str, set[str]] = {s: set() for s in stages}
-    for e in graph.edges:
-        a, b = unit_of(graph, e.before), unit_of(graph, e.after)
-        if a and b and a != b:
-            after[a].add(b)
-    levels = _levels(stages, after)
+    frozen = {u: tuple(v) for u, v in ops.items()}
     initial = device_loads(graph.moves, "old", graph.dtype_bytes)
     final = device_loads(graph.moves, "new", graph.dtype_bytes)
     caps = resolve_capacities(capacities, initial, final)
-    frozen = {s: tuple(v) for s, v in ops.items()}
-    for serial, waves in ((False, levels), (True, tuple((s,) for wave in levels for s in wave))):
-        peak = _replay(graph, waves, frozen, initial)
-        if all(peak[d] <= caps.get(d, peak[d]) for d in peak):
-            return StageSchedule(waves, frozen, peak, serial)
-    over = {d: (peak[d], caps[d]) for d in peak if d in caps and peak[d] > caps[d]}
-    raise NoStageSchedule(f"running whole units overflows devices (peak, capacity): {over}")
+    tried = []
+    try:  # the GTG's own order (data, memory and port edges) at the units' granularity
+        levels = _levels(sorted(frozen), _unit_edges(graph, kinds=("data", "memory", "port")))
+        for serial, waves in ((False, levels), (True, tuple((u,) for wave in levels for u in wave))):
+            peak = _replay(graph, waves, frozen, initial)
+            if all(peak[d] <= caps.get(d, peak[d]) for d in peak):
+                return StageSchedule(waves, frozen, peak, serial)
+        tried.append("the GTG's order overflows a device at the units' granularity")
+    except NoStageSchedule as err:
+        tried.append(str(err))
+    # The GTG's memory edges order single allocations; whole units may need another order: search one
+    # that respects the data edges and fits (checked by the same replay).
+    order = _fitting_order(graph, frozen, _unit_edges(graph, kinds=("data",)), initial, caps)
+    if order is not None:
+        waves = tuple((u,) for u in order)
+        return StageSchedule(waves, frozen, _replay(graph, waves, frozen, initial), True, follows_gtg=False)
+    raise NoStageSchedule(f"{'; '.join(tried)}; and no order of whole units fits the devices")
+
+
+def _unit_edges(graph: TransitionGraph, *, kinds: tuple[str, ...]) -> dict[str, set[str]]:
+    after: dict[str, set[str]] = defaultdict(set)
+    for e in graph.edges:
+        a, b = unit_of(graph, e.before), unit_of(graph, e.after)
+        if e.kind in kinds and a and b and a != b:
+            after[a].add(b)
+    return after
+
+
+def _fitting_order(
+    graph: TransitionGraph,
+    ops: dict[str, tuple[str, ...]],
+    after: dict[str, set[str]],
+    initial: dict[int, int],
+    caps: dict[int, int],
+) -> tuple[str, ...] | None:
+    """Units one at a time, each once its data predecessors ran, unloads first, then the unit that
+    leaves the most room; None when at some point no ready unit fits."""
+    waiting = {u: sum(u in after[p] for p in ops) for u in ops}
+    load, order = dict(initial), []
+
+    def delta(unit: str) -> tuple[dict[int, int], dict[int, int]]:
+        alloc: dict[int, int] = defaultdict(int)
+        free: dict[int, int] = defaultdict(int)
+        for op in (graph.op(i) for i in ops[unit]):
+            if op.kind == "alloc":
+                alloc[op.device] += op.nbytes  # type: ignore[index]
+            elif op.kind == "free":
+                free[op.device] += op.nbytes  # type: ignore[index]
+        return alloc, free
+
+    while len(order) < len(ops):
+        fits = []
+        for unit in sorted(u for u, n in waiting.items() if n == 0 and u not in order):
+            alloc, free = delta(unit)
+            if all(load.get(d, 0) + b <= caps.get(d, load.get(d, 0) + b) for d, b in alloc.items()):
+                fits.append((not unit.startswith("unload:"), sum(alloc.values()) - sum(free.values()), unit))
+        if not fits:
+            return None
+        unit = min(fits)[2]
+        alloc, free = delta(unit)
+        for d, b in alloc.items():
+            load[d] = load.get(d, 0) + b
+        for d, b in free.items():
+            load[d] -= b
+        order.append(unit)
+        for nxt in after[unit]:
+            waiting[nxt] -= 1
+    return tuple(order)
 
 
 def _levels(stages: list[str], after: dict[str, set[str]]) -> tuple[tuple[str, ...], ...]:
+    after = defaultdict(set, after)
     indegree = {s: 0 for s in stages}
     for a in stages:
         for b in after[a]:
