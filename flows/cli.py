@@ -42,7 +42,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _fail(where: str | os.PathLike[str], message: str) -> int:
-    print(f"nereus: error: {where}: {message}", file=sys.stderr)
+    # a storage error names the damaged file under ``where`` already: say the path once
+    named = message.startswith(f"{os.fspath(where)}/")
+    print(f"nereus: error: {message}" if named else f"nereus: error: {where}: {message}", file=sys.stderr)
     return EXIT_USAGE
 
 
