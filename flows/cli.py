@@ -1,13 +1,15 @@
 """The ``nereus`` command line.
 
-    CONFIG file --load_config--> NereusConfig --> flows.selfcheck.selfcheck_flow (today)
-                                                  flows.ppo_job (when it exists)
+    CONFIG file --load_config--> NereusConfig --check_bounds--> run_dir_problem --> flows.ppo_job
+                (config_yaml: bounded YAML)      (preflight: machine)  (lock, damage)
 
 This is where files and the environment are read on the way in: the YAML
-config, ``--set`` overrides and ``NEREUS_SCHEDULER_ADDRESS``. Validation itself
-is ``nereus_core.config.parse_config``; bad input ends here with one line on
-stderr and exit status 2, never a traceback. Flows are imported lazily so that
-``nereus --help`` and config errors stay fast.
+config, ``--set`` overrides, ``NEREUS_SCHEDULER_ADDRESS``, ``NEREUS_MAX_LOCAL_DEVICES``
+(a ceiling on a local cluster's device slots; default 4 per CPU) and the machine's
+CPUs and available memory. Validation itself is ``nereus_core.config.parse_config``
+and ``nereus_core.preflight``; bad input ends here with one line on stderr and exit
+status 2, never a traceback, before Prefect, Dask or a run directory start. Flows are
+imported lazily so that ``nereus --help`` and config errors stay fast.
 """
 
 from __future__ import annotations
