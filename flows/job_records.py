@@ -139,7 +139,7 @@ class JobRecords:
             "step": step,
             "from_plan_id": state.plan_id,
             "to_plan_id": switch.plan_id,
-            "reason": switch.reason,
+            "reason": "; ".join(filter(None, (switch.reason, stats.get("note")))),
             "forced": d.forced,
             "predicted_gain_s": d.gain_per_step_s * d.horizon_steps,
             "predicted_cost_s": predicted.seconds if predicted else 0.0,

@@ -126,6 +126,7 @@ def decide_and_switch(
         stats["checkpoint_s"] = _checkpoint(pool, state, records, step + 1)
     except Exception as err:
         get_run_logger().error("switch aborted, plan A stays: the checkpoint could not be written: %s", err)
+        stats["note"] = "aborted: the checkpoint could not be written"
         records.transition(transition_id, step, state, outcome, stats, "aborted")
         return jb.commit(state, outcome, "aborted")
     verify = state.config.job.verify_transitions

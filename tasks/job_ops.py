@@ -79,7 +79,7 @@ def digest(state: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(state):
         t = state[name].detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

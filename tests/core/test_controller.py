@@ -247,3 +247,15 @@ def test_measured_transitions_calibrate_the_transition_cost() -> None:
     t = after.state.transition_scales
     refit = t.wire * first.transition.wire_s + t.ops * first.transition.ops_s
     assert refit == pytest.approx(4.0 * first.transition.seconds, rel=0.1)
+
+
+@FAST
+@given(mini_batches=st.sampled_from([1, 2, 4, 8]), devices=st.sampled_from([4, 8, 16]))
+def test_the_search_obeys_the_mini_batch_rule_the_job_runs_by(mini_batches: int, devices: int) -> None:
+    """Issue 11: the plan search knew only the batch, so it could pick a train layout whose replicas
+    do not divide batch/mini_batches, which the job then refused. It now asks plan.stage_rows."""
+    w = work(batch=16).model_copy(update={"mini_batches": mini_batches})
+    d = decide(observe(devices, 80 * GB, w), fresh())
+    assert d.plan is not None
+    rules = PlanRules(models=fresh().models, devices=devices, batch=16, mini_batches=mini_batches)
+    assert problems(d.plan.layouts, rules) == []
