@@ -43,11 +43,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"nereus: error: {message} (see '{self.prog} --help')\n")
 
 
-def _fail(where: str | os.PathLike[str], message: str) -> int:
+def _fail(where: str | os.PathLike[str], message: str, code: int = EXIT_USAGE) -> int:
     # a storage error names the damaged file under ``where`` already: say the path once
     named = message.startswith(f"{os.fspath(where)}/")
     print(f"nereus: error: {message}" if named else f"nereus: error: {where}: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    return code
+
+
+def _stopped(out: str | os.PathLike[str], err: Exception) -> int:
+    """A run that stopped on its own terms (the job cannot go on, another driver holds its directory)."""
+    resume = "" if "in use by pid" in str(err) else f"; once fixed, continue it with nereus resume {out}"
+    return _fail(out, f"{' '.join(str(err).split())}{resume}", EXIT_FAILED)
 
 
 def _describe(value: Any) -> str:
@@ -194,6 +200,9 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
     if problem:
         return _fail(out, problem)
     flow_fn = getattr(importlib.import_module(module), flow_name)
+    from nereus_core.job import JobFailed
+    from storage.lock import RunLocked
+
     print(f"nereus: {cfg.name}: {what} on {cfg.cluster.devices} device slots -> {out}")
     # The Dask scheduler's and nannies' INFO lines drown the run's own progress.
     logging.getLogger("distributed").setLevel(logging.WARNING)
@@ -201,6 +210,8 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
         flow_fn(config=cfg, out_dir=str(out))
     except ConfigError as err:
         return _fail(args.config, str(err))
+    except (JobFailed, RunLocked) as err:
+        return _stopped(out, err)
     print(f"nereus: done: {out}")
     return EXIT_OK
 
@@ -357,6 +368,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _fail(args.run_dir, str(err))
     from flows.ppo_job import ppo_job
+    from nereus_core.job import JobFailed
+    from storage.lock import RunLocked
 
     on = f" on {args.devices} device slots" if args.devices else ""
     print(f"nereus: {cfg.name}: resuming {args.run_dir}{on}")
@@ -365,6 +378,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
         ppo_job(config=cfg, out_dir=str(args.run_dir), devices=args.devices)
     except (ConfigError, FileNotFoundError) as err:
         return _fail(args.run_dir, str(err))
+    except (JobFailed, RunLocked) as err:
+        return _stopped(args.run_dir, err)
     print(f"nereus: done: {args.run_dir}")
     return EXIT_OK
 

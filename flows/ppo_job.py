@@ -123,7 +123,8 @@ def decide_and_switch(
     stats: dict[str, Any] = {}
     try:
         # Plan A's state at step + 1 is a recovery point before anything moves.
-        stats["checkpoint_s"] = _checkpoint(pool, state, records, step + 1)
+        with job_ops.disk_filled_if_armed(str(records.run.root)):
+            stats["checkpoint_s"] = _checkpoint(pool, state, records, step + 1)
     except Exception as err:
         get_run_logger().error("switch aborted, plan A stays: the checkpoint could not be written: %s", err)
         stats["note"] = "aborted: the checkpoint could not be written"

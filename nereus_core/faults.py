@@ -6,9 +6,13 @@ the points named in its ``NEREUS_FAULT`` variable, and the device pool arms the
 same points on every worker it starts (a snapshot is written inside a worker).
 Points and what they do:
 
-- ``kill-driver:move``: the driver kills itself (SIGKILL) as a transition's first move starts;
+- ``kill-driver:move``: the driver kills itself (SIGKILL) after a transition's first unit moved
+  state, while units remain (the journal shows done units, the switch is half done);
 - ``kill-worker:rehydrate``: the driver kills device rank 1's worker as a rehydration starts;
-- ``fail-snapshot-write``: a device's snapshot writer raises ``OSError(ENOSPC)`` (disk full).
+- ``fail-snapshot-write``: a device's snapshot writer raises ``OSError(ENOSPC)`` (disk full);
+- ``fill-disk:switch``: before the checkpoint that precedes a plan switch the driver fills the run
+  directory's file system with a filler file until the file system itself answers ENOSPC, and
+  removes it after the checkpoint attempt (a real full disk for the writers; tests mount a tmpfs).
 
 Nothing fires unless a point was armed; production runs never arm one.
 """
@@ -18,7 +22,12 @@ from __future__ import annotations
 import errno
 from collections.abc import Iterable
 
-POINTS: tuple[str, ...] = ("kill-driver:move", "kill-worker:rehydrate", "fail-snapshot-write")
+POINTS: tuple[str, ...] = (
+    "kill-driver:move",
+    "kill-worker:rehydrate",
+    "fail-snapshot-write",
+    "fill-disk:switch",
+)
 
 _armed: set[str] = set()
 _fired: set[str] = set()

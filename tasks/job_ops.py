@@ -12,15 +12,20 @@ the checkpoint was written" and "after resume rehydrated it") are two independen
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from nereus_core import faults
 from nereus_core.config import NereusConfig
 from nereus_core.engine.memory import held_bytes as device_held_bytes
 from nereus_core.job import JobState, model_config, optimizer_settings
@@ -95,6 +100,33 @@ def checkpoint(pool: DevicePool, run_dir: str, state: JobState, step: int, *, di
     """Snapshot every model's whole state as ``step`` (the state that generates rollout ``step``),
     then write the checkpoint record that makes it a resume point; returns seconds. With
     ``digests`` the record also holds every model's live digest (what resume verifies against)."""
+    return _checkpoint(pool, run_dir, state, step, digests=digests)
+
+
+@contextmanager
+def disk_filled_if_armed(run_dir: str) -> Iterator[None]:
+    """The ``fill-disk:switch`` fault point: the run's file system really full inside the block."""
+    if not faults.armed("fill-disk:switch"):
+        yield
+        return
+    filler = Path(run_dir) / ".fill"
+    get_run_logger().warning("fault injection: filling the file system of %s", run_dir)
+    try:
+        with open(filler, "wb") as out:
+            while True:
+                out.write(b"\0" * (1 << 20))
+                out.flush()
+                os.fsync(out.fileno())
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+    try:
+        yield
+    finally:
+        filler.unlink(missing_ok=True)
+
+
+def _checkpoint(pool: DevicePool, run_dir: str, state: JobState, step: int, *, digests: bool) -> float:
     run, start = RunDir(run_dir), time.perf_counter()
     incarnation = run.identity().incarnation  # a partial checkpoint of a dead driver is never reused
     for model, stage in STATE_STAGE.items():

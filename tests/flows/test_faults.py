@@ -123,8 +123,10 @@ def _config(**job: object) -> dict:
     return data
 
 
-def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict, fault: str) -> Path:
-    out = tmp_path / "run"
+def _run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict, fault: str, out: Path | None = None
+) -> Path:
+    out = out or tmp_path / "run"
     monkeypatch.setenv("NEREUS_CACHE_DIR", str(tmp_path / "cache"))
     faults.arm([fault])  # as the CLI does; the device pool arms it on the workers it starts
     try:
@@ -210,6 +212,13 @@ def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_pat
     assert crashed.returncode == -signal.SIGKILL, (tmp_path / "driver.log").read_text()[-2000:]
     (journal,) = [j for j in journals(out) if j.transition_id.startswith("t000")]
     assert journal.status() == "interrupted"
+    # The driver died half way: a unit moved state (bytes transferred, its done line written), others
+    # had not run. The live state is gone with the workers; resume finishes the switch from the
+    # checkpoint instead, so no unit of the dead driver is trusted.
+    schedule = [u for wave in journal.header()["schedule"] for u in wave]
+    done = [e for e in journal.entries() if e["phase"] == "done"]
+    assert len(schedule) >= 2 and done and done[0]["op"] == schedule[0] and done[0]["bytes_moved"] > 0
+    assert len(done) < len(schedule)
     before = _digests(out, 1)
     assert not (out / "summary.json").exists()
 
@@ -220,12 +229,16 @@ def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_pat
     finished = [e for e in journal.entries() if e["op"] == "transition" and e["phase"] == "commit"]
     assert finished and finished[0]["finished_by"] == "resume"
     assert _digests(out, 1) == before  # the checkpoint plan A was safe in is untouched
+    (resumed,) = [j for j in journals(out) if j.transition_id.startswith("resume-step1")]
+    redone = {e["op"] for e in resumed.entries() if e["phase"] == "done"}
+    assert {
+        f"rehydrate:{s}#1" for s in ("actor/train", "critic/train", "reference/infer", "reward/infer")
+    } <= redone
     plans = _plans_by_step(out)
     assert sorted(plans) == [0, 1, 2] and plans[1] != plans[0]  # plan B from step 1 on
     _assert_rollout_made_by_checkpoint(out, 1, tmp_path)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_resume_on_fewer_devices_replans_and_completes(tmp_path):
     """A run on 4 slots killed after its checkpoint at step 2 resumes on 2: the controller re-plans."""
@@ -251,3 +264,67 @@ def test_resume_on_fewer_devices_replans_and_completes(tmp_path):
     final = json.loads((out / "plans" / f"{summary['final_plan_id']}.json").read_text())
     assert max(max(layout["devices"]) for layout in final.values()) <= 1  # on slots 0..1 only
     _assert_rollout_made_by_checkpoint(out, 2, tmp_path)
+
+
+# -- a real full disk: a small tmpfs the test mounts (root with CAP_SYS_ADMIN), filled for real ------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        why = (done.stderr.decode(errors="replace").strip() or "mount failed")[:200]
+        pytest.skip(f"a real full disk needs a tmpfs mount (root with CAP_SYS_ADMIN): {why}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_really_full_disk_aborts_the_switch_and_the_job_goes_on(tmp_path, monkeypatch, small_disk, caplog):
+    run_dir = _run(tmp_path, monkeypatch, _config(), "fill-disk:switch", out=small_disk / "run")
+    summary = RunDir(run_dir).read_summary()
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    (row,) = pq.read_table(run_dir / "metrics" / "transitions.parquet").to_pylist()
+    assert row["status"] == "aborted" and "checkpoint could not be written" in row["reason"]
+    # the file system said so, not an injected exception
+    errors = [r.getMessage() for r in caplog.records if "could not be written" in r.getMessage()]
+    assert errors and "No space left on device" in errors[0] and "injected" not in errors[0]
+    assert all(ref.step != 1 for ref in list_snapshots(run_dir, "actor"))  # nothing half-written shows
+    plans = _plans_by_step(run_dir)
+    assert plans[0] == plans[1] == plans[2]  # plan A stayed in force
+    assert any(":exp_avg" in name for name in _digests(run_dir, 3)["actor"])
+
+
+@pytest.mark.timeout(900)
+def test_a_really_full_disk_before_a_device_change_stops_the_run_and_resume_completes_it(
+    tmp_path, small_disk
+):
+    """A durable switch (2 -> 4 slots) needs its checkpoint; with the disk full the run stops with one
+    line and loses nothing: the checkpoint before it stays, and resume (with room again) finishes."""
+    data = _config(steps=5, snapshot_every=2, scenario=[{"step": 3, "devices": 4}], verify_transitions=True)
+    data["cluster"].update(devices=2, memory_per_device="16MiB")
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(data))
+    out = small_disk / "run"
+    failed = subprocess.run(
+        [*CLI, "run", str(config), "--out", str(out)],
+        cwd=ROOT,
+        env=_cli_env(tmp_path, "fill-disk:switch"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    (line,) = [x for x in failed.stderr.splitlines() if x.startswith("nereus: error: ")]
+    assert "device set changed" in line and "nereus resume" in line
+    assert RunDir(out).checkpoint_steps() == [2] and not (out / "summary.json").exists()
+    before = _digests(out, 2)
+    _resume(tmp_path, out)
+    summary = RunDir(out).read_summary()
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
+    assert summary["resume_verified_bitwise"] and _digests(out, 2) == before
+    rows = pq.read_table(out / "metrics" / "transitions.parquet").to_pylist()
+    assert [r["route"] for r in rows if r["status"] == "committed"] == ["durable"]
