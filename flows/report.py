@@ -1,4 +1,13 @@
-"""`nereus report DIR`: plots of a run into DIR/plots (PNG)."""
+"""`nereus report DIR`: plots of a run into DIR/plots (PNG).
+
+    scores.png       rule and reward-model score per step, the scenario's events marked
+    stage_times.png  seconds per stage, stacked (a colour each), each transition as its own bar
+                     (forced or chosen by the controller), the scenario's events marked
+    transitions.json predicted vs actual seconds of each transition, step time before and after
+
+Boundary: reads the run directory only (storage.run_dir); the figures are built apart from their
+saving so that tests inspect them.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from storage.errors import RunDirError
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
@@ -40,46 +50,101 @@ def _has(entry: object, keys: tuple[str, ...]) -> bool:
     return isinstance(entry, dict) and all(k in entry for k in keys)
 
 
-def _scores(summary: dict[str, Any], out: Path) -> Path:
+# Qualitative palette for the stages: tab20's 20 colours without its reds, which mark forced
+# transitions; every stage gets its own (issue 13: actor/generate and actor/sync were both blue).
+# Its strong shades first, then its light ones, so that neighbouring stages differ most.
+_TAB20 = plt.get_cmap("tab20").colors
+STAGE_COLORS = tuple(_TAB20[i] for i in [*range(0, 20, 2), *range(1, 20, 2)] if i not in (6, 7))
+FORCED_COLOR, CHOSEN_COLOR, EVENT_COLOR = "#8b0000", "#333333", "#7b3294"
+LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": 7, "borderaxespad": 0.0}
+
+
+def scenario_events(run: RunDir) -> list[tuple[int, str]]:
+    """The scenario's events as ``(step, what)``, from config.yaml's ``job.scenario``."""
+    try:
+        scenario = run.read_config().get("job", {}).get("scenario") or []
+    except RunDirError:
+        return []
+    out = []
+    for e in scenario:
+        if not isinstance(e, dict) or not isinstance(e.get("step"), int):
+            continue
+        what = [f"{k} -> {e[k]}" for k in ("devices", "response_len") if e.get(k) is not None]
+        out.append((e["step"], ", ".join(what)))
+    return out
+
+
+def _mark_events(ax: Any, events: list[tuple[int, str]]) -> None:
+    """Each event as a dotted line just before its step (it takes effect before the step runs)."""
+    for step, what in events:
+        ax.axvline(
+            step - 0.5, color=EVENT_COLOR, linestyle=":", linewidth=1.5, label=f"before step {step}: {what}"
+        )
+
+
+def scores_figure(summary: dict[str, Any], events: list[tuple[int, str]]) -> Figure:
     history = summary.get("history", [])
     steps = [h["step"] for h in history]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(steps, [h["rule_score"] for h in history], label="rule score (task)")
     ax.plot(steps, [h["score"] for h in history], label="reward model score")
-    ax.set_xlabel("step")
+    _mark_events(ax, events)
+    ax.set_xlabel("step (0-based)")
     ax.set_ylabel("mean score")
     ax.set_ylim(bottom=0)
-    ax.legend()
+    ax.legend(**LEGEND)
     ax.set_title("score per step")
-    path = out / "scores.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
 
 
-def _stage_times(run: RunDir, out: Path) -> Path:
-    rows = run.read_rows(STEPS_TABLE)
+def _stage_bars(ax: Any, rows: list[dict[str, Any]], steps: list[int]) -> None:
     per_stage: dict[str, dict[int, float]] = defaultdict(dict)
-    wall: dict[int, float] = {}
     for r in rows:
-        per_stage[f"{r['model']}/{r['stage']}"][r["step"]] = r["duration_s"]
-        wall[r["step"]] = r.get("step_wall_s", 0.0)
-    steps = sorted(wall)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+        key = f"{r['model']}/{r['stage']}"
+        per_stage[key][r["step"]] = per_stage[key].get(r["step"], 0.0) + r["duration_s"]
+    if len(per_stage) > len(STAGE_COLORS):
+        raise ValueError(f"{len(per_stage)} stages but {len(STAGE_COLORS)} distinct colours")
     bottom = [0.0] * len(steps)
-    for name, by_step in per_stage.items():
+    for (name, by_step), color in zip(per_stage.items(), STAGE_COLORS, strict=False):
         heights = [by_step.get(s, 0.0) for s in steps]
-        ax.bar(steps, heights, bottom=bottom, label=name)
+        ax.bar(steps, heights, bottom=bottom, label=name, color=color, width=0.6)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+
+
+def _transition_bars(ax: Any, transitions: list[dict[str, Any]]) -> None:
+    """Each transition as its own bar of seconds between the steps it separates, forced or chosen."""
+    for forced, color, label in ((True, FORCED_COLOR, "forced"), (False, CHOSEN_COLOR, "chosen")):
+        mine = [t for t in transitions if bool(t.get("forced")) is forced]
+        if mine:
+            ax.bar(
+                [t["step"] + 0.5 for t in mine],
+                [t.get("actual_s") or 0.0 for t in mine],
+                width=0.3,
+                color=color,
+                hatch="//" if forced else "",
+                edgecolor="white",
+                label=f"transition ({label}; its own seconds)",
+            )
+
+
+def stage_times_figure(run: RunDir, events: list[tuple[int, str]]) -> Figure:
+    rows = run.read_rows(STEPS_TABLE)
+    wall = {r["step"]: r.get("step_wall_s", 0.0) for r in rows}
+    steps = sorted(wall)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    _stage_bars(ax, rows, steps)
     ax.plot(steps, [wall[s] for s in steps], "k.", label="step wall time")
-    for t in run.read_rows(TRANSITIONS_TABLE):
-        ax.axvline(t["step"] + 0.5, color="red", linestyle="--")
-    ax.set_xlabel("step")
+    _transition_bars(ax, run.read_rows(TRANSITIONS_TABLE))
+    _mark_events(ax, events)
+    ax.set_xlabel("step (0-based); transitions between the steps they separate")
     ax.set_ylabel("seconds")
-    ax.set_title("time per stage (stacked)")
-    ax.legend(fontsize=7, ncol=2)
-    path = out / "stage_times.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    ax.set_title("time per stage (stacked) and per transition")
+    ax.legend(**LEGEND)
+    return fig
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # "tight" keeps the legend beside the axes
     plt.close(fig)
     return path
 
@@ -100,6 +165,7 @@ def transitions_table(run: RunDir, around: int = 3) -> list[dict]:
             {
                 "transition_id": t["transition_id"],
                 "status": t["status"],
+                "forced": bool(t.get("forced")),
                 "route": t.get("route", ""),
                 "reason": t["reason"],
                 "predicted_s": t["predicted_cost_s"],
@@ -129,4 +195,9 @@ def write_report(run_dir: str | os.PathLike[str]) -> list[Path]:
     summary = _read_summary(run)
     out = run.root / "plots"
     out.mkdir(exist_ok=True)
-    return [_scores(summary, out), _stage_times(run, out), _transitions(run, summary, out)]
+    events = scenario_events(run)
+    return [
+        _save(scores_figure(summary, events), out / "scores.png"),
+        _save(stage_times_figure(run, events), out / "stage_times.png"),
+        _transitions(run, summary, out),
+    ]
