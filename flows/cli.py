@@ -1,15 +1,15 @@
-"""The ``nereus`` command line.
+"""The ``nereus`` command line: its parser and one handler per command.
 
-    CONFIG file --load_config--> NereusConfig --check_bounds--> run_dir_problem --> flows.ppo_job
-                (config_yaml: bounded YAML)      (preflight: machine)  (lock, damage)
+    CONFIG file --cli_input--> NereusConfig --cli_input--> run dir --cli_prefect--> flows.ppo_job
+             (bounded YAML, --set, preflight)  (lock, damage)   (API answers; watchdog)
 
-This is where files and the environment are read on the way in: the YAML
-config, ``--set`` overrides, ``NEREUS_SCHEDULER_ADDRESS``, ``NEREUS_MAX_LOCAL_DEVICES``
-(a ceiling on a local cluster's device slots; default 4 per CPU) and the machine's
-CPUs and available memory. Validation itself is ``nereus_core.config.parse_config``
-and ``nereus_core.preflight``; bad input ends here with one line on stderr and exit
-status 2, never a traceback, before Prefect, Dask or a run directory start. Flows are
-imported lazily so that ``nereus --help`` and config errors stay fast.
+Files and the environment are read on the way in by flows/cli_input.py (the config, ``--set``,
+``NEREUS_SCHEDULER_ADDRESS``, ``NEREUS_MAX_LOCAL_DEVICES``, the machine's CPUs and memory, the run
+directory) and Prefect's settings by flows/cli_prefect.py (``PREFECT_API_URL`` and the heartbeat).
+Bad input ends here with one line on stderr and exit status 2, never a traceback, before Prefect,
+Dask or a run directory start. ``nereus plan`` prints through flows/cli_plan.py. Flows are imported
+lazily so that ``nereus --help`` and config errors stay fast. A new command is a ``cmd_*`` handler
+and a few lines in ``build_parser``.
 """
 
 from __future__ import annotations
@@ -19,20 +19,29 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
+from flows import cli_prefect, cli_watchdog
+from flows.cli_input import (
+    MAX_DEVICES_ENV,
+    SCHEDULER_ENV,
+    check_bounds,
+    default_out_dir,
+    load_config,
+    read_config_file,
+    run_dir_problem,
+)
 from nereus_core import __version__, faults
-from nereus_core.config import ConfigError, NereusConfig, parse_config, shown, with_overrides
-from nereus_core.config_yaml import parse_yaml
+from nereus_core.config import ConfigError, parse_config
 
-SCHEDULER_ENV = "NEREUS_SCHEDULER_ADDRESS"
+__all__ = ["FAULT_ENV", "MAX_DEVICES_ENV", "SCHEDULER_ENV", "build_parser", "main"]
+
 FAULT_ENV = "NEREUS_FAULT"  # fault-injection tests: <point>[,<point>...] (nereus_core.faults.POINTS)
-MAX_DEVICES_ENV = "NEREUS_MAX_LOCAL_DEVICES"  # an explicit ceiling on a local cluster's slots
-CONFIG_MAX_CHARS = 1_000_000
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader has gone
 MODELS = ("actor", "critic", "reference", "reward")
 
 
@@ -43,9 +52,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"nereus: error: {message} (see '{self.prog} --help')\n")
 
 
-def _fail(where: str | os.PathLike[str], message: str, code: int = EXIT_USAGE) -> int:
+def _fail(where: str | os.PathLike[str] | None, message: str, code: int = EXIT_USAGE) -> int:
     # a storage error names the damaged file under ``where`` already: say the path once
-    named = message.startswith(f"{os.fspath(where)}/")
+    named = where is None or message.startswith(f"{os.fspath(where)}/")
     print(f"nereus: error: {message}" if named else f"nereus: error: {where}: {message}", file=sys.stderr)
     return code
 
@@ -56,139 +65,39 @@ def _stopped(out: str | os.PathLike[str], err: Exception) -> int:
     return _fail(out, f"{' '.join(str(err).split())}{resume}", EXIT_FAILED)
 
 
-def _describe(value: Any) -> str:
-    names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
-    return names.get(type(value), type(value).__name__)
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """The mapping in a YAML config file; ``ConfigError`` with one line if there is none."""
-    try:
-        with path.open(encoding="utf-8") as handle:
-            text = handle.read(CONFIG_MAX_CHARS + 1)  # a config is small; never read a huge file whole
-    except FileNotFoundError:
-        raise ConfigError("no such file") from None
-    except IsADirectoryError:
-        raise ConfigError("is a directory, not a config file") from None
-    except UnicodeDecodeError:
-        raise ConfigError("is not a text file; expected YAML") from None
-    except OSError as err:
-        raise ConfigError(f"cannot read it: {err.strerror or err}") from None
-    if len(text) > CONFIG_MAX_CHARS:
-        raise ConfigError(f"is over {CONFIG_MAX_CHARS:,} characters; a config file is a few thousand")
-    data = parse_yaml(text)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"must be a mapping of sections (name, cluster, model, job, plan), got {_describe(data)}"
-        )
-    return data
-
-
-def apply_sets(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
-    """``with_overrides`` with values read as YAML, so 3, 0.5, true and [0, 1] keep their type."""
-    out = data
-    for item in items:  # one at a time, so a later item may replace or extend an earlier one
-        out = with_overrides(out, [item])
-        key, _, raw = item.partition("=")
-        *parents, leaf = key.strip().split(".")
-        node = out
-        for part in parents:
-            node = node[part]
-        try:
-            node[leaf] = parse_yaml(raw)
-        except ConfigError as err:
-            raise ConfigError(f"--set {shown(item)}: the value is {err}") from None
-    return out
-
-
-def load_config(
-    path: Path,
-    *,
-    sets: Sequence[str] = (),
-    steps: int | None = None,
-    environ: dict[str, str] | None = None,
-) -> NereusConfig:
-    """Read, override and validate a config: file < NEREUS_SCHEDULER_ADDRESS < --set < --steps."""
-    data = read_config_file(path)
-    address = (os.environ if environ is None else environ).get(SCHEDULER_ENV, "").strip()
-    if address:
-        data = with_overrides(data, [f"cluster.scheduler_address={address}"])
-    data = apply_sets(data, sets)
-    if steps is not None:
-        data = apply_sets(data, [f"job.steps={steps}"])
-    return parse_config(data)
-
-
-def default_out_dir(cfg: NereusConfig) -> Path:
-    return Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-
-
-def _available_memory() -> int | None:
-    """Bytes this machine can still hand out (``MemAvailable``), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_bounds(cfg: NereusConfig, *, devices: int | None = None, resume: bool = False) -> None:
-    """``nereus_core.preflight.check`` against this machine (CPUs this process may use, memory
-    available now, ``NEREUS_MAX_LOCAL_DEVICES``); ``ConfigError`` with one line if a bound is broken."""
-    from nereus_core.preflight import Machine, check
-
-    raw = os.environ.get(MAX_DEVICES_ENV, "").strip()
-    if raw and not (raw.isdigit() and int(raw) >= 1):
-        raise ConfigError(f"{MAX_DEVICES_ENV}={shown(raw)}: give a whole number of device slots, at least 1")
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    machine = Machine(
-        cpus=cpus, available_memory=_available_memory(), max_local_devices=int(raw) if raw else None
-    )
-    check(cfg, machine, devices=devices, resume=resume)
-
-
-def run_dir_problem(root: Path, *, resuming: bool) -> str | None:
-    """Why no driver may start on the run directory ``root`` now, or None: another driver holds its
-    lock, it holds a completed run, or its summary or newest checkpoint cannot be read. An early look
-    so that these end in one line before Prefect or Dask start; the flow takes the lock itself."""
-    if not root.exists():
-        return None
-    from storage.errors import RunDirError
-    from storage.lock import lock_holder
-    from storage.run_dir import RunDir
-
-    holder = lock_holder(root)
-    if holder is not None:
-        return f"in use by {holder}; wait for it to finish" + ("" if resuming else " or choose another --out")
-    run = RunDir(root)
-    try:
-        summary = run.read_summary() if (root / "summary.json").exists() else {}
-        if summary.get("status") == "completed":
-            if resuming:
-                return "holds a completed run, nothing to resume; start a new one with nereus run --out NEW"
-            return "already holds a completed run; choose another --out"
-        if run.latest_checkpoint() is None and resuming:
-            return "no checkpoint to resume from (none was written); start it again with nereus run"
-    except (RunDirError, ValueError, LookupError, TypeError, AttributeError) as err:
-        text = " ".join(str(err).split())
-        return text if isinstance(err, RunDirError) else f"a file of it is damaged: {shown(text, 200)}"
+def _prefect_problem() -> int | None:
+    """Exit status 2 with one line if the configured Prefect API does not answer; otherwise None,
+    with the watchdog started when this run will start Prefect's temporary server."""
+    cli_prefect.prefect_defaults()
+    problem = cli_prefect.api_problem()
+    if problem:
+        return _fail(None, problem)
+    if cli_prefect.configured_api_url() is None:
+        cli_watchdog.start_watchdog()
+    # The Dask scheduler's and nannies' INFO lines drown the run's own progress.
+    logging.getLogger("distributed").setLevel(logging.WARNING)
     return None
+
+
+def _drive(flow: Callable[..., Any], out: Path, where: Path, **kwargs: Any) -> int:
+    """Run a PPO or self-check flow into ``out``; a stop the user can act on is one line (about
+    ``where``, the config or the run directory, when the input is to blame)."""
+    from nereus_core.job import JobFailed
+    from storage.lock import RunLocked
+
+    try:
+        flow(out_dir=str(out), **kwargs)
+    except (ConfigError, FileNotFoundError) as err:
+        return _fail(where, str(err))
+    except (JobFailed, RunLocked) as err:
+        return _stopped(out, err)
+    print(f"nereus: done: {out}")
+    return EXIT_OK
 
 
 def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, *, bounded: bool) -> int:
     """Validate CONFIG (and, when ``bounded``, the machine's bounds and the run directory), then run
     the flow; everything up to the flow call is quick and ends bad input in one line."""
-    # Prefect's embedded server gets 20 s to start by default; a busy 2-core machine can need more.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         cfg = load_config(args.config, sets=args.set, steps=args.steps)
         if bounded:
@@ -199,21 +108,12 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
     problem = run_dir_problem(out, resuming=False) if bounded else None
     if problem:
         return _fail(out, problem)
-    flow_fn = getattr(importlib.import_module(module), flow_name)
-    from nereus_core.job import JobFailed
-    from storage.lock import RunLocked
-
+    status = _prefect_problem()
+    if status is not None:
+        return status
+    flow = getattr(importlib.import_module(module), flow_name)
     print(f"nereus: {cfg.name}: {what} on {cfg.cluster.devices} device slots -> {out}")
-    # The Dask scheduler's and nannies' INFO lines drown the run's own progress.
-    logging.getLogger("distributed").setLevel(logging.WARNING)
-    try:
-        flow_fn(config=cfg, out_dir=str(out))
-    except ConfigError as err:
-        return _fail(args.config, str(err))
-    except (JobFailed, RunLocked) as err:
-        return _stopped(out, err)
-    print(f"nereus: done: {out}")
-    return EXIT_OK
+    return _drive(flow, out, args.config, config=cfg)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -223,6 +123,66 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
     return _run_flow(args, "flows.selfcheck", "selfcheck_flow", "runtime self-check", bounded=False)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Continue the unfinished run in DIR from its newest checkpoint (optionally on --devices N)."""
+    config = Path(args.run_dir) / "config.yaml"
+    if not config.is_file():
+        return _fail(args.run_dir, "not a run directory (no config.yaml); give the --out of a nereus run")
+    problem = run_dir_problem(Path(args.run_dir), resuming=True)
+    if problem:
+        return _fail(args.run_dir, problem)
+    try:
+        cfg = parse_config(read_config_file(config))
+    except ConfigError as err:
+        return _fail(config, str(err))
+    try:  # --devices N is bounded like cluster.devices of a new run
+        check_bounds(cfg, devices=args.devices, resume=True)
+    except ConfigError as err:
+        return _fail(args.run_dir, str(err))
+    status = _prefect_problem()
+    if status is not None:
+        return status
+    from flows.ppo_job import ppo_job
+
+    on = f" on {args.devices} device slots" if args.devices else ""
+    print(f"nereus: {cfg.name}: resuming {args.run_dir}{on}")
+    return _drive(ppo_job, Path(args.run_dir), Path(args.run_dir), config=cfg, devices=args.devices)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the plan the controller picks for CONFIG, its predicted cost and the runners-up."""
+    from flows.cli_plan import print_plan
+
+    try:
+        cfg = load_config(args.config, sets=args.set)
+    except ConfigError as err:
+        return _fail(args.config, str(err))
+    return print_plan(cfg, profile=args.profile)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the trace-driven simulation of CONFIG (flows/simulate.py) into DIR."""
+    from flows.simulate import read_sim_config, run_simulation
+    from nereus_core.sim.engine import SimError
+
+    try:
+        cfg = read_sim_config(args.config)
+    except ConfigError as err:
+        return _fail(args.config, str(err))
+    out = args.out or Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    status = _prefect_problem()
+    if status is not None:
+        return status
+    print(f"nereus: {cfg.name}: simulating {len(cfg.traces)} traces x {len(cfg.seeds)} seeds -> {out}")
+    started = datetime.now()
+    try:
+        run_simulation(args.config, out)
+    except (ConfigError, SimError) as err:
+        return _fail(args.config, str(err))
+    print(f"nereus: done in {(datetime.now() - started).total_seconds():.0f} s: {out}/summary.json")
+    return EXIT_OK
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -251,200 +211,112 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the plan the controller picks for CONFIG, its predicted cost and the runners-up."""
-    from nereus_core.controller import ControllerState, Observation, decide
-    from nereus_core.cost_model import Workload
-    from nereus_core.hardware import get_profile
-    from nereus_core.plan import GlobalPlan, default_plan
-
-    try:
-        cfg = load_config(args.config, sets=args.set)
-    except ConfigError as err:
-        return _fail(args.config, str(err))
-    profile = get_profile(args.profile)
-    obs = Observation(
-        step=0,
-        remaining_steps=cfg.job.steps,
-        devices=cfg.cluster.devices,
-        memory_per_device=int(cfg.cluster.memory_per_device),
-        workload=Workload.from_config(cfg),
-    )
-    fresh = ControllerState.initial(cfg.model, profile)
-    decision = decide(obs, fresh)
-    print(_plan_header(cfg, profile.name, obs, fresh.settings.headroom))
-    if decision.chosen is None:
-        print(f"no plan fits: {decision.reason}")
-    else:
-        print(_plan_table(decision.chosen))
-    initial = GlobalPlan.of(default_plan(cfg.plan))  # the plan `nereus run` starts on
-    if decision.chosen is not None and initial != decision.chosen.plan:
-        started = ControllerState.initial(cfg.model, profile, plan=initial, devices=obs.devices)
-        from_config = decide(obs, started)
-        current = from_config.current
-        where = f"step {current.step_s:.4g} s, {current.memory_peak / 2**30:.3f} GiB/slot" if current else ""
-        print(f"\nconfig plan {initial.plan_id} ({initial.placement}): {where}")
-        print(f"  a job started on it would {from_config.action}: {from_config.reason}")
-    if decision.alternatives:
-        print("\nrejected alternatives")
-        for alt in decision.alternatives:
-            gib = alt.memory_peak / 2**30
-            print(f"  {alt.plan_id}  step {alt.step_s:9.4g} s  {gib:7.2f} GiB/slot  {alt.reason}")
-            print(f"      {alt.description}")
-            print(f"      why: {alt.detail}")
-    return EXIT_OK if decision.chosen is not None else EXIT_FAILED
+def _config_args(cmd: argparse.ArgumentParser, *, example: str, out: str | None) -> None:
+    cmd.add_argument("config", type=Path, metavar="CONFIG", help=f"YAML config, e.g. {example}")
+    if out:
+        cmd.add_argument("--out", type=Path, metavar="DIR", help=out)
 
 
-def _plan_header(cfg: NereusConfig, profile: str, obs: Any, headroom: float) -> str:
-    gib = obs.memory_per_device / 2**30
-    w = obs.workload
-    return (
-        f"nereus plan: {cfg.name} on {obs.devices} slots x {gib:.2f} GiB ({profile} profile, "
-        f"{headroom:.0%} headroom)\nworkload: batch {w.batch}, prompt {w.prompt_len}, "
-        f"response mean {w.response_mean:g} (high {w.response_high})"
+def _set_arg(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set job.batch_size=16 (repeatable; values are YAML)",
     )
 
 
-def _plan_table(chosen: Any) -> str:
-    plan = chosen.plan
-    lines = [
-        f"\nchosen {plan.plan_id}  {plan.placement}  step {chosen.step_s:.4g} s "
-        f"(weight sync {chosen.sync_s:.3g} s)",
-        f"  {'model-stage':<16} {'tp':>3} {'pp':>3} {'dp':>4} {'mb':>4}  {'slots':<12} {'latency s':>10} "
-        f"{'GiB/slot':>9}",
-    ]
-    for stage, layout in plan.layouts.items():
-        est = chosen.stages[stage]
-        slots = f"{layout.devices[0]}..{layout.devices[-1]}"
-        lines.append(
-            f"  {stage:<16} {layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.micro_batches:>4}  "
-            f"{slots:<12} {est.seconds:>10.4g} {est.memory.total / 2**30:>9.3f}"
-        )
-    lines.append(
-        f"  busiest slot: {chosen.memory_peak / 2**30:.3f} GiB of {chosen.usable / 2**30:.2f} GiB usable"
-    )
-    return "\n".join(lines)
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    """Run the trace-driven simulation of CONFIG (flows/simulate.py) into DIR."""
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.simulate import read_sim_config, run_simulation
-    from nereus_core.sim.engine import SimError
-
-    try:
-        cfg = read_sim_config(args.config)
-    except ConfigError as err:
-        return _fail(args.config, str(err))
-    out = args.out or Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    print(f"nereus: {cfg.name}: simulating {len(cfg.traces)} traces x {len(cfg.seeds)} seeds -> {out}")
-    logging.getLogger("distributed").setLevel(logging.WARNING)
-    started = datetime.now()
-    try:
-        run_simulation(args.config, out)
-    except (ConfigError, SimError) as err:
-        return _fail(args.config, str(err))
-    print(f"nereus: done in {(datetime.now() - started).total_seconds():.0f} s: {out}/summary.json")
-    return EXIT_OK
-
-
-def cmd_resume(args: argparse.Namespace) -> int:
-    """Continue the unfinished run in DIR from its newest checkpoint (optionally on --devices N)."""
-    config = Path(args.run_dir) / "config.yaml"
-    if not config.is_file():
-        return _fail(args.run_dir, "not a run directory (no config.yaml); give the --out of a nereus run")
-    problem = run_dir_problem(Path(args.run_dir), resuming=True)
-    if problem:
-        return _fail(args.run_dir, problem)
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    try:
-        cfg = parse_config(read_config_file(config))
-    except ConfigError as err:
-        return _fail(config, str(err))
-    try:  # --devices N is bounded like cluster.devices of a new run
-        check_bounds(cfg, devices=args.devices, resume=True)
-    except ConfigError as err:
-        return _fail(args.run_dir, str(err))
-    from flows.ppo_job import ppo_job
-    from nereus_core.job import JobFailed
-    from storage.lock import RunLocked
-
-    on = f" on {args.devices} device slots" if args.devices else ""
-    print(f"nereus: {cfg.name}: resuming {args.run_dir}{on}")
-    logging.getLogger("distributed").setLevel(logging.WARNING)
-    try:
-        ppo_job(config=cfg, out_dir=str(args.run_dir), devices=args.devices)
-    except (ConfigError, FileNotFoundError) as err:
-        return _fail(args.run_dir, str(err))
-    except (JobFailed, RunLocked) as err:
-        return _stopped(args.run_dir, err)
-    print(f"nereus: done: {args.run_dir}")
-    return EXIT_OK
+def _run_dir_arg(cmd: argparse.ArgumentParser, what: str) -> None:
+    cmd.add_argument("run_dir", type=Path, metavar="DIR", help=f"{what} (the --out of a nereus run)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command; each help line fits one line of ``nereus --help``."""
     parser = _Parser(
         prog="nereus",
         description="PPO post-training whose parallel layouts change while the job runs.",
     )
     parser.add_argument("--version", action="version", version=f"nereus {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    run = sub.add_parser("run", help="run the PPO job of CONFIG")
-    check = sub.add_parser(
-        "selfcheck", help="check every layout of CONFIG against the single-device reference"
-    )
-    for cmd, handler in ((run, cmd_run), (check, cmd_selfcheck)):
-        cmd.add_argument(
-            "config", type=Path, metavar="CONFIG", help="YAML config, e.g. examples/tiny_ppo.yaml"
-        )
-        cmd.add_argument(
-            "--out", type=Path, metavar="DIR", help="run directory (default runs/NAME-TIMESTAMP)"
-        )
-        cmd.add_argument("--steps", type=int, metavar="N", help="steps to run (sets job.steps)")
-        cmd.add_argument(
-            "--set",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config field, e.g. --set job.batch_size=16 (repeatable; values are YAML)",
-        )
-        cmd.set_defaults(handler=handler)
+    run = sub.add_parser("run", help="run the PPO job of CONFIG", description="Run the PPO job of CONFIG.")
+    _config_args(run, example="examples/tiny_ppo.yaml", out="run directory (default runs/NAME-TIMESTAMP)")
+    run.add_argument("--steps", type=int, metavar="N", help="steps to run (sets job.steps)")
+    _set_arg(run)
+    run.set_defaults(handler=cmd_run)
 
-    plan = sub.add_parser("plan", help="show the plan the controller picks for CONFIG and why (no execution)")
-    plan.add_argument("config", type=Path, metavar="CONFIG")
-    plan.add_argument(
-        "--profile", choices=("cpu", "h100"), default="cpu", help="hardware profile (default cpu)"
-    )
-    plan.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
-    )
-    plan.set_defaults(handler=cmd_plan)
-    simulate = sub.add_parser("simulate", help="trace-driven simulation of every strategy of CONFIG")
-    simulate.add_argument("config", type=Path, metavar="CONFIG", help="e.g. examples/paper_sim.yaml")
-    simulate.add_argument("--out", type=Path, metavar="DIR", help="output folder (default runs/NAME-TIME)")
-    simulate.set_defaults(handler=cmd_simulate)
     resume = sub.add_parser(
         "resume",
-        help="continue an interrupted run (and its interrupted transition) from its newest checkpoint",
+        help="continue an interrupted run from its newest checkpoint",
+        description="Continue an interrupted run (and its transition) from its newest checkpoint.",
     )
-    resume.add_argument("run_dir", type=Path, metavar="DIR")
+    _run_dir_arg(resume, "the run to continue")
     resume.add_argument(
         "--devices", type=int, metavar="N", help="resume on N device slots; the controller re-plans for them"
     )
     resume.set_defaults(handler=cmd_resume)
-    report = sub.add_parser("report", help="plot a run into DIR/plots")
-    report.add_argument("run_dir", type=Path, metavar="DIR")
+
+    plan = sub.add_parser(
+        "plan",
+        help="show the plan the controller picks for CONFIG, and why",
+        description="Show the plan the controller picks for CONFIG and why; nothing runs.",
+    )
+    _config_args(plan, example="examples/tiny_ppo.yaml", out=None)
+    plan.add_argument(
+        "--profile", choices=("cpu", "h100"), default="cpu", help="hardware profile (default cpu)"
+    )
+    _set_arg(plan)
+    plan.set_defaults(handler=cmd_plan)
+
+    check = sub.add_parser(
+        "selfcheck",
+        help="check every layout of CONFIG against one device",
+        description="Check every layout of CONFIG against the single-device reference.",
+    )
+    _config_args(check, example="examples/tiny_ppo.yaml", out="output folder (default runs/NAME-TIMESTAMP)")
+    check.add_argument("--steps", type=int, metavar="N", help="steps to check (sets job.steps)")
+    _set_arg(check)
+    check.set_defaults(handler=cmd_selfcheck)
+
+    simulate = sub.add_parser(
+        "simulate",
+        help="trace-driven simulation of every strategy of CONFIG",
+        description="Trace-driven simulation of every strategy of CONFIG.",
+    )
+    _config_args(simulate, example="examples/paper_sim.yaml", out="output folder (default runs/NAME-TIME)")
+    simulate.set_defaults(handler=cmd_simulate)
+
+    report = sub.add_parser(
+        "report", help="plot a run into DIR/plots", description="Plot a run into DIR/plots."
+    )
+    _run_dir_arg(report, "the run to plot")
     report.set_defaults(handler=cmd_report)
-    export = sub.add_parser("export", help="write a model in Hugging Face format")
-    export.add_argument("run_dir", type=Path, metavar="DIR")
-    export.add_argument("--model", required=True, choices=MODELS)
-    export.add_argument("--step", type=int, metavar="N")
-    export.add_argument("--hf", required=True, type=Path, metavar="OUT")
+
+    export = sub.add_parser(
+        "export",
+        help="write a model of a run in Hugging Face format",
+        description="Write one model of a run, as of a committed step, in Hugging Face format.",
+    )
+    _run_dir_arg(export, "the run to export from")
+    export.add_argument("--model", required=True, choices=MODELS, help="which model to write (required)")
+    export.add_argument(
+        "--step", type=int, metavar="N", help="the committed step to write (default: the newest)"
+    )
+    export.add_argument(
+        "--hf", required=True, type=Path, metavar="OUT", help="folder to write the model into (required)"
+    )
     export.set_defaults(handler=cmd_export)
     return parser
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of stdout has gone (``nereus plan | head -1``): say nothing more. Python would
+    flush stdout again at exit and print a traceback, so stdout becomes /dev/null first."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -463,7 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nereus: {FAULT_ENV}: {err}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return args.handler(args)
+        status = args.handler(args)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return status
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except KeyboardInterrupt:
         print("nereus: interrupted", file=sys.stderr)
         return 130

@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 
+from flows import cli_watchdog
 from flows.cli import MAX_DEVICES_ENV, SCHEDULER_ENV, main
 from nereus_core.config import NereusConfig
 
@@ -38,6 +39,9 @@ def calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict[str, Any
         setattr(fake, name, lambda **kwargs: recorded.append(kwargs))
         monkeypatch.setitem(sys.modules, module, fake)
     monkeypatch.delenv(SCHEDULER_ENV, raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    # the fake flows start no Prefect server, so there is nothing for a watchdog to stop
+    monkeypatch.setattr(cli_watchdog, "start_watchdog", lambda pid=None: None)
     monkeypatch.chdir(tmp_path)
     return recorded
 
