@@ -1,0 +1,211 @@
+"""The admission rules: given the weighed candidates, keep the plan in force or switch, and say why.
+
+Boundary: pure rules over options the controller has already evaluated (each a
+plan's calibrated estimate, the cost of moving to it, and its expected step time:
+measured on this workload when it ran, else predicted). Nothing here searches,
+calibrates or remembers; ``controller.decide`` does that and builds the Decision.
+
+Unforced (DESIGN.md, issue 17): switch iff, with ``g = T_now - T_new``,
+``g * H >= (1 + margin) * C`` and ``g >= min_gain * T_now``, with H the remaining
+steps capped by ``horizon`` and at least ``dwell`` steps since the last switch.
+Among the fastest ``top_k`` plans the one with the largest net gain
+``g * H - (1 + margin) * C`` is taken, so a slightly slower plan much cheaper to
+reach can win. A plan left for one that measured faster is not a candidate while
+the workload and devices stay as they were. Forced (no dwell, no margin): when there
+is no plan yet, the devices changed, or the plan in force no longer fits; then the
+plan minimising ``T_new * H + C`` is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from nereus_core.controller_state import Alternative, ControllerSettings, Observation, Reason
+from nereus_core.cost_model import TransitionEstimate
+from nereus_core.plan import GlobalPlan
+from nereus_core.plan_estimate import PlanEstimate
+
+GiB = 1024**3
+Action = Literal["keep", "switch", "none"]
+
+
+def size(n: float) -> str:
+    """Bytes as GiB, or MiB below 1 GiB (tiny models on small slots stay readable)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+class Option(NamedTuple):
+    """A candidate plan as admission weighs it."""
+
+    est: PlanEstimate
+    move: TransitionEstimate
+    step_s: float  # expected: its measured step time on this workload if it ran, else est.step_s
+    measured: bool
+    left_for: str | None  # set: it was left for that plan, which measured faster (not a candidate)
+
+
+class Verdict(NamedTuple):
+    action: Action
+    reason: str
+    chosen: Option | None
+    alternatives: list[Alternative]
+    forced: bool
+
+
+def forced_reason(
+    observation: Observation, plan: GlobalPlan | None, devices: int | None, current: PlanEstimate | None
+) -> str:
+    """Why the plan in force must change now, or '' if it may stay."""
+    capacity = observation.memory_per_device
+    if plan is None:
+        return "no current plan"
+    if devices is not None and devices != observation.devices:
+        return f"device set changed ({devices} -> {observation.devices} slots)"
+    if current is None:
+        return f"the current plan uses slot {plan.devices[-1]}, beyond the {observation.devices} available"
+    over = {d: b for d, b in observation.memory_peaks.items() if b > capacity}
+    if over:
+        d = max(over, key=lambda k: over[k])
+        return f"slot {d} peaked at {size(over[d])} > capacity {size(capacity)}"
+    if not current.fits:
+        return f"the current plan needs {size(current.memory_peak)} per slot > usable {size(current.usable)}"
+    return ""
+
+
+def alternative(
+    e: PlanEstimate | None, reason: Reason, detail: str, *, plan=None, step=0.0, mem=0
+) -> Alternative:
+    plan = plan if e is None else e.plan
+    return Alternative(
+        plan_id=plan.plan_id,
+        description=plan.describe(),
+        step_s=step if e is None else e.step_s,
+        memory_peak=mem if e is None else e.memory_peak,
+        reason=reason,
+        detail=detail,
+    )
+
+
+def memory_rejections(rejected: list, faster_than: float, usable: int) -> list[Alternative]:
+    """The search's memory rejections faster than ``faster_than``, as alternatives."""
+    return [
+        alternative(
+            None,
+            "memory",
+            f"needs {size(f.memory)} per slot > usable {size(usable)}",
+            plan=f.plan,
+            step=f.seconds,
+            mem=int(f.memory),
+        )
+        for f in rejected
+        if f.seconds < faster_than and np.isfinite(f.seconds)
+    ]
+
+
+def with_variants(
+    alternatives: list[Alternative], variants: list, plan: GlobalPlan | None, current: PlanEstimate | None
+) -> list[Alternative]:
+    """Add the best plan's one-stage variants (search estimates), once each, after the others."""
+    seen = {a.plan_id for a in alternatives} | {p.plan_id for p in (plan, current and current.plan) if p}
+    out = list(alternatives)
+    for f in variants:
+        if f.plan.plan_id not in seen:
+            seen.add(f.plan.plan_id)
+            detail = "one model-stage on its next-fastest layout (search estimate)"
+            out.append(alternative(None, "slower", detail, plan=f.plan, step=f.seconds, mem=int(f.memory)))
+    out.sort(key=lambda a: (a.reason != "memory", a.step_s))
+    return out
+
+
+def _left(o: Option) -> Alternative:
+    return alternative(o.est, "slower", f"measured {o.step_s:.3g} s here; left for {o.left_for}, faster")
+
+
+def _basis(o: Option) -> str:
+    return "measured" if o.measured else "predicted"
+
+
+def forced(
+    reason: str,
+    options: Sequence[Option],
+    rejected: list,
+    *,
+    current: PlanEstimate | None,
+    horizon: int,
+    usable: int,
+) -> Verdict:
+    """The plan minimising ``T * H + C`` (plans left for being slower only if nothing else fits)."""
+    if not options:
+        alts = memory_rejections(rejected, float("inf"), usable)
+        return Verdict("none", f"{reason}; no plan fits in memory", None, alts, True)
+    h = max(horizon, 1)
+    allowed = [o for o in options if o.left_for is None] or list(options)
+    best = min(allowed, key=lambda o: o.step_s * h + o.move.seconds)
+    alts = memory_rejections(rejected, best.step_s, usable)
+    mine = best.step_s * h + best.move.seconds
+    for o in options:
+        if o.est.plan == best.est.plan or (current is not None and o.est.plan == current.plan):
+            continue
+        if o.left_for is not None and o not in allowed:
+            alts.append(_left(o))
+            continue
+        total = o.step_s * h + o.move.seconds
+        alts.append(alternative(o.est, "slower", f"{total:.3g} s over {h} steps incl. move vs {mine:.3g} s"))
+    if current is not None and best.est.plan == current.plan:
+        return Verdict("keep", f"{reason}; the current plan is still the best", best, alts, True)
+    return Verdict("switch", reason, best, alts, True)
+
+
+def admit(
+    options: Sequence[Option],
+    rejected: list,
+    *,
+    current: PlanEstimate,
+    current_s: float,
+    horizon: int,
+    settings: ControllerSettings,
+    steps_since_switch: int,
+) -> Verdict:
+    """Keep, or switch to the option with the largest net gain if it pays (module docstring)."""
+    h, usable = horizon, current.usable
+    factor = 1.0 + settings.margin
+    others = [o for o in options if o.est.plan != current.plan]
+    alts = [_left(o) for o in others if o.left_for is not None]
+    others = [o for o in others if o.left_for is None]
+    if not others:
+        alts += memory_rejections(rejected, current_s, usable)
+        return Verdict("keep", "the current plan is the fastest that fits", None, alts, False)
+    best = max(others, key=lambda o: (current_s - o.step_s) * h - factor * o.move.seconds)
+    gain, floor = current_s - best.step_s, settings.min_gain * current_s
+    pays = gain > 0 and gain >= floor and gain * h >= factor * best.move.seconds
+    alts += memory_rejections(rejected, min(current_s, best.step_s), usable)
+    for o in others:
+        g = current_s - o.step_s
+        if g <= 0:
+            alts.append(
+                alternative(o.est, "slower", f"{-g:+.3g} s per step vs the current plan ({_basis(o)})")
+            )
+        elif o is not best or not pays:
+            c = o.move.seconds
+            detail = f"gain {g:.3g} s/step x {h} steps = {g * h:.3g} s < {factor:g} x move {c:.3g} s"
+            if g < floor:
+                detail = f"gain {g:.3g} s/step < {settings.min_gain:.0%} of the {current_s:.3g} s step"
+            elif g * h >= factor * c:
+                detail = f"pays ({g * h:.3g} s >= {factor:g} x {c:.3g} s) but nets less than the chosen"
+            alts.append(alternative(o.est, "not_worth_it", detail))
+    if pays and steps_since_switch < settings.dwell:
+        alts.append(alternative(best.est, "dwell", f"{steps_since_switch} steps since the last switch"))
+        msg = f"dwell: {steps_since_switch} < {settings.dwell} steps since the last switch"
+        return Verdict("keep", msg, best, alts, False)
+    if not pays:
+        msg = "no faster plan pays for its move"
+        if 0 < gain < floor:
+            msg = f"the best gain ({gain:.3g} s/step) is below {settings.min_gain:.0%} of the step"
+        return Verdict("keep", msg, best, alts, False)
+    msg = (
+        f"gain {gain:.3g} s/step ({_basis(best)}) x {h} steps >= {factor:g} x move {best.move.seconds:.3g} s"
+    )
+    return Verdict("switch", msg, best, alts, False)
