@@ -3,7 +3,11 @@
     stage timings  -> metrics/steps.parquet, a table per step (run logger), artifact nereus-step-timings
     step history   -> metrics/history.parquet (scores, losses, PPO statistics, lengths, wall, overhead)
     transitions    -> metrics/transitions.parquet, artifact nereus-transitions
+    every step     -> trainer.logger's trackers (flows/tracking.py), the progress bar on a terminal
     the end        -> summary.json
+
+Steps are 0-based in every table and log line (step 0 is the first; a checkpoint "at step N" holds
+the state after N steps, the one step N starts from).
 
 Boundary: recording only; the flow decides what happens (flows/ppo_job.py) and the job's rules
 are nereus_core.job's. Timing: ``task_call`` times a Prefect task call from outside (its rows get
@@ -13,6 +17,7 @@ the task's orchestration overhead), ``plain`` times a driver-side call.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -24,6 +29,8 @@ from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from flows.step_report import step_table
+from flows.tracking import Trackers, flat_params, progress_bar, step_metrics, transition_metrics
+from nereus_core.config import NereusConfig
 from nereus_core.controller import Decision
 from nereus_core.job import JobState, Switch
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
@@ -54,13 +61,38 @@ class TaskCall:
 class JobRecords:
     """The run's tables, kept in memory and rewritten after every change (they are small)."""
 
-    def __init__(self, run: RunDir, *, first_step: int = 0) -> None:
-        self.run, self.t0 = run, time.perf_counter()
+    def __init__(self, run: RunDir, *, first_step: int = 0, config: NereusConfig | None = None) -> None:
+        self.run, self.t0, self.first_step = run, time.perf_counter(), first_step
         self.rows = [r for r in run.read_rows(STEPS_TABLE) if r["step"] < first_step]
         self.history = [h for h in run.read_rows(HISTORY_TABLE) if h["step"] < first_step]
         self.transitions = run.read_rows(TRANSITIONS_TABLE) if first_step else []
         self.task_overheads: list[float] = []  # per Prefect task call: its time outside its stages
         self.checkpoint_s = 0.0
+        # Run time of the kept steps before this driver took over (0 on a fresh run).
+        self.before_s = float(self.history[-1].get("run_s") or 0.0) if self.history else 0.0
+        self.config = config
+        self.console = config is None or "console" in config.trainer.logger
+        self.trackers, self.progress = Trackers([]), None
+
+    @contextmanager
+    def tracking(self) -> Iterator[None]:
+        """The trackers of ``trainer.logger`` and the progress bar, open while the steps run."""
+        if self.config is not None:
+            cfg = self.config
+            params = flat_params(cfg.model_dump(mode="json"))
+            names = cfg.trainer.logger
+            self.trackers = Trackers.open(
+                names, self.run.root, cfg.trainer.project_name, self.run.root.name, params
+            )
+            self.progress = progress_bar(cfg.job.steps, self.first_step)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            self.trackers.close(failed)
+            if self.progress is not None:
+                self.progress.close()
 
     def _row(
         self, step: int, plan_id: str, stage: tuple[str, str, int, float], start: float, outer: float
@@ -110,15 +142,25 @@ class JobRecords:
         for r in rows:
             r["step_wall_s"] = wall_s
         stats.update(wall_s=wall_s, stage_s=inside, overhead_s=wall_s - inside)
+        stats["run_s"] = self.before_s + time.perf_counter() - self.t0
         self.run.write_rows(STEPS_TABLE, self.rows)
         note = f"Stage timings of step {step} (wall {wall_s:.3f} s, overhead {wall_s - inside:.3f} s)"
-        get_run_logger().info("step %d/%d\n%s", step + 1, steps, step_table(rows, stats))
+        level = logging.INFO if self.console else logging.DEBUG
+        get_run_logger().log(level, "step %d (of 0-%d)\n%s", step, steps - 1, step_table(rows, stats))
         create_table_artifact(
             key="nereus-step-timings",
-            table=[{k: r[k] for k in ("step", "model", "stage", "duration_s", "tokens")} for r in rows],
+            table=[
+                {k: rounded(r[k]) for k in ("step", "model", "stage", "duration_s", "tokens")} for r in rows
+            ],
             description=note,
         )
-        stats["bookkeeping_s"] = time.perf_counter() - start
+        self.trackers.log(step_metrics(stats, rows), step)
+        if self.progress is not None:
+            self.progress.set_postfix(
+                score=f"{stats['rule_score']:.3f}", wall=f"{wall_s:.2f}s", refresh=False
+            )
+            self.progress.update(1)
+        stats["bookkeeping_s"] = time.perf_counter() - start  # the trackers' time included
         self.history.append(stats)
         self.run.write_rows(HISTORY_TABLE, self.history)
 
@@ -155,10 +197,11 @@ class JobRecords:
         }
         self.transitions.append(row)
         self.run.write_rows(TRANSITIONS_TABLE, self.transitions)
+        self.trackers.log(transition_metrics(row), step)
         keys = ("transition_id", "status", "route", "reason", "predicted_cost_s", "actual_s", "bytes_moved")
         create_table_artifact(
             key="nereus-transitions",
-            table=[{k: t.get(k) for k in keys} for t in self.transitions],
+            table=[{k: rounded(t.get(k)) for k in keys} for t in self.transitions],
             description="Plan switches of this run so far (metrics/transitions.parquet)",
         )
         return row
@@ -171,7 +214,9 @@ class JobRecords:
         return {
             "status": "completed",
             "steps": len(history),
-            "wall_s": wall_s,
+            "steps_after_resume": len(history) - self.first_step if self.first_step else None,
+            "wall_s": wall_s,  # this driver's (since it opened the run)
+            "run_s": self.before_s + wall_s,  # and the kept steps' before a resume
             "reward_first": mean("score", history[:k]),
             "reward_last": mean("score", history[-k:]),
             "score_first": mean("rule_score", history[:k]),
@@ -190,15 +235,27 @@ class JobRecords:
         }
 
 
+def rounded(value: Any, digits: int = 4) -> Any:
+    """A float to ``digits`` significant digits (artifacts are read by people); anything else as is."""
+    if not isinstance(value, float) or value == 0.0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+DECISION_INFO_CHARS = 120  # the INFO line's reason is cut here; the whole of it is at DEBUG
+
+
 def log_decision(decision: Decision, step: int) -> None:
-    """The controller's decision in one line, and its best rejected alternatives (short)."""
+    """The controller's decision in one short INFO line; its numbers and rejected alternatives at DEBUG."""
     logger = get_run_logger()
+    reason = decision.reason
+    if len(reason) > DECISION_INFO_CHARS:
+        reason = reason[: DECISION_INFO_CHARS - 3] + "..."
+    forced = " (forced)" if decision.forced else ""
+    logger.info("controller after step %d: %s%s: %s", step, decision.action, forced, reason)
     cost = decision.transition.seconds if decision.transition else 0.0
-    logger.info(
-        "controller after step %d: %s%s (%s); gain %.4f s/step x %d steps vs cost %.3f s; decided in %.1f ms",
-        step,
-        decision.action,
-        " (forced)" if decision.forced else "",
+    logger.debug(
+        "  %s; gain %.4g s/step x %d steps vs cost %.4g s; decided in %.1f ms",
         decision.reason,
         decision.gain_per_step_s,
         decision.horizon_steps,
@@ -207,3 +264,11 @@ def log_decision(decision: Decision, step: int) -> None:
     )
     for alt in decision.alternatives[:3]:
         logger.debug("  rejected %s: %s (%s)", alt.plan_id, alt.reason, alt.detail)
+
+
+def done_line(summary: dict[str, Any]) -> str:
+    """The run's last line: every step it made and its whole run time, a resume's share named."""
+    steps, after = summary["steps"], summary.get("steps_after_resume")
+    what = f"{steps} steps, {after} of them after the resume" if after is not None else f"{steps} steps"
+    first, last = summary["score_first"], summary["score_last"]
+    return f"done: {what}, in {summary['run_s']:.1f} s; rule score {first:.3f} -> {last:.3f}"

@@ -11,6 +11,7 @@ Boundary: start-up only; the steps are flows/ppo_job.py's.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from flows.job_records import QuietCompletedTasks
+from flows.job_records import QuietCompletedTasks, rounded
 from flows.transition import rehydrate_all
 from nereus_core import job as jb
 from nereus_core.config import ConfigError, NereusConfig, parse_config
@@ -92,15 +93,32 @@ def bring_up(
     state = jb.start(cfg)
     run.write_plan(state.plan_id, {str(k): v.model_dump(mode="json") for k, v in state.layouts.items()})
     reward = state.layouts["reward/infer"]
-    cache_dir = os.environ.get("NEREUS_CACHE_DIR", str(Path.home() / ".cache" / "nereus"))
+    cache_dir = reward_fit_cache_dir()
     fit = st.fit_reward_model(pool, reward, cfg, st.reward_fit_key(cfg), cache_dir)
     if not Path(fit["path"]).exists():  # the cache outlived its file: fit again
         fit = st.fit_reward_model.with_options(refresh_cache=True)(
             pool, reward, cfg, st.reward_fit_key(cfg), cache_dir
         )
-    logger.info("reward model fitted: mse %s -> %s", fit["first_loss"], fit["last_loss"])
+    logger.info(
+        "reward model fitted: mse %s -> %s (%s)",
+        rounded(fit["first_loss"]),
+        rounded(fit["last_loss"]),
+        fit["path"],
+    )
     job_ops.load_models(pool, cfg, state.layouts, state.aliased, st.load_reward_state(fit["path"]))
     return state, {"fit": fit}
+
+
+def reward_fit_cache_dir(checkout: Path | None = None) -> str:
+    """Where fitted reward models are kept: ``NEREUS_CACHE_DIR``, else the user's cache directory in a
+    folder of this checkout's own (its path hashed), so that another checkout, whose code may fit
+    differently, never reuses this one's fit unseen (issue 13)."""
+    if os.environ.get("NEREUS_CACHE_DIR"):
+        return os.environ["NEREUS_CACHE_DIR"]
+    checkout = (checkout or Path(__file__).resolve().parents[1]).resolve()
+    tag = hashlib.sha256(str(checkout).encode()).hexdigest()[:12]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(base / "nereus" / f"{checkout.name}-{tag}")
 
 
 def _resume(

@@ -22,8 +22,8 @@ import torch
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows import job_start
-from flows.job_records import JobRecords, log_decision
+from flows import job_start, tracking
+from flows.job_records import JobRecords, done_line, log_decision
 from flows.transition import transition_flow
 from nereus_core import job as jb
 from nereus_core import rollout as ro
@@ -205,13 +205,14 @@ def ppo_job(
     differ, the controller picking the plan for them.
     """
     cfg, logger = job_start.resolve(config), get_run_logger()
+    tracking.require(cfg.trainer.logger)  # a missing tracker package is refused before anything starts
     out_dir = out_dir or f"runs/{cfg.name}-{str(prefect_flow_run.id)[:8]}"  # a retry finds (resumes) it
     start = time.perf_counter()
     with job_start.opened(cfg, out_dir, devices) as (run, cfg, point):
         with DevicePool.for_cluster(cfg.cluster) as pool:
             state, started = job_start.bring_up(pool, run, cfg, point)
-            records = JobRecords(run, first_step=point.step if point else 0)
-            with job_start.quiet_task_logs():
+            records = JobRecords(run, first_step=point.step if point else 0, config=cfg)
+            with job_start.quiet_task_logs(), records.tracking():
                 for step in range(point.step if point else 0, cfg.job.steps):
                     events = [e for e in state.config.job.scenario if e.step == step]
                     state, what = jb.apply_event(state, events[0] if events else None)
@@ -235,10 +236,7 @@ def ppo_job(
                 resumed_from_step=point.step, resume_verified_bitwise=started["resume_verified_bitwise"]
             )
         run.write_summary(summary)
-    first, last = summary["score_first"], summary["score_last"]
-    logger.info(
-        "done: %d steps in %.1f s; rule score %.3f -> %.3f", cfg.job.steps, summary["wall_s"], first, last
-    )
+    logger.info(done_line(summary))
     return summary
 
 

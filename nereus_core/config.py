@@ -232,6 +232,40 @@ class JobConfig(_Frozen):
         return TaskSettings(name=self.task, prompt_len=self.prompt_len, response_len=self.response_len)
 
 
+TrackerName = Literal["console", "tensorboard", "mlflow", "wandb"]
+
+
+class TrainerConfig(_Frozen):
+    """Where a run's per-step metrics go besides its own tables (verl's ``trainer`` section).
+
+    ``console``: the step table in the run logger at INFO (at DEBUG without it); ``tensorboard``:
+    event files in RUN/tensorboard; ``mlflow``: a local store in RUN/mlflow, no server; ``wandb``:
+    W&B in offline mode under RUN/wandb. Their packages: the ``tracking`` and ``wandb`` extras."""
+
+    logger: tuple[TrackerName, ...] = Field(
+        default=("console",),
+        description="Metric trackers, as verl's trainer.logger: console, tensorboard, mlflow, wandb.",
+    )
+    project_name: str = Field(
+        default="nereus",
+        min_length=1,
+        max_length=100,
+        description="MLflow experiment and W&B project the run is logged under.",
+    )
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value  # trainer.logger=tensorboard, as verl takes
+
+    @field_validator("logger")
+    @classmethod
+    def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"trainer.logger={list(value)} names a tracker twice; name each once")
+        return value
+
+
 NAME_MAX_CHARS = 100
 # Word characters (any script), '.', '_' and '-': no path separator, drive colon or control character.
 _NAME = re.compile(r"\w[\w.-]*")
@@ -260,6 +294,7 @@ class NereusConfig(_Frozen):
     model: ModelConfig = ModelConfig()
     job: JobConfig = JobConfig()
     ppo: PPOSettings = PPOSettings()
+    trainer: TrainerConfig = TrainerConfig()
     plan: dict[ModelStage, Layout] = Field(
         default_factory=dict, description="Initial layout per model-stage, e.g. 'actor/train'."
     )
@@ -452,6 +487,7 @@ __all__ = [
     "JobConfig",
     "ModelConfig",
     "NereusConfig",
+    "TrainerConfig",
     "name_error",
     "parse_config",
     "shown",

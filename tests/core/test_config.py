@@ -156,9 +156,9 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
     ),
     (
         "unknown-section",
-        _set("trainer", {"lr": 1}),
-        "trainer",
-        ("unknown field", "valid fields: name, cluster, model, job, ppo, plan"),
+        _set("optimizer", {"lr": 1}),
+        "optimizer",
+        ("unknown field", "valid fields: name, cluster, model, job, ppo, trainer, plan"),
     ),
     (
         "unknown-layout-field",
@@ -403,3 +403,32 @@ def test_a_run_name_that_is_a_path_or_not_a_name_is_refused(name: str) -> None:
 def test_a_plain_run_name_is_accepted(name: str) -> None:
     assert parse_config({"name": name}).name == name
     assert name_error(name) is None
+
+
+def test_trainer_logger_defaults_to_the_console_and_takes_verls_forms() -> None:
+    assert parse_config({}).trainer.logger == ("console",)
+    assert parse_config({"trainer": {"logger": "tensorboard"}}).trainer.logger == ("tensorboard",)
+    both = parse_config({"trainer": {"logger": ["console", "mlflow"]}})
+    assert both.trainer.logger == ("console", "mlflow") and both.trainer.project_name == "nereus"
+    assert parse_config({"trainer": {"logger": []}}).trainer.logger == ()
+
+
+@pytest.mark.parametrize(
+    ("trainer", "needles"),
+    [
+        ({"logger": ["console", "tb"]}, ("trainer.logger[1]='tb'", "'tensorboard'", "'mlflow'", "'wandb'")),
+        ({"logger": ["mlflow", "mlflow"]}, ("trainer.logger=", "names a tracker twice")),
+        ({"logger": 3}, ("trainer.logger=3", "must be a list")),
+        ({"loger": ["console"]}, ("trainer.loger", "did you mean logger?")),
+        ({"project_name": ""}, ("trainer.project_name", "at least 1 character")),
+    ],
+)
+def test_a_bad_trainer_section_is_one_line_naming_the_field(
+    trainer: dict[str, Any], needles: tuple[str, ...]
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"trainer": trainer})
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
