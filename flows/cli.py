@@ -52,6 +52,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"nereus: error: {message} (see '{self.prog} --help')\n")
 
 
+class _CommandsFormatter(argparse.HelpFormatter):
+    """Keeps each command's help on its name's line in ``nereus --help``: argparse measures the
+    command names at their group's indent but prints them one level deeper, so it would wrap the
+    longest one (``selfcheck``) onto two lines."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        subactions = getattr(action, "_get_subactions", list)()  # the command names, if any
+        names = [len(sub.metavar or sub.dest) for sub in subactions]
+        if names:
+            deeper = max(names) + self._current_indent + self._indent_increment
+            self._action_max_length = max(self._action_max_length, deeper)
+
+
 def _fail(where: str | os.PathLike[str] | None, message: str, code: int = EXIT_USAGE) -> int:
     # a storage error names the damaged file under ``where`` already: say the path once
     named = where is None or message.startswith(f"{os.fspath(where)}/")
@@ -236,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="nereus",
         description="PPO post-training whose parallel layouts change while the job runs.",
+        formatter_class=_CommandsFormatter,
     )
     parser.add_argument("--version", action="version", version=f"nereus {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")

@@ -6,11 +6,13 @@ neither Prefect nor Dask.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
 import re
 import resource
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ import torch
 import yaml
 
 from flows import cli_watchdog
-from flows.cli import MAX_DEVICES_ENV, SCHEDULER_ENV, main
+from flows.cli import MAX_DEVICES_ENV, SCHEDULER_ENV, build_parser, main
 from nereus_core.config import NereusConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -451,3 +453,127 @@ def test_the_blocked_packages_cannot_be_imported(blocked: Path) -> None:
             [sys.executable, "-c", f"import {name}"], env=env, capture_output=True, text=True
         )
         assert done.returncode != 0 and f"{name} imported before the refusal" in done.stderr
+
+
+# ---------------------------------------------------------------- help, pipes and the Prefect API
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_help_lists_every_command_on_one_line_each() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "--help"],
+        cwd=ROOT,
+        env=os.environ | {"COLUMNS": "80"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done
+    lines = done.stdout.splitlines()
+    commands = _commands(build_parser())
+    assert set(commands) >= {"run", "resume", "plan", "selfcheck", "simulate", "report", "export"}
+    for name in commands:
+        (line,) = [line for line in lines if line.split()[:1] == [name]]
+        assert len(line.split()) > 2, f"{name} has no help on its line: {line!r}"
+        after = (lines[lines.index(line) + 1 :] or [""])[0].split()
+        assert not after or after[0] in commands, f"{name}'s help wraps onto the next line: {after}"
+        assert len(line) <= 80, line
+
+
+def test_every_option_of_every_command_is_described() -> None:
+    for name, parser in _commands(build_parser()).items():
+        for action in parser._actions:
+            assert action.help, f"nereus {name}: {action.option_strings or action.metavar} has no help"
+
+
+def test_export_help_describes_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["export", "--help"]) == 0
+    out = capsys.readouterr().out
+    for option, words in (
+        ("DIR", "the run to export from"),
+        ("--model", "which model"),
+        ("--step", "committed step"),
+        ("--hf", "folder to write"),
+    ):
+        assert option in out and words in out, out
+
+
+def test_plan_into_a_closed_pipe_exits_quietly() -> None:
+    done = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"'{sys.executable}' -m flows.cli plan '{EXAMPLE}' | head -1; exit ${{PIPESTATUS[0]}}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.startswith("nereus plan: tiny-ppo"), done
+    assert len(done.stdout.splitlines()) == 1
+    assert done.stderr == "", done.stderr  # no BrokenPipeError, no "Exception ignored"
+    assert done.returncode in (0, 141), done  # 141: the reader left before the last line
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # free once the socket closes: nothing listens there
+
+
+def _run_against(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "NEREUS_"))}
+    full |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(ROOT)} | env
+    argv = ["run", str(EXAMPLE), "--out", str(tmp_path / "run")]
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *argv],
+        cwd=tmp_path,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_an_unreachable_api_url_in_the_environment_is_one_line(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/api"
+    done = _run_against(tmp_path, {"PREFECT_API_URL": url})
+    assert done.returncode == 2, done
+    assert done.stdout == "" and "Traceback" not in done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"nereus: error: the Prefect API at {url} (PREFECT_API_URL in the environment)")
+    assert "'prefect server start'" in line and "unset PREFECT_API_URL" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_api_url_of_a_profile_says_how_to_go_back(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/api"
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    (home / "profiles.toml").write_text(
+        f'active = "nereus-server"\n\n[profiles.nereus-server]\nPREFECT_API_URL = "{url}"\n'
+    )
+    done = _run_against(tmp_path, {})
+    assert done.returncode == 2, done
+    (line,) = done.stderr.splitlines()
+    assert f"{url} (PREFECT_API_URL of Prefect profile 'nereus-server')" in line, line
+    assert "'prefect server start'" in line and "'prefect profile use ephemeral'" in line, line
+
+
+def test_an_api_that_never_answers_is_one_line_within_seconds(tmp_path: Path) -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel does) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/api"
+        started = time.perf_counter()
+        done = _run_against(tmp_path, {"PREFECT_API_URL": url})
+        seconds = time.perf_counter() - started
+    assert done.returncode == 2, done
+    (line,) = done.stderr.splitlines()
+    assert "does not answer (no answer within 2 s)" in line or "timed out" in line, line
+    assert seconds < 60, seconds
