@@ -55,7 +55,7 @@ def _where() -> tuple[str, str]:
 
     profile = get_settings_context().profile
     if any(getattr(key, "name", key) == API_URL_ENV for key in profile.settings):
-        return f"{API_URL_ENV} of Prefect profile '{profile.name}'", "'prefect profile use ephemeral'"
+        return f"{API_URL_ENV} of Prefect profile '{profile.name}'", "run 'prefect profile use ephemeral'"
     return f"{API_URL_ENV} in Prefect's settings", f"remove {API_URL_ENV} from prefect.toml or .env"
 
 
@@ -89,5 +89,5 @@ def api_problem() -> str | None:
     where, back = _where()
     return (
         f"the Prefect API at {url} ({where}) does not answer ({why}); start it with "
-        f"'prefect server start', or {back} to run on a temporary local server"
+        f"'prefect server start', or {back} to go back to a temporary local server per run"
     )
