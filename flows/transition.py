@@ -39,7 +39,7 @@ from storage.run_dir import RunDir
 from tasks import model_ops
 from tasks.device_pool import DevicePool
 from tasks.snapshots import rehydrate_model
-from tasks.transition_ops import move_stage, relink_copy
+from tasks.transition_ops import move_stage, move_stages, relink_copy
 
 Plan = dict[str, Layout]
 
@@ -258,38 +258,78 @@ def _run_schedule(
     step: int,
     checkpoint_step: int | None,
 ) -> int:
-    """Run the schedule's units wave by wave (a wave's units one after another: the replay that
-    proved the schedule safe counts all of a wave's allocations before any of its frees)."""
+    """Run the schedule's units wave by wave. A wave's live moves run at once: one device call per
+    device carries its part of every one of them (``move_stages``: the collectives in one order on
+    every device, each move's messages under its own tags); the wave's other units (durable
+    unloads and loads, or moves on the durable path) then run one after another. Safe for memory in
+    any order: the replay that proved the schedule counts all of a wave's allocations before any of
+    its frees."""
     logger, moved, done = get_run_logger(), 0, 0
     for wave in schedule.waves:
-        for unit in wave:
-            kind, _, stage = unit.partition(":")
-            if kind == "move":
-                stats = _run_op(
-                    journal,
-                    unit,
-                    move_stage,
-                    pool,
-                    stage,
-                    model_config(cfg, stage),
-                    old[stage],
-                    new[stage],
-                    path=path,
-                    optimizer=optimizer_settings(cfg, stage),
-                    run_dir=run_dir,
-                    step=step,
-                )
-            elif kind == "unload":
-                stats = _run_op(journal, unit, model_ops.unload_model, pool, old[stage], name=stage)
+        finished = journal.done_ops()
+        together = [u for u in wave if u.startswith("move:") and u not in finished] if path == "live" else []
+        batches = [together] if len(together) > 1 else []
+        batches += [[u] for u in wave if len(together) < 2 or u not in together]
+        for units in batches:
+            if len(units) > 1:
+                results = _run_moves_together(pool, cfg, journal, units, old, new)
             else:
-                stats = _run_op(
-                    journal, unit, _rehydrate, pool, cfg, run_dir, checkpoint_step, stage, new[stage]
+                args = (units[0], old, new, path, step, checkpoint_step)
+                results = [(units[0], _run_unit(pool, cfg, run_dir, journal, *args))]
+            for unit, stats in results:
+                stage = unit.partition(":")[2]
+                moved, done = moved + stats.get("bytes_moved", 0), done + 1
+                logger.info(
+                    "%s %s -> %s (%s bytes)", unit, old[stage].key, new[stage].key, stats.get("bytes_moved")
                 )
-            moved, done = moved + stats.get("bytes_moved", 0), done + 1
-            logger.info(
-                "%s %s -> %s (%s bytes)", unit, old[stage].key, new[stage].key, stats.get("bytes_moved")
-            )
             if done < len(schedule.order) and faults.armed("kill-driver:move"):
-                logger.warning("fault injection: the driver dies after %s, with units still to run", unit)
+                logger.warning("fault injection: the driver dies after %s, with units still to run", units)
                 os.kill(os.getpid(), signal.SIGKILL)
     return moved
+
+
+def _run_moves_together(
+    pool: DevicePool, cfg: NereusConfig, journal: Journal, units: list[str], old: Plan, new: Plan
+) -> list[tuple[str, dict[str, Any]]]:
+    """A wave's live moves in one call; each unit journaled (start before, done after) on its own."""
+    stages = [u.partition(":")[2] for u in units]
+    for unit in units:
+        journal.record(unit, START)
+    moves = [(s, model_config(cfg, s), old[s], new[s], optimizer_settings(cfg, s)) for s in stages]
+    results = move_stages(pool, moves)
+    for unit, stats in zip(units, results, strict=True):
+        journal.record(unit, DONE, seconds=stats["seconds"], bytes_moved=stats["bytes_moved"], together=units)
+    return list(zip(units, results, strict=True))
+
+
+def _run_unit(
+    pool: DevicePool,
+    cfg: NereusConfig,
+    run_dir: str,
+    journal: Journal,
+    unit: str,
+    old: Plan,
+    new: Plan,
+    path: str,
+    step: int,
+    checkpoint_step: int | None,
+) -> dict[str, Any]:
+    kind, _, stage = unit.partition(":")
+    if kind == "move":
+        return _run_op(
+            journal,
+            unit,
+            move_stage,
+            pool,
+            stage,
+            model_config(cfg, stage),
+            old[stage],
+            new[stage],
+            path=path,
+            optimizer=optimizer_settings(cfg, stage),
+            run_dir=run_dir,
+            step=step,
+        )
+    if kind == "unload":
+        return _run_op(journal, unit, model_ops.unload_model, pool, old[stage], name=stage)
+    return _run_op(journal, unit, _rehydrate, pool, cfg, run_dir, checkpoint_step, stage, new[stage])

@@ -3,7 +3,7 @@
 Every stage task returns ``(result, seconds inside the task)`` so the flow can
 tell the time spent in stages from the orchestration around them. Rollout
 tensors are small (token ids and per-token floats) and stay in the driver; the
-models' weights never leave the devices except for weight sync.
+models' weights never leave the devices (weight sync moves them device to device).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from nereus_core.ppo import PPOSettings
 from nereus_core.task import make_prompts, rule_score, synthetic_responses
 from tasks import model_ops
 from tasks.device_pool import DevicePool
+from tasks.reshard import sync_copy
 
 Timed = tuple[Any, float]
 
@@ -212,5 +213,6 @@ def train(
 def _sync(
     pool: DevicePool, src: Layout, dst: Layout, *, src_name: str, dst_name: str, config: ModelConfig
 ) -> None:
-    state = model_ops.full_state(pool, src, name=src_name, config=config)
-    model_ops.push_weights(pool, dst, state, name=dst_name)
+    """The inference copy takes the trained parameters device to device (the EMU reshard plan of
+    the two layouts; tasks/reshard.py): nothing passes through the driver."""
+    sync_copy(pool, config, source=src_name, source_layout=src, copy=dst_name, copy_layout=dst)

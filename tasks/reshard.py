@@ -26,9 +26,16 @@ from nereus_core import faults
 from nereus_core.config import ModelConfig
 from nereus_core.emu import Box, ShardMap, SliceSpec, plan_reshard, shard_map
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S
-from nereus_core.engine.reshard import ReshardJob, durable_read, durable_write, live_reshard
+from nereus_core.engine.reshard import (
+    ReshardJob,
+    durable_read,
+    durable_write,
+    live_reshard,
+    live_reshard_wave,
+)
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.engine.state import assemble_state, collect_pieces
+from nereus_core.engine.weight_sync import SyncJob, sync_weights
 from nereus_core.gtg import write_assignment
 from nereus_core.layout import Layout
 from storage import FileEntry, commit_snapshot, find_snapshot, read_slices, write_shard_file
@@ -115,20 +122,89 @@ def reshard(
     return stats
 
 
-def _devices(job: ReshardJob) -> list[int]:
-    return sorted(set(job.old_map.layout.devices) | set(job.new_map.layout.devices))
+def _devices(*jobs: ReshardJob | SyncJob) -> list[int]:
+    devices: set[int] = set()
+    for job in jobs:
+        maps = (job.old_map, job.new_map) if isinstance(job, ReshardJob) else (job.source_map, job.copy_map)
+        devices |= {d for smap in maps for d in smap.layout.devices}
+    return sorted(devices)
 
 
-def _live(pool: DevicePool, job: ReshardJob, plan: Any) -> dict[str, Any]:
-    figures = pool.run_on(_devices(job), live_reshard, job=job, plan=plan)
+def _sum_figures(figures: list[dict[str, float]]) -> dict[str, Any]:
+    """The devices' figures of one exchange: totals, the slowest device's phases, the busiest port."""
     return {
         "bytes_sent": sum(f["sent"] for f in figures),
         "messages": sum(f["messages"] for f in figures),
+        "busiest_port_bytes": max(max(f["sent"], f["received"]) for f in figures),
         "exchange_s": max(f["exchange_s"] for f in figures),
         "prepare_s": max(f["prepare_s"] for f in figures),
         "install_s": max(f["install_s"] for f in figures),
         "device_s": max(f["prepare_s"] + f["exchange_s"] + f["install_s"] for f in figures),
     }
+
+
+def _live(pool: DevicePool, job: ReshardJob, plan: Any) -> dict[str, Any]:
+    return _sum_figures(pool.run_on(_devices(job), live_reshard, job=job, plan=plan))
+
+
+def reshard_wave(
+    pool: DevicePool,
+    moves: Sequence[tuple[str, ModelConfig, Layout, Layout, OptimizerSettings | None]],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[dict[str, Any]]:
+    """Live-reshard several model-stages at once: ``(name, config, old, new, optimizer)`` each, in one
+    device call per device (``engine.reshard.live_reshard_wave``); one figures dict per move, as
+    ``reshard`` returns (``seconds`` is the whole wave's: the moves ran together)."""
+    start = time.perf_counter()
+    units = []
+    for name, config, old, new, optimizer in moves:
+        old_map, new_map = _maps(config, old, new, train=optimizer is not None)
+        plan = plan_reshard(old_map, new_map)
+        units.append((ReshardJob(name, config, old_map, new_map, optimizer, timeout_s), plan))
+        pool.build_groups(new)
+    planned = time.perf_counter() - start
+    per_device = pool.run_on(_devices(*(job for job, _ in units)), live_reshard_wave, units=units)
+    seconds = time.perf_counter() - start
+    out = []
+    for i, (_, plan) in enumerate(units):
+        figures = [device[i] for device in per_device]
+        stats = {"path": "live", "bytes_moved": plan.bytes_moved, "bytes_local": plan.bytes_local}
+        out.append({**stats, "plan_groups_s": planned, **_sum_figures(figures), "seconds": seconds})
+    return out
+
+
+def sync_copy(
+    pool: DevicePool,
+    config: ModelConfig,
+    *,
+    source: str,
+    source_layout: Layout,
+    copy: str,
+    copy_layout: Layout,
+    create: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Give inference copy ``copy`` (on ``copy_layout``) the parameters of ``source`` (on
+    ``source_layout``) device to device, with the EMU reshard plan of the two layouts (parameters
+    only; the optimizer state stays). ``create`` builds the copy first (its groups too), else it
+    must be resident. Returns ``seconds``, the plan's ``bytes_moved``/``bytes_local`` and the
+    devices' figures (``busiest_port_bytes``: the most one device sent or received)."""
+    start = time.perf_counter()
+    job = SyncJob(
+        source,
+        copy,
+        shard_map(config, source_layout, train=False),
+        shard_map(config, copy_layout, train=False),
+        create=create,
+        timeout_s=timeout_s,
+    )
+    plan = plan_reshard(job.source_map, job.copy_map)
+    if create:
+        pool.build_groups(copy_layout)
+    figures = pool.run_on(_devices(job), sync_weights, job=job, plan=plan)
+    stats = {"path": "sync", "bytes_moved": plan.bytes_moved, "bytes_local": plan.bytes_local}
+    return {**stats, **_sum_figures(figures), "seconds": time.perf_counter() - start}
 
 
 def write_snapshot_of(

@@ -18,7 +18,7 @@ from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from tasks import model_ops
 from tasks.device_pool import DevicePool
-from tasks.reshard import reshard
+from tasks.reshard import reshard, reshard_wave, sync_copy
 
 
 @task(cache_policy=NO_CACHE, retries=0)
@@ -49,6 +49,16 @@ def move_stage(
     )
 
 
+@task(cache_policy=NO_CACHE, retries=0)
+def move_stages(
+    pool: DevicePool,
+    moves: list[tuple[str, ModelConfig, Layout, Layout, OptimizerSettings | None]],
+) -> list[dict[str, Any]]:
+    """Live-reshard several model-stages at once (one GTG wave): ``(name, config, old, new,
+    optimizer)`` each, every device running its part of all of them in one call."""
+    return reshard_wave(pool, moves)
+
+
 @task(cache_policy=NO_CACHE, retries=1)
 def relink_copy(
     pool: DevicePool,
@@ -59,14 +69,13 @@ def relink_copy(
     config: ModelConfig,
 ) -> dict[str, Any]:
     """Make inference stage ``name`` follow ``source`` again: share its shards on the same layout,
-    else load a fresh copy of its weights on ``layout``."""
+    else build it on ``layout`` and copy ``source``'s parameters in, device to device."""
     start = time.perf_counter()
     pool.build_groups(layout)
     if layout == source_layout:
         model_ops.alias_model(pool, layout, name=name, target=source)
         moved = 0
     else:
-        state = model_ops.full_state(pool, source_layout, name=source, config=config)
-        model_ops.load_model(pool, layout, name=name, config=config, full_state=state)
-        moved = sum(t.numel() * t.element_size() for t in state.values()) * layout.world_size
+        where = {"source_layout": source_layout, "copy_layout": layout}
+        moved = sync_copy(pool, config, source=source, copy=name, create=True, **where)["bytes_moved"]
     return {"seconds": time.perf_counter() - start, "bytes_moved": moved, "path": "relink"}

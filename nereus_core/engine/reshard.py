@@ -33,10 +33,11 @@ from nereus_core.config import ModelConfig
 from nereus_core.emu import Box, ReshardPlan, ShardMap, SliceSpec
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, Exchange
 from nereus_core.engine.shard import ModelShard, OptimizerSettings, get_shard
-from nereus_core.engine.state import DeviceState, extract_state, install_state, new_shard
+from nereus_core.engine.state import DeviceState, Pieces, extract_state, install_state, new_shard
 from nereus_core.parallel.device import DeviceContext
 
 LIVE_TAG = 3 << 20
+UNIT_TAGS = 1 << 16  # tags per unit of a wave: its messages to one peer number fewer than this
 Wanted = list[tuple[str, Box]]
 
 
@@ -97,40 +98,92 @@ def live_reshard(ctx: DeviceContext, job: ReshardJob, plan: ReshardPlan) -> dict
     The new layout's groups must exist. After a failure the world must be rebuilt (a gloo pair
     that timed out is closed) and the old shard may be gone from devices that got that far.
     """
+    return live_reshard_wave(ctx, [(job, plan)])[0]
+
+
+def live_reshard_wave(
+    ctx: DeviceContext, units: Sequence[tuple[ReshardJob, ReshardPlan]]
+) -> list[dict[str, float]]:
+    """Run several reshards of different model-stages at once on this device (every device of any of
+    their layouts runs this with the same ``units`` in the same order); one figures dict per unit.
+
+    Each phase goes over the units in the given order: read the old pieces and post the sends,
+    build the new shards and post the receives, copy locally, then await every exchange, then
+    drop the old shards and install the new ones. Every collective (ZeRO's DP-group exchanges,
+    DeepSpeed's engine set-up) is thus entered by its members in one global order, so none can
+    wait on a device busy in another; each unit's point-to-point messages carry their own tags
+    (``LIVE_TAG + i * UNIT_TAGS``), so the units' bytes between one pair never match each other's.
+    Memory: every new shard of the wave is allocated before any old one is freed, which is what
+    the GTG's replay of a wave counts (nereus_core/gtg/execution.py).
+    """
+    if len({job.name for job, _ in units}) != len(units):
+        raise ValueError(f"a wave moves each model-stage once; got {[job.name for job, _ in units]}")
+    if len(units) * UNIT_TAGS > LIVE_TAG:
+        raise ValueError(f"at most {LIVE_TAG // UNIT_TAGS} units per wave; got {len(units)}")
     start = time.perf_counter()
-    me = ctx.rank
-    source = _old_state(ctx, job).pieces
-    # Sends first: the bytes flow while this device (and its peers) allocate the new stage.
-    moves = Exchange(tag=LIVE_TAG, timeout_s=job.timeout_s)
-    outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)
+    moves, sources = [], []
+    for i, (job, plan) in enumerate(units):  # sends first: bytes flow while the new shards are built
+        sources.append(_old_state(ctx, job).pieces)
+        moves.append(Exchange(tag=LIVE_TAG + i * UNIT_TAGS, timeout_s=job.timeout_s))
+        moves[-1].send(sends_of(ctx.rank, plan, sources[-1]))
+    prepared = [time.perf_counter() - start]
+    targets = []
+    for (job, plan), source, exch in zip(units, sources, moves, strict=True):
+        t0 = time.perf_counter()
+        shard, target = _new_target(ctx, job)
+        prepared.append(time.perf_counter() - t0)
+        targets.append((shard, target))
+        exch.recv(receives_of(ctx.rank, plan, target.pieces))
+        copy_local(ctx.rank, plan, source, target.pieces)
+    moved = [exch.wait() for exch in moves]
+    del sources
+    exchanged = time.perf_counter()
+    installs = []
+    for (job, _), (shard, target) in zip(units, targets, strict=True):
+        t0 = time.perf_counter()
+        ctx.resident.pop(job.name, None)
+        _install(ctx, job, shard, target)
+        installs.append(time.perf_counter() - t0)
+    return [
+        {
+            "sent": m.sent,
+            "received": m.received,
+            "messages": m.messages,
+            # The wave's shared phases are charged to every unit: they ran at once.
+            "prepare_s": sum(prepared),
+            "exchange_s": exchanged - start - sum(prepared),
+            "install_s": sum(installs),
+        }
+        for m in moved
+    ]
+
+
+def sends_of(me: int, plan: ReshardPlan, source: Pieces) -> dict[int, list[torch.Tensor]]:
+    """What device ``me`` sends under ``plan``: views of its ``source`` pieces, per destination."""
+    out: dict[int, list[torch.Tensor]] = defaultdict(list)
     for t in plan.transfers:
         if t.src == me:
-            outgoing[t.dst].append(source[(t.name, t.src_piece.box)][t.src_slice.slices()])
-    moves.send(outgoing)
-    shard, target = _new_target(ctx, job)
-    prepared = time.perf_counter()
-    incoming: dict[int, list[torch.Tensor]] = defaultdict(list)
+            out[t.dst].append(source[(t.name, t.src_piece.box)][t.src_slice.slices()])
+    return out
+
+
+def receives_of(me: int, plan: ReshardPlan, target: Pieces) -> dict[int, list[torch.Tensor]]:
+    """Where device ``me`` receives under ``plan``: views of its ``target`` pieces, per source."""
+    out: dict[int, list[torch.Tensor]] = defaultdict(list)
     for t in plan.transfers:
         if t.dst == me:
-            incoming[t.src].append(target.pieces[(t.name, t.dst_piece.box)][t.dst_slice.slices()])
-    moves.recv(incoming)
+            out[t.src].append(target[(t.name, t.dst_piece.box)][t.dst_slice.slices()])
+    return out
+
+
+def copy_local(me: int, plan: ReshardPlan, source: Pieces, target: Pieces) -> None:
+    """``plan``'s same-device regions on device ``me``, copied (a region that is itself: skipped)."""
     for t in plan.local:
         if t.dst == me:
-            dst = target.pieces[(t.name, t.dst_piece.box)][t.dst_slice.slices()]
-            dst.copy_(source[(t.name, t.src_piece.box)][t.src_slice.slices()])
-    moved = moves.wait()
-    del source, outgoing
-    exchanged = time.perf_counter()
-    ctx.resident.pop(job.name, None)
-    _install(ctx, job, shard, target)
-    return {
-        "sent": moved.sent,
-        "received": moved.received,
-        "messages": moved.messages,
-        "prepare_s": prepared - start,
-        "exchange_s": exchanged - prepared,
-        "install_s": time.perf_counter() - exchanged,
-    }
+            dst = target[(t.name, t.dst_piece.box)][t.dst_slice.slices()]
+            src = source[(t.name, t.src_piece.box)][t.src_slice.slices()]
+            if dst.data_ptr() != src.data_ptr() or dst.shape != src.shape:
+                dst.copy_(src)
 
 
 def durable_write(ctx: DeviceContext, mine: Wanted, *, job: ReshardJob, store: StateStore) -> Any:

@@ -22,7 +22,7 @@ from nereus_core.layout import Layout
 from nereus_core.parallel.device import DeviceContext
 from tasks import model_ops
 from tasks.device_pool import DevicePool, DeviceRunError
-from tasks.reshard import PATHS, gather_state, reshard
+from tasks.reshard import PATHS, gather_state, reshard, reshard_wave
 
 # The per-rank helpers below travel to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -168,6 +168,57 @@ def test_inference_stage_reshards_its_weights(pool: DevicePool, tmp_path: Path, 
         model_ops.unload_model(pool, old, name="reference/infer")
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert (logp - logp_after).abs().max().item() <= 1e-5
+
+
+# One wave of three model-stages whose layouts overlap on devices: the train stages' ZeRO exchanges
+# (old dp2 extract, new dp2 install) and DeepSpeed set-ups interleave with each other's transfers.
+WAVE = [
+    ("wave/actor", Layout.contiguous(tp=2), Layout(tp=1, pp=1, dp=2, devices=(1, 2)), ADAMW),
+    (
+        "wave/critic",
+        Layout(tp=1, pp=1, dp=2, devices=(2, 3)),
+        Layout(tp=2, pp=1, dp=1, devices=(3, 0)),
+        ADAMW,
+    ),
+    (
+        "wave/reference",
+        Layout.contiguous(pp=2, micro_batches=2),
+        Layout(tp=2, pp=1, dp=1, devices=(2, 3)),
+        None,
+    ),
+]
+
+
+@pytest.mark.timeout(600)
+def test_a_wave_of_moves_runs_at_once_and_keeps_every_state_bitwise(pool: DevicePool) -> None:
+    for name, old, _, optimizer in WAVE:
+        model_ops.load_model(pool, old, name=name, config=CONFIG, optimizer=optimizer)
+        if optimizer is not None:
+            model_ops.train(pool, old, {"ids": BATCHES[0]}, name=name)
+    try:
+        before = {n: gather_state(pool, o, name=n, config=CONFIG, train=t is not None) for n, o, _, t in WAVE}
+        logp = model_ops.forward(pool, WAVE[0][1], BATCHES[1], name=WAVE[0][0])
+        stats = reshard_wave(pool, [(n, CONFIG, o, b, t) for n, o, b, t in WAVE])
+        after = {n: gather_state(pool, b, name=n, config=CONFIG, train=t is not None) for n, _, b, t in WAVE}
+        logp_after = model_ops.forward(pool, WAVE[0][2], BATCHES[1], name=WAVE[0][0])
+        losses = [model_ops.train(pool, b, {"ids": BATCHES[2]}, name=n) for n, _, b, t in WAVE if t]
+    finally:
+        for name, old, new, _ in WAVE:
+            for layout in (old, new):
+                model_ops.unload_model(pool, layout, name=name)
+    assert [s["bytes_moved"] > 0 for s in stats] == [True] * len(WAVE)
+    for name in before:
+        differ = [k for k in before[name] if not torch.equal(before[name][k], after[name][k])]
+        assert before[name].keys() == after[name].keys() and not differ, f"{name}: {differ[:3]} changed"
+    assert before["wave/critic"]["optimizer:step"].item() == 1.0
+    assert (logp - logp_after).abs().max().item() <= 1e-5
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in losses)
+
+
+def test_a_wave_refuses_one_stage_twice(pool: DevicePool) -> None:
+    name, old, new, optimizer = WAVE[0]
+    with pytest.raises(DeviceRunError, match="moves each model-stage once"):
+        reshard_wave(pool, [(name, CONFIG, old, new, optimizer)] * 2)
 
 
 def test_reshard_refuses_bad_requests(pool: DevicePool) -> None:
