@@ -104,7 +104,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
 
 
 def _state(api: str, run_id: str) -> str | None:
-    run = _get(f"{api}/flow_runs/{run_id}")
+    try:
+        run = _get(f"{api}/flow_runs/{run_id}", timeout=15)
+    except OSError:  # a server slowed down by a loaded machine: ask again at the next poll
+        return None
     return run["state"]["type"] if run and run.get("state") else None
 
 
@@ -120,8 +123,11 @@ def _heartbeats(api: str, run_id: str) -> int:
     request = urllib.request.Request(
         f"{api}/events/filter", data=body, headers={"Content-Type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(request, timeout=5) as answer:
-        return len(json.loads(answer.read())["events"])
+    try:
+        with urllib.request.urlopen(request, timeout=15) as answer:
+            return len(json.loads(answer.read())["events"])
+    except OSError:  # as in _state
+        return 0
 
 
 def _start_tiny_run(env: dict[str, str], tmp: Path, seconds: float) -> tuple[subprocess.Popen, str]:
@@ -172,18 +178,18 @@ def test_a_killed_flow_run_becomes_crashed_and_a_finished_one_stays_completed(
     finished, finished_id = _start_tiny_run(server, tmp_path, seconds=40)  # > one heartbeat, then done
     try:
         _wait_for("a heartbeat", lambda: _heartbeats(api, killed_id) >= 1, limit=60)
-        assert _state(api, killed_id) == "RUNNING"
+        _wait_for("Running", lambda: _state(api, killed_id) == "RUNNING", limit=30)
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
         seconds = _wait_for(
             "Crashed", lambda: _state(api, killed_id) == "CRASHED", limit=CRASHED_WITHIN, every=2
         )
         print(f"\nkilled flow run shown as Crashed {seconds:.0f} s after SIGKILL")
-        assert "No heartbeat for 90 s" in _get(f"{api}/flow_runs/{killed_id}")["state"]["message"]
+        assert "No heartbeat for 90 s" in _get(f"{api}/flow_runs/{killed_id}", timeout=30)["state"]["message"]
         assert finished.wait(timeout=120) == 0
-        assert _state(api, finished_id) == "COMPLETED"
+        _wait_for("Completed", lambda: _state(api, finished_id) == "COMPLETED", limit=30)
         time.sleep(max(0.0, 95 - seconds))  # give the automation its 90 s to misfire on the completed run
-        assert _state(api, finished_id) == "COMPLETED"
+        _wait_for("Completed", lambda: _state(api, finished_id) == "COMPLETED", limit=30)
     finally:
         for proc in (killed, finished):
             _stop_group(proc)
