@@ -10,6 +10,7 @@ or a run directory: the commands in flows/cli.py call these before any of them.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -110,7 +111,7 @@ def _available_memory() -> int | None:
 def check_bounds(cfg: NereusConfig, *, devices: int | None = None, resume: bool = False) -> None:
     """``nereus_core.preflight.check`` against this machine (CPUs this process may use, memory
     available now, ``NEREUS_MAX_LOCAL_DEVICES``); ``ConfigError`` with one line if a bound is broken."""
-    from nereus_core.preflight import Machine, check
+    from nereus_core.preflight import Machine, check, host_memory_warning
 
     raw = os.environ.get(MAX_DEVICES_ENV, "").strip()
     if raw and not (raw.isdigit() and int(raw) >= 1):
@@ -120,6 +121,9 @@ def check_bounds(cfg: NereusConfig, *, devices: int | None = None, resume: bool 
         cpus=cpus, available_memory=_available_memory(), max_local_devices=int(raw) if raw else None
     )
     check(cfg, machine, devices=devices, resume=resume)
+    warning = host_memory_warning(cfg, machine, devices=devices)
+    if warning:  # a run may still fit: the capacity is what the cost model counts (issue 13)
+        print(f"nereus: warning: {warning}", file=sys.stderr)
 
 
 def run_dir_problem(root: Path, *, resuming: bool) -> str | None:

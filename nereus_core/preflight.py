@@ -1,5 +1,6 @@
 """Bounds a run must meet before anything starts: devices the pool can supply, a rollout batch that
-fits in the driver's memory, an initial plan that fits each device slot's memory.
+fits in the driver's memory, an initial plan that fits each device slot's memory and, on a local
+cluster, the machine's memory (its slots are worker processes on this machine).
 
 Boundary: pure checks of a validated ``NereusConfig`` against facts about the machine that the
 caller passes in (``Machine``: CPU count, memory available to the driver). Reading those facts,
@@ -20,6 +21,7 @@ from nereus_core.controller import ControllerState, evaluate_plan
 from nereus_core.cost_model import Workload
 from nereus_core.hardware import get_profile
 from nereus_core.plan import GlobalPlan, default_plan
+from nereus_core.plan_estimate import memory_per_device
 
 # A local device slot is a worker process; on a CPU machine several share a core (the demo runs 4
 # slots on 2 cores). Past this many per CPU a LocalCluster only thrashes, and thousands of
@@ -128,6 +130,53 @@ def plan_memory_problem(cfg: NereusConfig) -> str | None:
     )
 
 
+def _local_slots(cfg: NereusConfig, devices: int | None) -> int:
+    """The most slots a local cluster will have during the run: the start's, or a scenario event's."""
+    return max([devices or cfg.cluster.devices] + [e.devices for e in cfg.job.scenario if e.devices])
+
+
+def host_memory_problem(cfg: NereusConfig, machine: Machine) -> str | None:
+    """Why the initial plan would not fit in this machine's memory on a local cluster, or None.
+
+    Each slot of a local cluster is a worker process here; the plan needs the sum over its slots of
+    what the memory model gives each (``nereus plan`` shows it). Past the memory available, the
+    kernel kills workers mid-step (issue 13: an 8B config on CPU died as "Worker ... was lost")."""
+    if cfg.cluster.scheduler_address or machine.available_memory is None:
+        return None
+    plan = GlobalPlan.of(default_plan(cfg.plan))
+    state = ControllerState.initial(cfg.model, get_profile(cfg.job.profile), plan=plan)
+    estimate = evaluate_plan(plan, Workload.from_config(cfg), state, int(cfg.cluster.memory_per_device))
+    need = sum(memory_per_device(plan, {s: e.memory for s, e in estimate.stages.items()}).values())
+    if need <= machine.available_memory:
+        return None
+    return (
+        f"the initial plan {plan.plan_id} needs {_size(need)} over its device slots, more than the "
+        f"{_size(machine.available_memory)} this machine has available, and a local cluster's slots "
+        "are processes here; shrink the model or the batch, or give cluster.scheduler_address (workers "
+        "on other machines)"
+    )
+
+
+def host_memory_warning(cfg: NereusConfig, machine: Machine, *, devices: int | None = None) -> str | None:
+    """One line when ``cluster.memory_per_device`` times a local cluster's slots exceeds the memory
+    available here, or None: plans the controller may switch to fill a slot up to that capacity, and
+    the kernel kills a worker that takes more than the machine has (reported as lost, out of memory).
+    A warning, not a refusal: the capacity is what the cost model counts, and the default's 2 GiB
+    per slot is far more than a small model uses."""
+    if cfg.cluster.scheduler_address or machine.available_memory is None:
+        return None
+    slots = _local_slots(cfg, devices)
+    total = int(cfg.cluster.memory_per_device) * slots
+    if total <= machine.available_memory:
+        return None
+    return (
+        f"cluster.memory_per_device={_size(int(cfg.cluster.memory_per_device))} x {slots} local device "
+        f"slots = {_size(total)}, more than the {_size(machine.available_memory)} available on this "
+        "machine: a plan that fills its slots would get workers killed (out of memory); lower "
+        "cluster.memory_per_device to what a slot may really use"
+    )
+
+
 def problems(
     cfg: NereusConfig, machine: Machine, *, devices: int | None = None, resume: bool = False
 ) -> list[str]:
@@ -136,8 +185,10 @@ def problems(
     ``resume``: the run continues from a checkpoint whose plan the controller re-plans for the
     devices at hand, so the config's initial plan is not checked."""
     found = [devices_problem(cfg, machine, devices=devices), batch_problem(cfg, machine)]
-    if not resume and not any(found):  # the plan check assumes sizes that fit a machine
+    if not resume and not any(found):  # the plan checks assume sizes that fit a machine
         found.append(plan_memory_problem(cfg))
+        if not any(found):
+            found.append(host_memory_problem(cfg, machine))
     return [p for p in found if p]
 
 
@@ -157,6 +208,8 @@ __all__ = [
     "batch_problem",
     "check",
     "devices_problem",
+    "host_memory_problem",
+    "host_memory_warning",
     "plan_memory_problem",
     "problems",
     "rollout_bytes",

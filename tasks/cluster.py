@@ -10,13 +10,26 @@ its callers' business (``device_pool`` places device actors, ``sim_tasks`` fans 
 simulation runs). The few Dask names those callers need are re-exported here, so
 that ``tests/test_layering.py`` can hold Dask to this one file. ``interface_of`` names the
 network interface of an address, for the device actors' torch.distributed world.
+
+Three things Dask does not do safely for Nereus are done here (issue 13). A worker puts its local
+directory first on ``sys.path``, and that directory holds a ``storage/`` spill directory that would
+shadow Nereus's own ``storage`` package: ``guard_imports`` takes it off before anything of Nereus is
+imported there, and checks that each Nereus package resolves as on the driver. Dask's actor proxy
+leaves a call pending for ever when it fails before the method runs (an argument the worker cannot
+unpickle, a lost worker): ``call_actor`` returns a future that always resolves. And when a worker
+dies, ``worker_exit`` asks its nanny what it logged (killed by a signal, over its memory budget).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import importlib.util
 import ipaddress
 import logging
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -25,6 +38,7 @@ from typing import Any
 import psutil  # a dependency of distributed
 from distributed import Actor, Client, Future, LocalCluster, get_worker
 from distributed.comm import get_address_host
+from distributed.protocol import to_serialize
 from distributed.security import Security
 
 from nereus_core.config import ClusterConfig
@@ -41,11 +55,15 @@ __all__ = [
     "get_worker",
     "interface_of",
     "is_loopback",
+    "nereus_packages",
 ]
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+
+# Nereus's top-level packages: each must resolve on a worker as it does on the driver.
+NEREUS_PACKAGES = ("nereus_core", "storage", "tasks", "flows")
 
 
 class ClusterError(RuntimeError):
@@ -122,6 +140,62 @@ def _warn_if_plain(address: str) -> None:
         )
 
 
+def nereus_packages() -> dict[str, str | None]:
+    """Where each Nereus package's ``__init__.py`` is in this process (None: no regular package)."""
+    found: dict[str, str | None] = {}
+    for name in NEREUS_PACKAGES:
+        spec = importlib.util.find_spec(name)  # a top-level name: found, not imported
+        found[name] = spec.origin if spec is not None and spec.has_location else None
+    return found
+
+
+def _import_guard() -> Callable[..., dict[str, Any]]:
+    """The function ``guard_imports`` runs on a worker. Built in here, so that Dask sends it by value:
+    sent by reference, unpickling it would import Nereus on the worker before its path is fixed.
+    It returns the worker's pid and the first package that resolves wrongly, with where it resolves."""
+
+    def guard(packages: dict[str, str | None], driver_host: str, dask_worker: Any = None) -> dict[str, Any]:
+        import importlib
+        import importlib.util
+        import os
+        import socket
+        import sys
+
+        # The worker's local directory holds Dask's spill directory ``storage/``, and Dask puts it
+        # first on the path, as do the nanny and a LocalCluster's scheduler (whose path a spawned
+        # worker inherits) with theirs: all under a ``dask-scratch-space``. Nothing of Nereus is there.
+        def scratch(path: str) -> bool:
+            real = os.path.realpath(path)
+            return real == local or "dask-scratch-space" in real.split(os.sep)
+
+        local = os.path.realpath(dask_worker.local_directory)
+        sys.path[:] = [p for p in sys.path if not p or not scratch(p)]
+        importlib.invalidate_caches()
+        here: dict[str, str] = {}
+        for name in packages:
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+            if spec is None or not (spec.has_location and spec.origin):
+                folders = list(spec.submodule_search_locations or []) if spec is not None else []
+                found = f"the folder {folders[0]}" if folders else "nothing (not installed there)"
+                return {"pid": os.getpid(), "problem": (name, found)}
+            here[name] = os.path.realpath(spec.origin)
+        # On the driver's host, the very same files; elsewhere, one installation of all of them.
+        roots = {os.path.dirname(os.path.dirname(p)) for p in here.values()}
+        for name, origin in here.items():
+            expected = packages[name]
+            if socket.gethostname() == driver_host:
+                if expected is None or origin != os.path.realpath(expected):
+                    return {"pid": os.getpid(), "problem": (name, origin)}
+            elif len(roots) > 1:
+                return {"pid": os.getpid(), "problem": (name, f"{origin}, apart from the others")}
+        return {"pid": os.getpid(), "problem": None}
+
+    return guard
+
+
 class DaskCluster:
     """A client of ``scheduler_address``, or of a LocalCluster of ``workers`` processes on loopback."""
 
@@ -164,6 +238,105 @@ class DaskCluster:
     def worker_names(self) -> dict[str, Any]:
         """Name of every worker the scheduler knows, by address."""
         return {a: w.get("name") for a, w in self.client.scheduler_info()["workers"].items()}
+
+    def nannies(self) -> dict[str, str | None]:
+        """The nanny of every worker the scheduler knows (None for a worker without one), by address."""
+        return {a: w.get("nanny") for a, w in self.client.scheduler_info()["workers"].items()}
+
+    def guard_imports(self, addresses: list[str], timeout_s: float) -> dict[str, int]:
+        """Take each worker's local directory off its import path, check that Nereus's packages resolve
+        there as on the driver, and return each worker's pid; ``ClusterError`` with one line if not."""
+        driver = nereus_packages()
+        try:
+            answers = self.client.run(
+                _import_guard(),
+                driver,
+                socket.gethostname(),
+                workers=addresses,
+                on_error="return",
+                callback_timeout=timeout_s,
+            )
+        except (TimeoutError, OSError) as exc:
+            raise ClusterError(
+                f"workers {addresses} did not answer within {timeout_s:g}s ({type(exc).__name__}); "
+                "check that they are running and reachable"
+            ) from None
+        pids: dict[str, int] = {}
+        for address in addresses:
+            answer = answers.get(address)
+            if not isinstance(answer, dict):
+                raise ClusterError(f"worker {address} could not check its imports: {answer!r}")
+            if answer["problem"] is not None:
+                name, found = answer["problem"]
+                raise ClusterError(
+                    f"worker {address}: Nereus's package '{name}' resolves to {found} there, not to "
+                    f"{driver[name]} as on the driver; start the worker in the environment where "
+                    f"Nereus is installed, from a directory without a '{name}' folder"
+                )
+            pids[address] = int(answer["pid"])
+        return pids
+
+    def call_actor(
+        self, address: str, key: str, method: str, /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[Any]:
+        """``method(*args, **kwargs)`` on the actor ``key`` that ``address`` holds, without waiting.
+
+        Dask's own actor proxy leaves its future pending for ever when a call fails before the
+        method runs (an argument the worker cannot unpickle, a lost worker); this future always
+        resolves: with the result, the method's exception, or the one that stopped the call."""
+        client = self.client
+        msg = {
+            "function": method,
+            "actor": key,
+            "args": [to_serialize(a) for a in args],
+            "kwargs": {k: to_serialize(v) for k, v in kwargs.items()},
+        }
+
+        async def execute() -> Any:
+            if client.direct_to_workers:
+                response = await client.rpc(address).actor_execute(**msg)
+            else:
+                response = await client.scheduler.proxy(worker=address, msg={"op": "actor_execute", **msg})
+            if response["status"] == "OK":
+                return response["result"]
+            raise response["exception"]
+
+        return asyncio.run_coroutine_threadsafe(execute(), client.loop.asyncio_loop)
+
+    def worker_exit(self, nanny: str | None, pid: int | None, wait_s: float = 10.0) -> str | None:
+        """What the nanny of a lost worker logged about its process ``pid`` (killed by a signal, over its
+        memory budget), or None when it logged nothing or cannot be asked within ``wait_s``."""
+        if nanny is None or pid is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            for lines in self._nanny_logs(nanny):
+                for _, line in lines:  # newest first
+                    if f"process {pid} " in line or f"(pid={pid})" in line:
+                        return str(line).split(" - ")[-1].strip()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.5)
+
+    def _nanny_logs(self, nanny: str) -> list[list[tuple[str, str]]]:
+        """The nanny's recent log lines: asked directly, or through the worker it restarted in the lost
+        one's place when the driver cannot reach it (the scheduler relays calls to workers only)."""
+        client = self.client
+
+        async def direct() -> list[tuple[str, str]]:
+            return await client.rpc(nanny).get_logs(n=500)
+
+        try:
+            return [client.sync(direct, callback_timeout=2.0)]
+        except (OSError, TimeoutError):
+            pass
+        successors = [a for a, n in self.nannies().items() if n == nanny]
+        if not successors:
+            return []
+        try:
+            return list(client.get_worker_logs(n=500, workers=successors[:1], nanny=True).values())
+        except (OSError, TimeoutError, KeyError):
+            return []
 
     def scale(self, workers: int) -> None:
         """Ask a LocalCluster this object started for ``workers`` workers; a no-op on a remote scheduler."""

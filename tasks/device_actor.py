@@ -25,6 +25,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -86,58 +87,97 @@ class DeviceRunError(DevicePoolError):
         return (DeviceRunError, (self.call, self.failures))
 
 
-def issue(actor: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-    """Call ``method`` on an actor proxy without waiting; a failure to issue comes back from ``gather``."""
+# A call's ranks are polled this often for lost workers while the driver waits on them.
+POLL_S = 2.0
+# After a call's connection breaks, how long the scheduler gets to notice that its worker is gone.
+SETTLE_S = 5.0
+
+# Ranks whose workers are gone, each with one line that says so: ``lost(ranks, settle_s)``.
+LostCheck = Callable[[Sequence[int], float], dict[int, str]]
+
+
+def issue(call: Callable[[], Future[Any]]) -> Future[Any]:
+    """Start ``call`` (a call on an actor) without waiting; a failure to start comes back from ``gather``."""
     try:
-        return getattr(actor, method)(*args, **kwargs)
-    except Exception as exc:  # e.g. "Worker holding Actor was lost"
-        return _Failed(exc)
+        return call()
+    except Exception as exc:  # e.g. the client is closed
+        failed: Future[Any] = Future()
+        failed.set_exception(exc)
+        return failed
 
 
 def gather(
     call: str,
-    calls: list[tuple[int, Any]],
+    calls: list[tuple[int, Future[Any]]],
     workers: Sequence[str],
     *,
     timeout_s: float | None,
     grace_s: float,
+    lost: LostCheck | None = None,
 ) -> list[Any]:
     """Await every issued ``(rank, future)``, then raise ``DeviceRunError`` if any failed.
 
-    Once one rank has failed, the others get at most ``grace_s`` more: a rank
-    blocked in a collective with the failed one would otherwise wait for the
-    whole collective timeout.
+    Once one rank has failed, the others get at most ``grace_s`` more: a rank blocked in a
+    collective with the failed one would otherwise wait for the whole collective timeout. Without
+    a ``timeout_s`` (a stage may run for hours) the wait is still bounded: ``lost`` is asked every
+    ``POLL_S`` which ranks' workers are gone (the scheduler drops a worker that stops answering).
     """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    results: list[Any] = []
-    failures: list[RankFailure] = []
-    for rank, future in calls:
-        if failures:
-            grace = time.monotonic() + grace_s
-            deadline = grace if deadline is None else min(deadline, grace)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            results.append(future.result(timeout=left))
-        except RankFailure as exc:
-            failures.append(exc)
-            results.append(None)
-        except Exception as exc:  # timeout, lost worker: no remote traceback to show
-            worker = workers[rank] if rank < len(workers) else "?"
-            failures.append(RankFailure(rank, worker, call, type(exc).__qualname__, str(exc), ""))
-            results.append(None)
+    start = time.monotonic()
+    deadline = None if timeout_s is None else start + timeout_s
+    results: list[Any] = [None] * len(calls)
+    failures: dict[int, RankFailure] = {}
+    pending = dict(enumerate(calls))
+
+    def fail(i: int, rank: int, failure: RankFailure | tuple[str, str]) -> None:
+        if isinstance(failure, tuple):  # (type, message) of a failure with no remote traceback
+            failure = RankFailure(rank, workers[rank] if rank < len(workers) else "?", call, *failure, "")
+        failures[i] = failure
+        pending.pop(i, None)
+        nonlocal deadline
+        grace = time.monotonic() + grace_s
+        deadline = grace if deadline is None else min(deadline, grace)
+
+    polled = start
+    while pending:
+        left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+        done, _ = wait([f for _, f in pending.values()], timeout=max(0.0, left), return_when=FIRST_COMPLETED)
+        broken: dict[int, tuple[int, Exception]] = {}
+        for i, (rank, future) in list(pending.items()):
+            if future not in done:
+                continue
+            try:
+                results[i] = future.result()
+                del pending[i]
+            except RankFailure as exc:
+                fail(i, rank, exc)
+            except Exception as exc:  # the call never reached the method: a lost worker, a bad argument
+                broken[i] = (rank, exc)
+        if broken:
+            settle = SETTLE_S if any(_is_broken_link(e) for _, e in broken.values()) else 0.0
+            gone = lost([r for r, _ in broken.values()], settle) if lost is not None else {}
+            for i, (rank, exc) in broken.items():
+                why = gone.get(rank)
+                fail(i, rank, ("WorkerLost", why) if why else (type(exc).__qualname__, str(exc) or repr(exc)))
+        if pending and lost is not None and time.monotonic() - polled >= POLL_S:
+            polled = time.monotonic()
+            for rank, why in lost([r for r, _ in pending.values()], 0.0).items():
+                for i in [i for i, (r, _) in pending.items() if r == rank]:
+                    fail(i, rank, ("WorkerLost", why))
+        if pending and deadline is not None and time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            for i, (rank, _) in list(pending.items()):
+                fail(i, rank, ("TimeoutError", f"no answer after {waited:.0f}s"))
     if failures:
-        raise DeviceRunError(call, failures)
+        raise DeviceRunError(call, [failures[i] for i in sorted(failures)])
     return results
 
 
-class _Failed:
-    """Stands in for the future of a call that could not be issued."""
-
-    def __init__(self, exc: Exception) -> None:
-        self.exc = exc
-
-    def result(self, timeout: float | None = None) -> Any:
-        raise self.exc
+def _is_broken_link(exc: Exception) -> bool:
+    """Whether ``exc`` says the connection to a worker broke (rather than the worker refusing the call):
+    directly, or as the text of the scheduler's error when it relayed the call."""
+    return isinstance(exc, OSError | TimeoutError) or any(
+        word in str(exc) for word in ("CommClosedError", "Stream is closed", "OSError", "Timed out")
+    )
 
 
 def _reported(method: Callable[P, R]) -> Callable[P, R]:

@@ -15,6 +15,11 @@ Every change of the device set rebuilds the world (all actors leave, all join
 a fresh rendezvous); the layouts' groups die with it and callers rebuild them.
 The rendezvous store listens on rank 0's own worker address only (loopback for a
 local cluster), on a socket that rank 0's actor opens before anyone joins.
+
+No wait is unbounded (issue 13): before an actor is placed, its worker's import path is
+checked (``DaskCluster.guard_imports``); calls go through ``DaskCluster.call_actor``, whose
+futures always resolve; and while the driver waits on a call, the ranks' workers are polled,
+so that a lost one fails the call with its cause (``tasks.pool_workers``).
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from typing import Any
 from nereus_core import faults
 from nereus_core.config import ClusterConfig
 from nereus_core.layout import Layout
-from tasks.cluster import Actor, Client, ClusterError, DaskCluster, Future, TlsFiles, get_address_host
+from tasks.cluster import Client, ClusterError, DaskCluster, Future, TlsFiles, get_address_host
 from tasks.device_actor import DeviceActor, DevicePoolError, DeviceRunError, RankFailure, gather, issue
+from tasks.pool_workers import WorkerBook, local_ranks, order_key, wait_until
 
 __all__ = ["DevicePool", "DevicePoolError", "DeviceRunError", "RankFailure"]
 
@@ -77,8 +83,9 @@ class DevicePool:
         self.rendezvous: tuple[str, int] | None = None  # where the current world's store listens
         self._cluster: DaskCluster | None = None
         self._workers: list[str] = []  # addresses in rank order
-        self._actors: dict[str, Any] = {}  # address -> Actor proxy
-        self._futures: dict[str, Future] = {}  # address -> the actor's key (keeps it alive)
+        self._actors: dict[str, str] = {}  # address -> the key of its actor
+        self._futures: dict[str, Future] = {}  # address -> the actor's future (keeps it alive)
+        self._book = WorkerBook()  # each worker's pid and nanny, to tell how one was lost
         self._built: list[str] = []
         # Ranks an operation is using; see _hold. "*" marks a whole-pool operation.
         self._busy: set[int | str] = set()
@@ -249,20 +256,32 @@ class DevicePool:
         deadline = time.monotonic() + self.worker_timeout_s
         while True:
             names = self._worker_names()
-            free = sorted((a for a in names if a not in self._actors), key=lambda a: _order_key(names[a], a))
+            free = sorted((a for a in names if a not in self._actors), key=lambda a: order_key(names[a], a))
             if len(free) >= need:
                 return free[:need]
             if time.monotonic() > deadline:
                 where = self.scheduler_address or "the local cluster"
+                fix = (
+                    f"start {need - len(free)} more (dask worker {where} --nthreads 1) or lower the devices"
+                    if self.scheduler_address
+                    else "see the workers' log"
+                )
                 raise DevicePoolError(
                     f"{where} has {len(names)} workers ({len(free)} free) after {self.worker_timeout_s:g}s; "
-                    f"need {devices} devices"
+                    f"need {devices} devices: {fix}"
                 )
             time.sleep(0.1)
 
     def _place(self, addresses: list[str]) -> None:
-        """One DeviceActor pinned to each address, appended to the rank order."""
-        client = self._client_()
+        """One DeviceActor pinned to each address, appended to the rank order, once the worker's
+        import path is checked (an actor unpickled with the wrong packages would fail much later)."""
+        cluster = self._cluster_()
+        try:
+            pids = cluster.guard_imports(addresses, self.worker_timeout_s)
+        except ClusterError as exc:
+            raise DevicePoolError(str(exc)) from None
+        nannies = cluster.nannies()
+        client = cluster.client
         futures = {
             a: client.submit(
                 DeviceActor,
@@ -276,31 +295,31 @@ class DevicePool:
             for a in addresses
         }
         for a, fut in futures.items():
-            fut.result(timeout=self.worker_timeout_s)
-            # Bind the proxy to this pool's client explicitly: a proxy binds to the
-            # "current" client, and this pool's client is deliberately not the default.
-            with client.as_current():
-                self._actors[a] = Actor(DeviceActor, a, fut.key)
+            try:
+                fut.result(timeout=self.worker_timeout_s)
+            except Exception as exc:  # the worker could not import or build the actor, or is gone
+                raise DevicePoolError(
+                    f"the device actor could not start on worker {a} within {self.worker_timeout_s:g}s: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                ) from None
+            self._actors[a] = str(fut.key)
             self._futures[a] = fut
+            self._book.record(a, pids.get(a), nannies.get(a))
             self._workers.append(a)
 
     def _release(self, addresses: list[str]) -> None:
         """Drop the actors on ``addresses`` (they have left the world) and retire their workers if ours."""
         for a in addresses:
-            self._workers.remove(a)
-            self._actors.pop(a, None)
-            self._futures.pop(a, None)
-        # Actor proxies sit in reference cycles (their call closures); collect them so that
-        # their keys are released and the scheduler forgets the actors before retiring workers.
+            self._forget(a)
+        # Collect any future left in a reference cycle, so that the actors' keys are released
+        # and the scheduler forgets the actors before their workers retire.
         gc.collect()
         if not self._cluster_().owns_workers:
             return  # an external scheduler's workers are not ours to stop
-        self._wait_until(lambda: not any(self._client_().has_what(workers=addresses).values()), 10.0)
+        wait_until(lambda: not any(self._client_().has_what(workers=addresses).values()), 10.0)
         names = self._worker_names()
         self._cluster_().retire([names.get(a) for a in addresses])
-        if not self._wait_until(
-            lambda: not set(addresses) & set(self._worker_names()), self.worker_timeout_s
-        ):
+        if not wait_until(lambda: not set(addresses) & set(self._worker_names()), self.worker_timeout_s):
             raise DevicePoolError(f"workers {addresses} did not shut down within {self.worker_timeout_s:g}s")
 
     def _prune_lost(self) -> None:
@@ -309,9 +328,14 @@ class DevicePool:
         lost = [a for a in self._workers if a not in present]
         for a in lost:
             logger.warning("device pool: worker %s is gone; its rank is dropped", a)
-            self._workers.remove(a)
-            self._actors.pop(a, None)
-            self._futures.pop(a, None)
+            self._forget(a)
+
+    def _forget(self, address: str) -> None:
+        """Drop the worker at ``address`` from the rank order, with its actor and what is known of it."""
+        self._workers.remove(address)
+        self._actors.pop(address, None)
+        self._futures.pop(address, None)
+        self._book.forget(address)
 
     # ------------------------------------------------------------------ world
 
@@ -322,10 +346,10 @@ class DevicePool:
             self.backend = self._resolve_backend()
         host = get_address_host(self._workers[0])
         port = self._gather("open_rendezvous", [self._call(0, "open_rendezvous")], self.join_timeout_s)[0]
-        local_ranks = _local_ranks(self._workers)
+        ranks_on_host = local_ranks(self._workers)
         opts = {"timeout_s": self.collective_timeout_s, "torch_threads": self.torch_threads}
         calls = [
-            self._call(r, "join", r, n, host, port, self.backend, local_rank=local_ranks[r], **opts)
+            self._call(r, "join", r, n, host, port, self.backend, local_rank=ranks_on_host[r], **opts)
             for r in range(n)
         ]
         self._gather("join", calls, self.join_timeout_s)
@@ -352,19 +376,17 @@ class DevicePool:
     def _client_(self) -> Client:
         return self._cluster_().client
 
-    def _call(self, rank: int, method: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
-        return rank, issue(self._actors[self._workers[rank]], method, *args, **kwargs)
+    def _call(self, rank: int, method: str, /, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+        a = self._workers[rank]
+        return rank, issue(lambda: self._cluster_().call_actor(a, self._actors[a], method, *args, **kwargs))
 
     def _gather(self, call: str, calls: list[tuple[int, Any]], timeout_s: float | None) -> list[Any]:
-        return gather(call, calls, self._workers, timeout_s=timeout_s, grace_s=self.failure_grace_s)
+        return gather(
+            call, calls, self._workers, timeout_s=timeout_s, grace_s=self.failure_grace_s, lost=self._lost
+        )
 
-    def _wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
+    def _lost(self, ranks: Sequence[int], settle_s: float) -> dict[int, str]:
+        return self._book.lost(self._cluster_(), self._workers, ranks, settle_s)
 
     @contextmanager
     def _hold(self, ranks: Sequence[int] | None = None) -> Iterator[None]:
@@ -397,21 +419,3 @@ class DevicePool:
         seconds = time.perf_counter() - start
         self.timings.append((event, seconds))
         logger.info("device pool: %s took %.3fs", event, seconds)
-
-
-def _order_key(name: Any, address: str) -> tuple[int, int, str, str]:
-    """Integer names first, numerically (LocalCluster's 0, 1, ...), then the rest by name and address."""
-    if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
-        return (0, int(name), "", address)
-    return (1, 0, str(name), address)
-
-
-def _local_ranks(addresses: list[str]) -> list[int]:
-    """Position of each worker among the pool's workers on the same host (selects its GPU)."""
-    seen: dict[str, int] = {}
-    out: list[int] = []
-    for a in addresses:
-        host = get_address_host(a)
-        out.append(seen.get(host, 0))
-        seen[host] = out[-1] + 1
-    return out

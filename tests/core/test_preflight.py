@@ -10,10 +10,11 @@ import pytest
 import yaml
 
 from nereus_core.config import ConfigError, NereusConfig, parse_config
-from nereus_core.controller import ControllerState, Observation, decide
+from nereus_core.controller import ControllerState, Observation, decide, evaluate_plan
 from nereus_core.cost_model import Workload
 from nereus_core.hardware import get_profile
 from nereus_core.plan import GlobalPlan, default_plan
+from nereus_core.plan_estimate import memory_per_device
 from nereus_core.preflight import (
     BYTES_PER_VALUE,
     DRIVER_MEMORY_SHARE,
@@ -23,6 +24,8 @@ from nereus_core.preflight import (
     batch_problem,
     check,
     devices_problem,
+    host_memory_problem,
+    host_memory_warning,
     plan_memory_problem,
     problems,
     rollout_bytes,
@@ -152,3 +155,65 @@ def test_resume_does_not_check_the_initial_plan() -> None:
     cfg = example(cluster={"memory_per_device": 1})
     assert problems(cfg, BIG, resume=True) == []
     assert len(problems(cfg, BIG)) == 1
+
+
+# Llama-3.1-8B's shapes (issue 13: such a config on CPU died as "Worker holding Actor was lost").
+LLAMA_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+}
+
+
+def _llama_8b(**cluster: Any) -> NereusConfig:
+    """An 8B job whose initial plan fits its (large) slots, so that only the machine can refuse it."""
+    data = {"model": LLAMA_8B, "job": {"batch_size": 8, "prompt_len": 16, "response_len": 16}}
+    return parse_config({**data, "cluster": {"devices": 4, "memory_per_device": "512GiB", **cluster}})
+
+
+def test_a_plan_beyond_the_machine_s_memory_is_refused_on_a_local_cluster_only() -> None:
+    cfg = _llama_8b()
+    machine = Machine(cpus=64, available_memory=20 * GiB)
+    assert plan_memory_problem(cfg) is None  # it fits its slots ...
+    found = problems(cfg, machine)  # ... but not this machine
+    assert len(found) == 1 and "\n" not in found[0]
+    assert found[0].startswith("the initial plan plan-") and "more than the 20.0 GiB" in found[0]
+    assert "cluster.scheduler_address" in found[0]  # the fix
+    with pytest.raises(ConfigError, match="this machine has available"):
+        check(cfg, machine)
+    remote = _llama_8b(scheduler_address="tcp://127.0.0.1:8786")
+    assert host_memory_problem(remote, machine) is None
+    assert host_memory_problem(cfg, dataclasses.replace(machine, available_memory=None)) is None
+    assert host_memory_problem(cfg, dataclasses.replace(machine, available_memory=2**50)) is None
+
+
+def test_the_host_check_sums_the_memory_model_over_the_plan_s_slots() -> None:
+    """The bound is the cost model's per-slot memory added over the slots, not a guess."""
+    cfg = _llama_8b()
+    plan = GlobalPlan.of(default_plan(cfg.plan))
+    state = ControllerState.initial(cfg.model, get_profile(cfg.job.profile), plan=plan)
+    estimate = evaluate_plan(plan, Workload.from_config(cfg), state, int(cfg.cluster.memory_per_device))
+    need = sum(memory_per_device(plan, {s: e.memory for s, e in estimate.stages.items()}).values())
+    assert host_memory_problem(cfg, Machine(cpus=64, available_memory=need)) is None
+    assert host_memory_problem(cfg, Machine(cpus=64, available_memory=need - 1)) is not None
+
+
+def test_declared_capacity_beyond_the_machine_is_one_warning_line_not_a_refusal() -> None:
+    cfg = example(cluster={"memory_per_device": "8GiB"})  # the demo's 4 slots
+    machine = Machine(cpus=2, available_memory=16 * GiB)
+    line = host_memory_warning(cfg, machine)
+    assert line is not None and "\n" not in line
+    assert "cluster.memory_per_device=8.0 GiB x 4 local device slots = 32.0 GiB" in line
+    assert "killed (out of memory)" in line and "lower cluster.memory_per_device" in line
+    assert problems(cfg, machine) == []  # the demo itself needs far less
+    assert host_memory_warning(cfg, Machine(cpus=2, available_memory=32 * GiB)) is None
+    grows = example(cluster={"memory_per_device": "4GiB"}, job={"scenario": [{"step": 3, "devices": 8}]})
+    assert "x 8 local device slots" in (host_memory_warning(grows, machine) or "")
+    assert "x 8 local device slots" in (host_memory_warning(grows, machine, devices=5) or "")
+    assert "x 12 local device slots" in (host_memory_warning(grows, machine, devices=12) or "")
+    remote = example(cluster={"memory_per_device": "8GiB", "scheduler_address": "tcp://127.0.0.1:8786"})
+    assert host_memory_warning(remote, machine) is None

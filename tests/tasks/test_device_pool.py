@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
+import time
+import types
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -298,3 +303,67 @@ def test_unknown_scheduler_is_one_clear_error() -> None:
         DevicePoolError, match=r"cannot reach the Dask scheduler at tcp://127.0.0.1:9 within 1s"
     ):
         DevicePool(2, scheduler_address="tcp://127.0.0.1:9", connect_timeout_s=1)
+
+
+# ------------------------------------------- issue 13: bounded waits, shadowing, lost workers
+# These use pool2 and run last in this module: the final one kills one of its workers.
+
+
+def path_and_storage(ctx: DeviceContext) -> tuple[list[str], str | None]:
+    import storage
+
+    return list(sys.path), storage.__file__
+
+
+def test_a_worker_imports_nereus_from_the_driver_s_installation_not_its_local_directory(
+    pool2: DevicePool,
+) -> None:
+    """A worker's local directory holds Dask's ``storage/`` spill folder and Dask puts it first on the
+    import path; the pool takes it off before the actor is placed."""
+    import storage
+
+    for path, storage_file in pool2.run_all(path_and_storage):
+        assert not [p for p in path if "dask-scratch-space" in p], path
+        assert storage_file == storage.__file__
+
+
+def test_an_argument_the_worker_cannot_unpickle_fails_the_call_at_once(pool2: DevicePool) -> None:
+    """Dask's actor proxy waited for ever here (issue 13); the call now fails with the worker's message."""
+    module = types.ModuleType("only_in_the_driver")
+    exec("class Thing:\n    pass\n", module.__dict__)
+    module.Thing.__module__ = module.__name__
+    sys.modules[module.__name__] = module
+    try:
+        start = time.monotonic()
+        with pytest.raises(DeviceRunError, match=r"No module named 'only_in_the_driver'"):
+            pool2.run_all(echo, [(module.Thing(),), (module.Thing(),)])
+        assert time.monotonic() - start < 20
+    finally:
+        del sys.modules[module.__name__]
+    assert pool2.run_all(world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]  # the actors were never touched
+
+
+def worker_pid(ctx: DeviceContext) -> int:
+    return os.getpid()
+
+
+def nap_on_rank_1(ctx: DeviceContext) -> int:
+    if ctx.rank == 1:
+        time.sleep(120)
+    return ctx.rank
+
+
+def test_a_worker_killed_mid_call_is_reported_as_lost_with_its_cause(pool2: DevicePool) -> None:
+    """SIGKILL is what the kernel's OOM killer sends; the call fails within seconds, not at the
+    end of the sleep, naming the slot, the worker and the cause its nanny logged."""
+    (pid,) = pool2.run_on([1], worker_pid)
+    worker = pool2.workers[1]
+    threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(DeviceRunError) as info:
+        pool2.run_all(nap_on_rank_1)
+    assert time.monotonic() - start < 30
+    message = str(info.value).splitlines()[0]
+    assert f"device slot 1 (worker {worker}) was lost: killed (out of memory?" in message
+    assert f"Worker process {pid} was killed by signal 9" in message
+    assert [f.rank for f in info.value.failures] == [1]
