@@ -29,7 +29,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from flows.step_report import step_table
-from flows.tracking import Trackers, flat_params, progress_bar, step_metrics, transition_metrics
+from flows.tracking import ProgressBar, Trackers, flat_params, progress_bar, step_metrics, transition_metrics
 from nereus_core.config import NereusConfig
 from nereus_core.controller import Decision
 from nereus_core.job import JobState, Switch
@@ -72,7 +72,8 @@ class JobRecords:
         self.before_s = float(self.history[-1].get("run_s") or 0.0) if self.history else 0.0
         self.config = config
         self.console = config is None or "console" in config.trainer.logger
-        self.trackers, self.progress = Trackers([]), None
+        self.trackers: Trackers = Trackers([])
+        self.progress: ProgressBar | None = None
 
     @contextmanager
     def tracking(self) -> Iterator[None]:
@@ -156,10 +157,7 @@ class JobRecords:
         )
         self.trackers.log(step_metrics(stats, rows), step)
         if self.progress is not None:
-            self.progress.set_postfix(
-                score=f"{stats['rule_score']:.3f}", wall=f"{wall_s:.2f}s", refresh=False
-            )
-            self.progress.update(1)
+            self.progress.update(stats)
         stats["bookkeeping_s"] = time.perf_counter() - start  # the trackers' time included
         self.history.append(stats)
         self.run.write_rows(HISTORY_TABLE, self.history)
@@ -269,6 +267,6 @@ def log_decision(decision: Decision, step: int) -> None:
 def done_line(summary: dict[str, Any]) -> str:
     """The run's last line: every step it made and its whole run time, a resume's share named."""
     steps, after = summary["steps"], summary.get("steps_after_resume")
-    what = f"{steps} steps, {after} of them after the resume" if after is not None else f"{steps} steps"
+    what = f"{steps} steps, {after} of them after the resume," if after is not None else f"{steps} steps"
     first, last = summary["score_first"], summary["score_last"]
-    return f"done: {what}, in {summary['run_s']:.1f} s; rule score {first:.3f} -> {last:.3f}"
+    return f"done: {what} in {summary['run_s']:.1f} s; rule score {first:.3f} -> {last:.3f}"

@@ -214,11 +214,59 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def progress_bar(total: int, done: int, stream: TextIO | None = None) -> Any:
+class ProgressBar:
+    """tqdm's bar at the foot of the terminal; while it is open, every log line printed to the terminal
+    is written above it (the bar is cleared, the line printed, the bar drawn again) instead of after
+    it on the same line."""
+
+    def __init__(self, total: int, done: int, stream: TextIO) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total, initial=done, unit="step", file=stream, dynamic_ncols=True, desc="nereus"
+        )
+        self.patched: list[tuple[logging.StreamHandler, Any]] = []
+        for handler in _terminal_handlers():
+            self.patched.append((handler, handler.emit))
+            handler.emit = self._above(handler.emit)  # type: ignore[method-assign]
+
+    def _above(self, emit: Any) -> Any:
+        def emit_above_the_bar(record: logging.LogRecord) -> None:
+            self.bar.clear()
+            emit(record)
+            self.bar.refresh()
+
+        return emit_above_the_bar
+
+    def update(self, stats: Mapping[str, Any]) -> None:
+        self.bar.set_postfix(
+            score=f"{stats['rule_score']:.3f}", wall=f"{stats['wall_s']:.2f}s", refresh=False
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        for handler, emit in self.patched:
+            handler.emit = emit  # type: ignore[method-assign]
+        self.bar.close()
+
+
+def _terminal_handlers() -> list[logging.StreamHandler]:
+    """Every logging handler that writes to this process's stdout or stderr (Prefect's console, Dask's)."""
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
+    found: dict[int, logging.StreamHandler] = {}
+    for logger in loggers:
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (
+                sys.stdout,
+                sys.stderr,
+            ):
+                found[id(h)] = h
+    return list(found.values())
+
+
+def progress_bar(total: int, done: int, stream: TextIO | None = None) -> ProgressBar | None:
     """A progress bar with ETA on an interactive terminal; None elsewhere (Prefect's logs, CI, pipes)."""
     stream = sys.stderr if stream is None else stream
     if not stream.isatty():
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, unit="step", file=stream, dynamic_ncols=True, desc="nereus")
+    return ProgressBar(total, done, stream)

@@ -274,11 +274,47 @@ def test_progress_bar_shows_steps_and_eta_on_a_terminal_only():
     assert tracking.progress_bar(10, 0, stream=io.StringIO()) is None  # a pipe, Prefect's logs, CI
     term = Terminal()
     bar = tracking.progress_bar(10, 4, stream=term)  # resumed after 4 steps
-    bar.update(1)
-    bar.update(1)
+    assert bar is not None
+    bar.update({"rule_score": 0.5, "wall_s": 1.0})
+    bar.update({"rule_score": 0.625, "wall_s": 1.0})
     bar.close()
     shown = term.getvalue().split("\r")[-1]
-    assert "6/10" in shown and "<" in shown  # elapsed<remaining: the ETA
+    assert "6/10" in shown and "<" in shown and "score=0.625" in shown  # elapsed<remaining: the ETA
+
+
+def screen(text: str) -> list[str]:
+    """What a terminal shows for ``text``: a carriage return moves back to the start of the line."""
+    lines, line, col = [], [], 0
+    for ch in text:
+        if ch == "\n":
+            lines.append("".join(line).rstrip())
+            line, col = [], 0
+        elif ch == "\r":
+            col = 0
+        else:
+            line[col : col + 1] = [ch]
+            col += 1
+    return [*lines, "".join(line).rstrip()]
+
+
+def test_log_lines_are_printed_above_the_bar_not_after_it(monkeypatch):
+    term = Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    logger = logging.getLogger("test-tracking-terminal")
+    handler = logging.StreamHandler(term)
+    logger.addHandler(handler)
+    try:
+        bar = tracking.progress_bar(3, 0, stream=term)
+        assert bar is not None
+        bar.update({"rule_score": 0.5, "wall_s": 1.0})
+        logger.warning("a log line")
+        shown = screen(term.getvalue())
+        assert shown[0] == "a log line", shown  # not "nereus: 33%|... a log line"
+        assert shown[1].startswith("nereus:") and "1/3" in shown[1], shown  # the bar, under it
+        bar.close()
+        assert handler.emit.__name__ == "emit"  # the handler is itself again
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_the_decision_line_is_short_and_its_details_are_at_debug(logger):
