@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
-from flows import cli_prefect, cli_watchdog
+from flows import cli_prefect, cli_watchdog, tracking
 from flows.cli_input import (
     MAX_DEVICES_ENV,
     SCHEDULER_ENV,
@@ -116,6 +116,7 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
         cfg = load_config(args.config, sets=args.set, steps=args.steps)
         if bounded:
             check_bounds(cfg)
+            tracking.require(cfg.trainer.logger)  # a tracker's missing package: one line, nothing started
     except ConfigError as err:
         return _fail(args.config, str(err))
     out = args.out or default_out_dir(cfg)

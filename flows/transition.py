@@ -225,6 +225,9 @@ def transition_flow(
                 pool, cfg, run_dir, journal, graph, schedule, old, new, path, step, checkpoint_step
             )
             changed = [c for c, s in COPIES.items() if old[c] != new[c] or old[s] != new[s]]
+            if changed and faults.armed("kill-driver:move"):  # every unit ran in one wave: die before relinks
+                get_run_logger().warning("fault injection: the driver dies with the copies still to relink")
+                os.kill(os.getpid(), signal.SIGKILL)
             for copy in changed:
                 model_ops.unload_model(pool, old[copy], name=copy)
             moved += _relink(pool, cfg, journal, new, changed)

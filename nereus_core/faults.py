@@ -6,8 +6,9 @@ the points named in its ``NEREUS_FAULT`` variable, and the device pool arms the
 same points on every worker it starts (a snapshot is written inside a worker).
 Points and what they do:
 
-- ``kill-driver:move``: the driver kills itself (SIGKILL) after a transition's first unit moved
-  state, while units remain (the journal shows done units, the switch is half done);
+- ``kill-driver:move``: the driver kills itself (SIGKILL) after a transition's first wave of units
+  moved state, while work remains (later units, or the inference copies' relinks): the journal
+  shows done units and the switch is half done;
 - ``kill-worker:rehydrate``: the driver kills device rank 1's worker as a rehydration starts;
 - ``fail-snapshot-write``: a device's snapshot writer raises ``OSError(ENOSPC)`` (disk full);
 - ``fill-disk:switch``: before the checkpoint that precedes a plan switch the driver fills the run

@@ -9,13 +9,17 @@ GTG's ops into the units the executor has:
 It then proves, with the GTG's own memory replay, that running the units in the returned order
 never puts a device over its capacity:
 
-1. every edge between ops of two different units (data, memory, port) becomes an edge between
-   the units; a cycle means the GTG's order interleaves two units' ops, which one call per unit
-   cannot do: no unit-level schedule exists (the caller takes the durable route);
+1. every data or memory edge between ops of two different units becomes an edge between the
+   units (port edges only order transfers that share a link, for timing: units sharing a device
+   may run at once and share its bandwidth); a cycle means the GTG's order interleaves two
+   units' ops, which one call per unit cannot do: another order is searched (below);
 2. the units' levels are the waves (a wave's units may run at once);
 3. each wave is replayed as one GTG wave (all its allocations before any of its frees, the worst
    case of running its units together); if a device overflows, the units run one per wave in
-   topological order and are replayed again; if that overflows too, there is no safe schedule.
+   topological order and are replayed again;
+4. if that overflows too, or step 1 found a cycle, units are ordered one at a time by the data
+   edges alone, each the first ready unit that fits the devices as they are then, and the order is
+   replayed once more; if no ready unit fits at some point, there is no safe schedule.
 
 Boundary: pure planning over a ``TransitionGraph``; flows/transition.py executes the waves.
 """
@@ -69,8 +73,9 @@ def stage_schedule(graph: TransitionGraph, capacities: dict[int, int]) -> StageS
     final = device_loads(graph.moves, "new", graph.dtype_bytes)
     caps = resolve_capacities(capacities, initial, final)
     tried = []
-    try:  # the GTG's own order (data, memory and port edges) at the units' granularity
-        levels = _levels(sorted(frozen), _unit_edges(graph, kinds=("data", "memory", "port")))
+    try:  # the GTG's own order (data and memory edges) at the units' granularity; its port edges
+        # only sequence transfers that share a link (timing), so units that share one may run together
+        levels = _levels(sorted(frozen), _unit_edges(graph, kinds=("data", "memory")))
         for serial, waves in ((False, levels), (True, tuple((u,) for wave in levels for u in wave))):
             peak = _replay(graph, waves, frozen, initial)
             if all(peak[d] <= caps.get(d, peak[d]) for d in peak):

@@ -212,13 +212,14 @@ def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_pat
     assert crashed.returncode == -signal.SIGKILL, (tmp_path / "driver.log").read_text()[-2000:]
     (journal,) = [j for j in journals(out) if j.transition_id.startswith("t000")]
     assert journal.status() == "interrupted"
-    # The driver died half way: a unit moved state (bytes transferred, its done line written), others
-    # had not run. The live state is gone with the workers; resume finishes the switch from the
-    # checkpoint instead, so no unit of the dead driver is trusted.
+    # The driver died half way: units moved state (bytes transferred, their done lines written), while
+    # work remained (units of later waves, or the inference copies' relinks). The live state is gone
+    # with the workers; resume finishes the switch from the checkpoint, trusting no unit of the dead
+    # driver.
     schedule = [u for wave in journal.header()["schedule"] for u in wave]
     done = [e for e in journal.entries() if e["phase"] == "done"]
-    assert len(schedule) >= 2 and done and done[0]["op"] == schedule[0] and done[0]["bytes_moved"] > 0
-    assert len(done) < len(schedule)
+    assert done and done[0]["op"] in schedule and done[0]["bytes_moved"] > 0
+    assert not any(e["op"].startswith("relink:") for e in done)
     before = _digests(out, 1)
     assert not (out / "summary.json").exists()
 
