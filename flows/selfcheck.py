@@ -1,4 +1,4 @@
-"""The runtime self-check flow: what `nereus run` does until the PPO job exists.
+"""The runtime self-check flow (`nereus selfcheck`): each layout of a plan against one device.
 
 config --> DevicePool (Dask LocalCluster or an existing scheduler; one torch.distributed world)
        --> check_model_stage task, once per model-stage of config.plan

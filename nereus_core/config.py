@@ -185,7 +185,8 @@ class ScenarioEvent(_Frozen):
 
 
 class JobConfig(_Frozen):
-    """What one run does (the PPO fields arrive with the PPO job)."""
+    """What one run does: its steps, batch, lengths, task, checkpoints, adaptation and scenario (the
+    PPO maths' settings are ``ppo``)."""
 
     steps: int = Field(default=4, ge=1, description="Steps to run.")
     seed: int = Field(default=0, ge=0, description="Seed of data and sampling.")
