@@ -98,6 +98,7 @@ def _drive(flow: Callable[..., Any], out: Path, where: Path, **kwargs: Any) -> i
     ``where``, the config or the run directory, when the input is to blame)."""
     from nereus_core.job import JobFailed
     from storage.lock import RunLocked
+    from tasks.device_actor import DevicePoolError
 
     try:
         flow(out_dir=str(out), **kwargs)
@@ -105,6 +106,8 @@ def _drive(flow: Callable[..., Any], out: Path, where: Path, **kwargs: Any) -> i
         return _fail(where, str(err))
     except (JobFailed, RunLocked) as err:
         return _stopped(out, err)
+    except DevicePoolError as err:  # too few workers, a lost one: its first line (the log has the rest)
+        return _stopped(out, RuntimeError(str(err).splitlines()[0]))
     print(f"nereus: done: {out}")
     return EXIT_OK
 
