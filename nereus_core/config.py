@@ -81,8 +81,32 @@ class ClusterConfig(_Frozen):
         return self
 
 
+class RopeScaling(_Frozen):
+    """Llama 3's RoPE frequency scaling (Hugging Face ``rope_type: llama3``; Llama-3.1's config.json)."""
+
+    rope_type: Literal["llama3"] = Field(default="llama3", description="Only Llama 3's scaling.")
+    factor: float = Field(gt=0, description="Long wavelengths are divided by this.")
+    low_freq_factor: float = Field(gt=0, description="Wavelengths past original/low are scaled fully.")
+    high_freq_factor: float = Field(gt=0, description="Wavelengths below original/high are kept.")
+    original_max_position_embeddings: int = Field(ge=1, description="Context length before scaling.")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor}"
+            )
+        return self
+
+
 class ModelConfig(_Frozen):
     """A Llama-style decoder; field names follow Hugging Face ``LlamaConfig`` where one exists."""
+
+    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM"] = Field(
+        default="LlamaForCausalLM",
+        description="Hugging Face architecture whose names and numerics the model follows.",
+    )
 
     vocab_size: int = Field(default=256, ge=2, description="Vocabulary size.")
     hidden_size: int = Field(default=64, ge=2, description="Model width.")
@@ -92,6 +116,10 @@ class ModelConfig(_Frozen):
     num_key_value_heads: int = Field(default=2, ge=1, description="Key/value heads (GQA).")
     max_position_embeddings: int = Field(default=256, ge=1, description="Longest sequence.")
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base.")
+    rope_scaling: RopeScaling | None = Field(default=None, description="Llama 3's RoPE scaling, if any.")
+    attention_bias: bool = Field(
+        default=False, description="Biases on q/k/v projections (Qwen2's; o_proj never has one)."
+    )
     rms_norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
     tie_word_embeddings: bool = Field(default=False, description="Share lm_head with embed_tokens.")
     head: Literal["lm", "value"] = Field(
@@ -125,6 +153,11 @@ class ModelConfig(_Frozen):
             raise ValueError(
                 f"model.hidden_size/model.num_attention_heads={self.head_dim} is odd; "
                 "RoPE needs an even head_dim"
+            )
+        if self.attention_bias != (self.architecture == "Qwen2ForCausalLM"):
+            raise ValueError(
+                f"model.attention_bias={self.attention_bias} with model.architecture={self.architecture}: "
+                "q/k/v biases are Qwen2's (true exactly for Qwen2ForCausalLM)"
             )
         return self
 

@@ -13,7 +13,8 @@ from nereus_core.plan import MODELS, models_for
 from storage.run_dir import RunDir
 from storage.snapshot import read_full_state
 
-ARCHITECTURES = {"lm": "LlamaForCausalLM", "value": "LlamaForSequenceClassification"}
+# The lm head is the config's architecture; a value head is its sequence-classification sibling.
+HEAD_SUFFIX = {"lm": "ForCausalLM", "value": "ForSequenceClassification"}
 
 
 def export_hf(
@@ -29,7 +30,7 @@ def export_hf(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf = hf_config(config)
-    hf.architectures = [ARCHITECTURES[config.head]]
+    hf.architectures = [config.architecture.removesuffix("ForCausalLM") + HEAD_SUFFIX[config.head]]
     hf.to_json_file(str(out / "config.json"))
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     return out

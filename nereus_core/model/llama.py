@@ -1,10 +1,12 @@
 """A Llama pipeline stage; it knows nothing of pipeline communication or data parallelism (the engine's job).
 
 Architecture as Hugging Face ``LlamaForCausalLM`` (Touvron et al., 2023,
-arXiv:2302.13971), with the same parameter names so full states round-trip:
+arXiv:2302.13971) or ``Qwen2ForCausalLM`` (the same decoder with q/k/v biases;
+Qwen2 report, arXiv:2407.10671), with the same parameter names so full states round-trip:
 pre-norm RMSNorm (Zhang & Sennrich, 2019; variance in fp32, then
 ``weight * normed``), rotary position embeddings (Su et al., 2021,
-arXiv:2104.09864; HF's rotate-half layout, ``inv_freq = 1/theta^(2i/d)``),
+arXiv:2104.09864; HF's rotate-half layout, ``inv_freq = 1/theta^(2i/d)``, with
+Llama 3's frequency scaling when configured, as HF's ``_compute_llama3_parameters``),
 grouped-query attention (Ainslie et al., 2023, arXiv:2305.13245) and a SwiGLU
 MLP (Shazeer, 2020, arXiv:2002.05202). Tensor parallelism splits heads and the
 MLP's inner width (see ``tensor_parallel``); a rank holds ``H/tp`` query heads
@@ -17,11 +19,13 @@ may carry their own positions; ``attention_mask`` (1 keep, 0 pad) hides pads.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, RopeScaling
 from nereus_core.model.tensor_parallel import (
     ColumnParallelLinear,
     Group,
@@ -85,16 +89,41 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def rope_inv_freq(
+    *, head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The ``d/2`` fp32 inverse frequencies; Llama 3 divides long wavelengths by ``factor`` and
+    interpolates smoothly between ``original/high_freq_factor`` and ``original/low_freq_factor``."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    original = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = original / scaling.low_freq_factor, original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor,
+    *,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[b or 1, 1, s, d]`` for absolute ``positions`` ``[b, s]`` or ``[s]``, computed in fp32.
 
     The frequencies are rebuilt per call (d/2 numbers) rather than kept as a buffer,
     so casting the stage to bf16 cannot round them.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    inv_freq = rope_inv_freq(head_dim=head_dim, theta=theta, scaling=scaling, device=positions.device)
     positions_bs = positions if positions.dim() == 2 else positions.unsqueeze(0)
     freqs = positions_bs.unsqueeze(-1).float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
@@ -139,10 +168,11 @@ class Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+        tp = {"tp_size": tp_size, "tp_group": tp_group, "copy_input": False, "bias": config.attention_bias}
+        self.q_proj = ColumnParallelLinear(h, q_out, **tp)
+        self.k_proj = ColumnParallelLinear(h, kv_out, **tp)
+        self.v_proj = ColumnParallelLinear(h, kv_out, **tp)
         tp = {"tp_size": tp_size, "tp_group": tp_group}
-        self.q_proj = ColumnParallelLinear(h, q_out, copy_input=False, **tp)
-        self.k_proj = ColumnParallelLinear(h, kv_out, copy_input=False, **tp)
-        self.v_proj = ColumnParallelLinear(h, kv_out, copy_input=False, **tp)
         self.o_proj = RowParallelLinear(q_out, h, **tp)
         self.tp_group = tp_group
         self.head_dim = d
@@ -218,6 +248,12 @@ def _check_tp(config: ModelConfig, tp_rank: int, tp_size: int, tp_group: Group) 
     # uses (sums, and an all-gather resolved by value) do not depend on the group's order.
 
 
+def _checked(name: str, shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if shard.shape != param.shape:
+        raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != local shape {tuple(param.shape)}")
+    return shard
+
+
 class LlamaStage(nn.Module):
     """Decoder layers ``layers`` (with the embedding if first, norm and lm_head if last) on one tp rank.
 
@@ -288,12 +324,17 @@ class LlamaStage(nn.Module):
         if missing:
             raise KeyError(f"full state lacks {len(missing)} parameters of this stage, e.g. {missing[0]!r}")
         for name, param in self._held().items():
-            shard = shard_tensor(full[name], name, self.tp_rank, self.tp_size)
-            if shard.shape != param.shape:
-                raise ValueError(
-                    f"{name}: shard shape {tuple(shard.shape)} != local shape {tuple(param.shape)}"
-                )
-            param.copy_(shard)
+            param.copy_(_checked(name, shard_tensor(full[name], name, self.tp_rank, self.tp_size), param))
+
+    @torch.no_grad()
+    def load_local_state(self, local: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shards, already cut (e.g. read as slices of a model directory), cast to
+        the parameters' dtype."""
+        missing = [name for name in self.param_names if name not in local]
+        if missing:
+            raise KeyError(f"local state lacks {len(missing)} parameters of this stage, e.g. {missing[0]!r}")
+        for name, param in self._held().items():
+            param.copy_(_checked(name, local[name], param))
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """HF name -> this rank's shard (detached; shares memory with the parameter)."""
@@ -321,6 +362,7 @@ class LlamaStage(nn.Module):
             head_dim=self.config.head_dim,
             theta=self.config.rope_theta,
             dtype=hidden.dtype,
+            scaling=self.config.rope_scaling,
         )
         mask = attention_mask_bool(queries=s, past=past, attention_mask=attention_mask, device=hidden.device)
         for key, layer in self.model.layers.items():

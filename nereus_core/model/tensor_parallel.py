@@ -105,7 +105,9 @@ def _local_size(size: int, tp_size: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y_local = x @ W_local.T`` with W split on output features (dim 0); no bias.
+    """``y_local = x @ W_local.T (+ b_local)`` with W (and b) split on output features (dim 0).
+
+    A bias (Qwen2's q/k/v) is split like the rows it adds to: each rank holds its slice.
 
     ``copy_input=False`` when the caller already applied ``copy_to_tp`` once for
     several projections of the same input (q/k/v, gate/up): one all-reduce backward
@@ -120,17 +122,19 @@ class ColumnParallelLinear(nn.Module):
         tp_size: int = 1,
         tp_group: Group = None,
         copy_input: bool = True,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.copy_input = copy_input
         local = _local_size(out_features, tp_size, "out_features")
         self.weight = _split_parameter(torch.zeros(local, in_features))
+        self.bias = _split_parameter(torch.zeros(local)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = copy_to_tp(x, self.tp_group)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

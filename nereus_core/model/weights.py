@@ -1,8 +1,8 @@
 """Full weights by Hugging Face name, and the tensor-parallel shard map over them.
 
 The shard map is Megatron-LM's (Shoeybi et al., 2019, arXiv:1909.08053):
-column-parallel projections (q, k, v, gate, up) and the vocab-parallel
-embedding and lm_head split dim 0 (output rows); row-parallel projections
+column-parallel projections (q, k, v, gate, up; with Qwen2's q/k/v biases) and the
+vocab-parallel embedding and lm_head split dim 0 (output rows); row-parallel projections
 (o_proj, down_proj) split dim 1 (input columns); norms are replicated. Every
 split is an equal contiguous chunk, so the local shard of rank ``r`` out of
 ``tp`` is chunk ``r``. Because q/k/v rows are ordered head by head, a chunk of
@@ -21,9 +21,18 @@ import torch
 from nereus_core.config import ModelConfig
 
 if TYPE_CHECKING:
-    from transformers import LlamaConfig
+    from transformers import PretrainedConfig
 
-_COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+_COLUMN = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "q_proj.bias",
+    "k_proj.bias",
+    "v_proj.bias",
+)
 _ROW = ("o_proj.weight", "down_proj.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -37,11 +46,15 @@ def layer_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, 
     """HF names and full shapes of one decoder layer's parameters, in HF order."""
     h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
     q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    p = f"model.layers.{layer}.self_attn."
+    shapes: dict[str, tuple[int, ...]] = {}
+    for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+        shapes[p + proj + ".weight"] = (out, h)
+        if config.attention_bias:
+            shapes[p + proj + ".bias"] = (out,)
     p = f"model.layers.{layer}."
     return {
-        p + "self_attn.q_proj.weight": (q_out, h),
-        p + "self_attn.k_proj.weight": (kv_out, h),
-        p + "self_attn.v_proj.weight": (kv_out, h),
+        **shapes,
         p + "self_attn.o_proj.weight": (h, q_out),
         p + "mlp.gate_proj.weight": (i, h),
         p + "mlp.up_proj.weight": (i, h),
@@ -52,7 +65,7 @@ def layer_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, 
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF names and full shapes of every parameter of ``LlamaForCausalLM``, in HF order."""
+    """HF names and full shapes of every parameter of ``config.architecture``, in HF order."""
     shapes: dict[str, tuple[int, ...]] = {EMBED: (config.vocab_size, config.hidden_size)}
     for layer in range(config.num_hidden_layers):
         shapes.update(layer_param_shapes(config, layer))
@@ -74,7 +87,8 @@ def is_norm(name: str) -> bool:
 
 
 def init_full_state(config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Seeded fp32 weights with HF names: normal(0, init_std) matrices, norms 1.0; same on every process."""
+    """Seeded fp32 weights with HF names: normal(0, init_std) matrices and biases, norms 1.0; same on
+    every process."""
     generator = torch.Generator(device="cpu").manual_seed(config.seed)
     state: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(config).items():
@@ -93,7 +107,9 @@ def shard_dim(name: str) -> int | None:
         return 1
     if is_norm(name) or name == SCORE:
         return None
-    raise KeyError(f"{name!r} is not a Llama parameter name; expected a Hugging Face LlamaForCausalLM name")
+    raise KeyError(
+        f"{name!r} is not a parameter name of LlamaForCausalLM or Qwen2ForCausalLM (Hugging Face names)"
+    )
 
 
 def stage_param_names(config: ModelConfig, layers: range, first: bool, last: bool) -> list[str]:
@@ -131,6 +147,21 @@ def shard_tensor(full: torch.Tensor, name: str, tp_rank: int, tp: int) -> torch.
     return full.detach().narrow(dim, tp_rank * part, part).clone()
 
 
+def shard_slices(name: str, shape: tuple[int, ...], tp_rank: int, tp: int) -> tuple[slice, ...]:
+    """Index of rank ``tp_rank``'s shard inside the full tensor ``name`` of ``shape`` (for sliced reads)."""
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank={tp_rank} is outside 0..{tp - 1}")
+    index = [slice(None)] * len(shape)
+    dim = shard_dim(name)
+    if dim is None or tp == 1:
+        return tuple(index)
+    if shape[dim] % tp:
+        raise ValueError(f"{name}: dim {dim} of size {shape[dim]} does not split into tp={tp} equal shards")
+    part = shape[dim] // tp
+    index[dim] = slice(tp_rank * part, (tp_rank + 1) * part)
+    return tuple(index)
+
+
 def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """The full tensor from all tp shards in tp-rank order (replicated names: the first shard)."""
     if not shards:
@@ -141,29 +172,36 @@ def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def hf_config(config: ModelConfig) -> LlamaConfig:
-    """The ``transformers.LlamaConfig`` of the same model (for tests and HF export)."""
-    from transformers import LlamaConfig
+def _rope_parameters(config: ModelConfig) -> dict[str, float | int | str]:
+    """Hugging Face's ``rope_parameters`` of the same RoPE (theta, and Llama 3's scaling if any)."""
+    if config.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    return {**config.rope_scaling.model_dump(), "rope_theta": config.rope_theta}
 
-    return LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=ties_embeddings(config),
-        num_labels=1,
-        attention_bias=False,
-        mlp_bias=False,
-        initializer_range=config.init_std,
+
+def hf_config(config: ModelConfig) -> PretrainedConfig:
+    """The ``transformers`` config (``LlamaConfig`` or ``Qwen2Config``) of the same model (tests, export)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": _rope_parameters(config),
+        "tie_word_embeddings": ties_embeddings(config),
+        "num_labels": 1,
+        "initializer_range": config.init_std,
         # Nereus models have no tokenizer: no special ids, so HF generate never stops early.
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+    if config.architecture == "Qwen2ForCausalLM":
+        return Qwen2Config(**common, use_sliding_window=False)
+    return LlamaConfig(**common, head_dim=config.head_dim, attention_bias=False, mlp_bias=False)

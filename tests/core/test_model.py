@@ -1,4 +1,5 @@
-"""nereus_core.model against Hugging Face LlamaForCausalLM: single process, chained stages, gloo TP worlds."""
+"""nereus_core.model against Hugging Face LlamaForCausalLM and Qwen2ForCausalLM: single process, chained
+stages, gloo TP worlds."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, RopeScaling
 from nereus_core.model import (
     LlamaStage,
     hf_config,
@@ -25,6 +26,7 @@ from nereus_core.model import (
     vocab_parallel_logprobs,
     vocab_parallel_sample,
 )
+from nereus_core.model.llama import rope_inv_freq
 from nereus_core.model.tensor_parallel import vocab_parallel_entropy
 from nereus_core.model.weights import param_shapes
 from tests.core.dist_utils import WorldError, run_world
@@ -40,6 +42,22 @@ TINY = ModelConfig(
 TINY_TIED = ModelConfig(**{**TINY.model_dump(), "tie_word_embeddings": True})
 # tp=4 must divide the kv heads, so the 4-rank world uses 8 query / 4 kv heads (head_dim 8).
 TINY_KV4 = ModelConfig(**{**TINY.model_dump(), "num_attention_heads": 8, "num_key_value_heads": 4})
+# Qwen2.5's small sizes: q/k/v biases, tied embeddings, theta 1e6, eps 1e-6.
+TINY_QWEN = ModelConfig(
+    **{
+        **TINY.model_dump(),
+        "architecture": "Qwen2ForCausalLM",
+        "attention_bias": True,
+        "tie_word_embeddings": True,
+        "rope_theta": 1e6,
+        "rms_norm_eps": 1e-6,
+    }
+)
+# Llama 3's scaling with a short original context, so positions past 32 feel every band.
+LLAMA3_SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+)
+TINY_LLAMA3 = ModelConfig(**{**TINY.model_dump(), "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING})
 BATCH, SEQ, NEW_TOKENS = 2, 10, 8
 
 
@@ -48,9 +66,10 @@ def _ids(cfg: ModelConfig) -> torch.Tensor:
 
 
 def _hf_model(cfg: ModelConfig) -> Any:
-    from transformers import LlamaForCausalLM
+    import transformers
 
-    model = LlamaForCausalLM._from_config(hf_config(cfg), attn_implementation="eager")
+    model_class = getattr(transformers, cfg.architecture)
+    model = model_class._from_config(hf_config(cfg), attn_implementation="eager")
     result = model.load_state_dict(init_full_state(cfg), strict=False)
     assert not result.unexpected_keys
     assert set(result.missing_keys) == ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
@@ -98,7 +117,7 @@ def _assert_grads_match(cfg: ModelConfig, grads: dict[str, torch.Tensor], atol: 
 # --- weights and shard map ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("cfg", [TINY, TINY_TIED, TINY_QWEN], ids=["untied", "tied", "qwen2"])
 def test_init_full_state_has_hf_names_and_shapes(cfg: ModelConfig) -> None:
     full = init_full_state(cfg)
     hf_shapes = {name: tuple(t.shape) for name, t in _hf_model(cfg).named_parameters()}
@@ -156,7 +175,9 @@ def test_stage_named_parameters_are_hf_names_with_local_shapes() -> None:
 # --- single process against HF ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    "cfg", [TINY, TINY_TIED, TINY_QWEN, TINY_LLAMA3], ids=["untied", "tied", "qwen2", "llama3-rope"]
+)
 def test_single_stage_matches_hf(cfg: ModelConfig) -> None:
     ref, ids = _hf_reference(cfg), _ids(cfg)
     stage = _stage(cfg, range(4), True, True)
@@ -221,6 +242,25 @@ def test_left_padding_matches_hf() -> None:
     real[0, :3] = False
     torch.testing.assert_close(logits[real], ref[real], atol=1e-5, rtol=0)
     assert torch.equal(torch.stack(tokens, dim=1), expected)
+
+
+def test_llama3_rope_scaling_matches_hf_far_positions() -> None:
+    """Llama 3's frequencies equal HF's, and change the logits at positions past the original context."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config(TINY_LLAMA3), "cpu")
+    ours = rope_inv_freq(head_dim=TINY_LLAMA3.head_dim, theta=500000.0, scaling=LLAMA3_SCALING)
+    torch.testing.assert_close(ours, hf_freq, atol=0, rtol=1e-6)
+    plain = rope_inv_freq(head_dim=TINY_LLAMA3.head_dim, theta=500000.0, scaling=None)
+    assert (ours < plain).any() and (ours == plain).any()  # some bands scaled, the shortest kept
+    positions, ids = torch.arange(SEQ) + 200, _ids(TINY_LLAMA3)
+    with torch.no_grad():
+        ref = _hf_model(TINY_LLAMA3)(ids, position_ids=positions[None].expand(BATCH, -1)).logits
+        logits = _stage(TINY_LLAMA3, range(4), True, True)(ids, positions)
+        unscaled = ModelConfig(**{**TINY_LLAMA3.model_dump(), "rope_scaling": None})
+        logits_unscaled = _stage(unscaled, range(4), True, True)(ids, positions)
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+    assert (logits_unscaled - ref).abs().max() > 1e-3
 
 
 # --- sampling ------------------------------------------------------------------------------
@@ -296,7 +336,9 @@ def _check_tp_case(cfg: ModelConfig, per_rank: list[dict[str, Any]]) -> None:
     _assert_grads_match(cfg, grads)
 
 
-@pytest.mark.parametrize(("world", "cfgs"), [(2, [TINY, TINY_TIED]), (4, [TINY_KV4])], ids=["tp2", "tp4"])
+@pytest.mark.parametrize(
+    ("world", "cfgs"), [(2, [TINY, TINY_TIED, TINY_QWEN, TINY_LLAMA3]), (4, [TINY_KV4])], ids=["tp2", "tp4"]
+)
 def test_tensor_parallel_world_matches_hf(world: int, cfgs: list[ModelConfig]) -> None:
     results = run_world(world, _tp_world, cfgs)
     for i, cfg in enumerate(cfgs):
