@@ -14,7 +14,6 @@ import yaml
 
 from nereus_core.config import (
     MODEL_STAGES,
-    SHOWN_CHARS,
     ConfigError,
     NereusConfig,
     name_error,
@@ -22,6 +21,7 @@ from nereus_core.config import (
     shown,
     with_overrides,
 )
+from nereus_core.config_base import SHOWN_CHARS
 from nereus_core.config_yaml import YAML_MAX_DEPTH, YAML_MAX_VALUES, parse_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
