@@ -53,8 +53,8 @@ GEMMA2_2B = ModelConfig(  # google/gemma-2-2b-it config.json; head_dim 288 here 
 )
 # The world's view of the same models: parameters (config.json sizes) and bf16 KV bytes per token.
 SIZES = {
-    "qwen": sw.ModelSize(params=494e6, layers=24, kv_bytes_per_token=2 * 24 * 2 * 64 * 2),
-    "gemma": sw.ModelSize(params=2.61e9, layers=26, kv_bytes_per_token=2 * 26 * 4 * 256 * 2),
+    "qwen": sw.ModelSize(params=494e6, layers=24, kv_bytes_per_token=2 * 24 * 2 * 64 * 2, hidden=896),
+    "gemma": sw.ModelSize(params=2.61e9, layers=26, kv_bytes_per_token=2 * 26 * 4 * 256 * 2, hidden=2304),
 }
 # NVIDIA A100 80GB SXM datasheet; NVLink 3: 600 GB/s both directions, 300 one way.
 A100 = H100_SXM.model_copy(

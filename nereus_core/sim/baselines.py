@@ -3,15 +3,16 @@
 Both keep one plan for the whole run (neither changes TP/PP while it runs), pay the
 weight sync from the trainer to the rollout engine every step, and run through the
 same engine and true cost as Nereus. Every open choice is taken in their favour:
-their config is picked offline by an oracle that knows the hidden true cost and the
-whole trace (``tune_steps`` steps sampled from it), and micro-batch counts (vLLM's
+their config is picked offline by an oracle that knows the world's true cost and the
+whole trace (``tune_steps`` steps sampled from it; candidates from the uncalibrated cost
+model's search, scored in truth), and micro-batch counts (vLLM's
 waves, verl's dynamic batch size) are re-picked every step at the true cost.
 
 - ``verl`` (HybridFlow, ``main_ppo.py``): every role colocated in one pool and
   time-shared, so a step is the sum of its stages plus the colocated reshard of the
   actor into the rollout layout (3D-HybridEngine; ``cost_model.weight_sync_s``).
   Training and inference may use Megatron TP/PP (verl supports it), so their layouts
-  are the controller's own search run with the true cost, colocated only; the rollout
+  are the best in truth of the controller's search's candidates, colocated only; the rollout
   is vLLM with a launch-time ``tensor_model_parallel_size`` and no pipeline.
 - ``openrlhf`` (``train_ppo_ray.py``): vLLM engines of one TP size on their own GPUs;
   DeepSpeed ZeRO for the rest (data parallel, optional AutoTP with one TP size for all
@@ -33,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from nereus_core.controller import ControllerSettings
-from nereus_core.cost_model import Workload
+from nereus_core.cost_model import Scales, Workload
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan, Placement
 from nereus_core.plan_estimate import step_seconds
@@ -116,7 +117,7 @@ class VerlStrategy(FixedStrategy):
         )
         candidates: dict[str, GlobalPlan] = {}
         for work in sorted(picks, key=lambda w: w.response_mean):
-            found = Searcher(space, work, world.models, world.profile, world.true_scales(), world.wire).run()
+            found = Searcher(space, work, world.models, world.profile, Scales()).run()
             for f in found.feasible[:3]:
                 for plan in self._rollout_variants(world, f.plan, n, work.batch):
                     candidates.setdefault(plan.plan_id, plan)

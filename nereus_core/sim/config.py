@@ -25,19 +25,10 @@ class _Frozen(BaseModel):
 
 
 class NoiseSettings(_Frozen):
-    """How the simulated "measured" times differ from the analytic model."""
+    """How the simulated "measured" times differ from the world's true times."""
 
     stage_sigma: float = Field(
         default=0.05, ge=0, le=2, description="Log-sd of the per-stage, per-step noise on measured times."
-    )
-    hidden_sigma: float = Field(
-        default=0.3,
-        ge=0,
-        le=2,
-        description="Log-sd of the hidden true/model factor of each cost term (drawn once per seed).",
-    )
-    hidden_max: float = Field(
-        default=2.0, ge=1, le=10, description="Hidden factors are clipped to [1/hidden_max, hidden_max]."
     )
     transition_sigma: float = Field(
         default=0.1, ge=0, le=2, description="Log-sd of the noise on each transition's measured time."

@@ -8,8 +8,9 @@ Boundary: the engine owns the clock and the records; a strategy owns its plan
     step_s = strategy.combine(stages, sync)  + the controller's time after the step
     move  <- strategy.after(k, measured)      (keep, switch, retune, rescale; its transition time)
 
-A step's latency (``step_s``) is its stages, the weight sync, and the controller's
-decision time after it (the first decision, which picks the starting plan, is
+A step's latency (``step_s``) is its stages, the weight sync, the controller's
+decision time after it, and, when its plan does not fit in memory, the failed attempt
+and a restart from the last checkpoint (``restart_s``) (the first decision, which picks the starting plan, is
 charged to step 0); a transition's time is recorded on the step it follows and
 counts in the run's total time, not in any step's latency.
 """
@@ -95,7 +96,7 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
     carried_s, carried_wall, carried_calls = start.decide_s, start.decide_wall_s, start.decide_calls
     for k in range(world.steps):
         work = tr.workloads[k]
-        world.begin_step()
+        world.begin_step(k)
         prepared = strategy.prepare(k, world)
         plan = prepared.plan
         plans.setdefault(plan.plan_id, plan.describe())
@@ -106,6 +107,9 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
         true_s = strategy.combine(plan, prepared.true_s, true_sync)
         predicted = strategy.predict(plan, work, world, k)
         fits = world.peak_bytes(plan, work) <= tr.memory_bytes(k)
+        # A step whose plan does not fit fails: its attempt is lost and the job restarts from the last
+        # checkpoint (taken every step), then runs the step again (issue 17's accounting).
+        restart = 0.0 if fits else stage_s + world.restart_s(plan)
         move = strategy.after(k, world, StepRun(k, plan, work, measured))
         decide_s, decide_wall = carried_s + move.decide_s, carried_wall + move.decide_wall_s
         calls = carried_calls + move.decide_calls
@@ -134,7 +138,8 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
                 "decide_s": decide_s,
                 "decide_wall_s": decide_wall,
                 "decide_calls": calls,
-                "step_s": stage_s + decide_s,
+                "restart_s": restart,
+                "step_s": stage_s + decide_s + restart,
                 "true_step_s": true_s,
                 "predicted_step_s": math.nan if predicted is None else predicted,
                 "move": move.kind,

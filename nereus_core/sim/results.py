@@ -7,7 +7,9 @@ and seed always give the same summary (it stays in the step records).
 
 Per run (one trace, strategy and seed):
 - ``total_s``: every step's latency plus every transition.
-- ``mean_step_s``: the mean step latency (stages + weight sync + controller time).
+- ``mean_step_s``: the mean step latency (stages + weight sync + controller time, and for a
+  step whose plan did not fit, its failed attempt and a restart: ``restart_s_total``);
+  ``mean_step_with_transitions_s``: the same with every transition's time spread over the steps.
 - ``throughput_tokens_per_s``: tokens (prompt + response of every sequence) / total_s.
 - ``transitions``: moves that change a layout's degrees, slots or placement (switches
   and DP rescales), and how many of them the devices, memory or a gain caused
@@ -29,6 +31,8 @@ from nereus_core.sim.engine import TRANSITION_KINDS
 
 FIELDS = (
     "mean_step_s",
+    "mean_step_with_transitions_s",
+    "restart_s_total",
     "throughput_tokens_per_s",
     "transitions",
     "transition_s_total",
@@ -78,6 +82,8 @@ def summarize_run(records: Sequence[dict]) -> dict[str, float | int | None]:
     return {
         "steps": len(records),
         "mean_step_s": steps / len(records),
+        "mean_step_with_transitions_s": total / len(records),
+        "restart_s_total": sum(r.get("restart_s", 0.0) for r in records),
         "throughput_tokens_per_s": tokens / total,
         "transitions": sum(r["move"] in TRANSITION_KINDS for r in records),
         "transition_s_total": transition_s,
@@ -113,7 +119,8 @@ def aggregate(runs: dict[int, dict]) -> dict:
 
 def compare(per_strategy: dict[str, dict], adaptive: str) -> dict[str, dict]:
     """``adaptive`` against every other strategy of one trace, paired by seed, then averaged:
-    throughput ratio (adaptive / other) and mean step latency change (adaptive / other - 1)."""
+    throughput ratio (adaptive / other) and mean step latency change (adaptive / other - 1), without
+    and with transition time."""
     if adaptive not in per_strategy:
         return {}
     mine = per_strategy[adaptive]["by_seed"]
@@ -126,9 +133,12 @@ def compare(per_strategy: dict[str, dict], adaptive: str) -> dict[str, dict]:
             mine[s]["throughput_tokens_per_s"] / other["by_seed"][s]["throughput_tokens_per_s"] for s in seeds
         ]
         latency = [mine[s]["mean_step_s"] / other["by_seed"][s]["mean_step_s"] - 1.0 for s in seeds]
+        key = "mean_step_with_transitions_s"
+        with_moves = [mine[s][key] / other["by_seed"][s][key] - 1.0 for s in seeds]
         out[name] = {
             "throughput_ratio": _mean(ratio),
             "step_latency_change": _mean(latency),
+            "step_latency_change_with_transitions": _mean(with_moves),
             "seeds": len(seeds),
         }
     return out

@@ -1,26 +1,33 @@
 """A stage-time world model that is not the cost model: what a PPO stage takes on real GPUs.
 
-Boundary: pure arithmetic over a model's size, a step's length statistics and a GPU
+Boundary: pure arithmetic over a model's size, one step's response lengths and a GPU
 (``Gpu``), with a handful of free constants (``WorldConstants``) fitted to real logs
 by ``fit`` (benchmarks/validate_cost_model.py fits them to verl's Qwen2.5-0.5B GSM8K
-PPO logs and checks them on the held-out gemma-2-2b log). It shares no formula with
-``cost_model``/``cost_terms``, so comparing the two can show the cost model wrong.
-Not yet wired into ``world.World`` (the simulator's truth is still the scaled cost model).
+PPO logs and checks them on the held-out gemma-2-2b log; ``FITTED`` is that fit).
+It shares no formula with ``cost_model``/``cost_terms``, so comparing the two can show
+the cost model wrong. ``world.World`` uses it as the simulator's truth.
 
 Generation (issue 17): each sequence's response length is drawn from the step's
-distribution (a Beta between the step's min and max with the step's mean, so the tail
-reaches the logged max); each DP replica runs continuous batching under its KV budget
-(a finished sequence frees its slot for a waiting one); every decode iteration costs a
-fixed ``decode_step_s`` (scheduler, sampling, kernel launches) plus reading the
-weights / tp and the active KV cache from HBM (hardware.md, "Decode is memory-bound");
-the stage ends with the slowest replica, plus ``generate_fixed_s`` per step (engine
-wake-up, weight load into the engine, tokenisation). Infer and train passes: a fixed
-cost per call plus FLOPs (2 x params per token forward, 6 x train; hardware.md
-"Training FLOPs") at ``mfu`` of the peak, plus the Adam step's memory traffic.
+distribution (a Beta between 1 and the step's max with the step's mean, its spread set
+so its p90 is the step's p90 where that is known, so the tail reaches the logged max);
+each DP replica runs continuous batching under its KV budget (a finished sequence frees
+its slot for a waiting one; paged KV, so a sequence holds the KV of its mean context);
+every decode iteration costs a fixed ``decode_step_s`` (scheduler, sampling, kernel
+launches), two all-reduces per layer under TP, and the larger of reading the weights /
+tp plus the active KV cache from HBM (hardware.md, "Decode is memory-bound") and the
+iteration's FLOPs; the stage ends with the slowest replica, plus ``generate_fixed_s``
+per step (engine wake-up, weight load into the engine, tokenisation). Summed over a
+replica, the KV read and the FLOPs do not depend on the schedule, only the number of
+iterations does (FCFS list scheduling onto the slots).
+Infer and train passes: a fixed cost per call plus FLOPs (2 x params per token forward,
+6 x train, plus attention 4 (12) x layers x hidden x seq; hardware.md "Training FLOPs")
+at ``mfu`` of the peak on the slowest DP replica, the pipeline bubble (m + p - 1) / m
+(Narayanan et al., 2021), TP all-reduces over the link, and the Adam step's memory traffic.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -29,28 +36,35 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Gpu:
-    """One accelerator's peak figures."""
+    """One accelerator's peak figures and its links."""
 
     name: str
     peak_flops: float  # dense bf16 FLOP/s
     hbm_bytes_per_s: float
     memory_bytes: float
+    link_bytes_per_s: float = 380e9  # hardware.md: NVLink 4, ~380 GB/s measured one way (NVIDIA/nccl#1264)
 
 
-# NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e, 80 GB. The verl logs do not
-# name their GPU; A100-80GB is assumed (verl's reference runs of that time were on A100s).
-A100_80GB = Gpu("a100-80gb", 312e12, 2.039e12, 80e9)
+# NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e, 80 GB; NVLink 3 300 GB/s one
+# way. The verl logs do not name their GPU; A100-80GB is assumed (verl's reference runs were on A100s).
+A100_80GB = Gpu("a100-80gb", 312e12, 2.039e12, 80e9, 300e9)
 # hardware.md "Hardware (H100 SXM)": 989.4 TFLOP/s bf16, 3.35 TB/s HBM3, 80 GB.
 H100_80GB = Gpu("h100-sxm", 989.4e12, 3.35e12, 80e9)
+# hardware.md: InfiniBand 50 GB/s per GPU at 0.9 efficiency (calculon), for TP groups beyond one node.
+INTER_NODE_BYTES_PER_S = 0.9 * 50e9
+# One small all-reduce inside a node: ~6 us on 2 H100s with NVLS and CUDA graphs, more with more GPUs
+# (NVIDIA/nccl#1259); 10 us taken.
+ALL_REDUCE_LATENCY_S = 10e-6
 
 
 @dataclass(frozen=True)
 class ModelSize:
-    """What the world needs of a model: parameters, layers and KV bytes per token (bf16)."""
+    """What the world needs of a model: parameters, layers, KV bytes per token (bf16) and width."""
 
     params: float
     layers: int
     kv_bytes_per_token: float
+    hidden: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,22 @@ class StepStats:
     response_mean: float
     response_max: int
     response_min: int = 1
+    response_p90: float | None = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a stage is laid out: tensor, pipeline and data parallel degrees, micro-batches (waves)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batches: int = 1
+    devices_per_node: int = 8
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
 
 
 @dataclass(frozen=True)
@@ -74,8 +104,15 @@ class WorldConstants:
     train_fixed_s: float = 1.0  # per train stage (all its micro-batches and optimizer steps)
     mfu: float = 0.4  # share of peak FLOP/s reached by infer/train passes
     hbm_efficiency: float = 0.8  # share of HBM bandwidth reached by decode
-    kv_share: float = 0.9  # share of the free device memory the engine gives the KV cache
-    length_concentration: float = 4.0  # Beta a + b of the response-length draw (spread of lengths)
+    kv_share: float = 0.9  # share of the free device memory the engine gives the KV cache (vLLM's default)
+    length_concentration: float = 4.0  # Beta a + b of the response-length draw when no p90 is given
+
+
+# ``benchmarks/validate_cost_model.py`` fit on both Qwen2.5-0.5B verl logs (its first experiment's
+# "constants"; the rest are the priors above).
+FITTED = WorldConstants(
+    generate_fixed_s=17.06, decode_step_s=1.05e-4, infer_fixed_s=4.92, train_fixed_s=16.86, mfu=0.55
+)
 
 
 def draw_lengths(stats: StepStats, rng: np.random.Generator, concentration: float) -> np.ndarray:
@@ -84,80 +121,114 @@ def draw_lengths(stats: StepStats, rng: np.random.Generator, concentration: floa
     if hi <= lo:
         return np.full(stats.batch, hi, dtype=np.int64)
     share = float(np.clip((stats.response_mean - lo) / (hi - lo), 0.02, 0.98))
+    if stats.response_p90 is not None:
+        concentration = concentration_for(share, (stats.response_p90 - lo) / (hi - lo))
     x = rng.beta(share * concentration, (1 - share) * concentration, size=stats.batch)
     out = np.rint(lo + x * (hi - lo)).astype(np.int64)
     out[int(rng.integers(stats.batch))] = hi  # the logged max was reached by some sequence
     return out
 
 
-def replica_decode_s(
-    lengths: np.ndarray,
-    slots: int,
-    prompt: float,
-    step_bytes: float,
-    kv_token: float,
-    bw: float,
-    fixed: float,
-) -> float:
-    """Continuous batching on one replica: at most ``slots`` sequences at once; each iteration advances
-    every active sequence one token and costs ``fixed`` + (weights + active KV) / bandwidth."""
-    queue = lengths.tolist()  # first come, first served, in the (random) order the prompts came
-    active = np.array(queue[:slots], dtype=np.int64)
-    waiting = queue[slots:]
-    done_tokens = np.zeros_like(active)
-    t = 0.0
-    while active.size:
-        # Advance to the next finish: every iteration until then costs the same plus the growing KV.
-        k = int((active - done_tokens).min())
-        ctx = float((prompt + done_tokens).sum()) * k + active.size * k * (k + 1) / 2.0
-        t += k * (fixed + step_bytes / bw) + ctx * kv_token / bw
-        done_tokens = done_tokens + k
-        keep = done_tokens < active
-        freed = int((~keep).sum())
-        active, done_tokens = active[keep], done_tokens[keep]
-        if waiting and freed:
-            new, waiting = waiting[:freed], waiting[freed:]
-            active = np.concatenate([active, np.array(new, dtype=np.int64)])
-            done_tokens = np.concatenate([done_tokens, np.zeros(len(new), dtype=np.int64)])
-    return t
+_GRID = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+_P90: dict[tuple[float, float], float] = {}
 
 
-def generate_s(
-    stats: StepStats, model: ModelSize, gpu: Gpu, c: WorldConstants, *, tp: int, dp: int, seed: int = 0
+def concentration_for(share: float, p90_share: float) -> float:
+    """The Beta concentration (a + b) on ``_GRID`` whose 0.9 quantile is nearest ``p90_share``."""
+    best, err = _GRID[0], np.inf
+    rng = np.random.default_rng(0)
+    for c in _GRID:
+        key = (round(share, 3), c)
+        if key not in _P90:
+            _P90[key] = float(np.quantile(rng.beta(key[0] * c, (1 - key[0]) * c, size=4096), 0.9))
+        if abs(_P90[key] - p90_share) < err:
+            best, err = c, abs(_P90[key] - p90_share)
+    return best
+
+
+def makespan(lengths: np.ndarray, slots: int) -> int:
+    """Decode iterations of first-come-first-served continuous batching on ``slots`` slots."""
+    if len(lengths) <= slots:
+        return int(lengths.max(initial=0))
+    heap = lengths[:slots].tolist()
+    heapq.heapify(heap)
+    for length in lengths[slots:].tolist():
+        heapq.heapreplace(heap, heap[0] + length)
+    return max(heap)
+
+
+def tp_link(shape: Shape, gpu: Gpu) -> float:
+    return gpu.link_bytes_per_s if shape.tp <= shape.devices_per_node else INTER_NODE_BYTES_PER_S
+
+
+def generation_s(
+    lengths: np.ndarray, prompt: float, model: ModelSize, gpu: Gpu, c: WorldConstants, shape: Shape
 ) -> float:
-    """Generation time of one step: prefill, then the slowest replica's continuous batching."""
-    rng = np.random.default_rng(seed)
-    lengths = draw_lengths(stats, rng, c.length_concentration)
+    """One step's generation: prefill, then each replica's waves one after another, the slowest replica."""
+    tp, shard = shape.tp, shape.tp * shape.pp
     weights = 2.0 * model.params
-    free = max(gpu.memory_bytes * c.kv_share - weights / tp, 0.05 * gpu.memory_bytes)
-    kv_token = model.kv_bytes_per_token / tp
-    slots = max(1, int(free / (kv_token * (stats.prompt_mean + stats.response_max))))
-    bw = gpu.hbm_bytes_per_s * c.hbm_efficiency
-    prefill = 2.0 * model.params * stats.batch * stats.prompt_mean / (gpu.peak_flops * c.mfu * tp * dp)
-    slowest = max(
-        replica_decode_s(part, slots, stats.prompt_mean, weights / tp, kv_token, bw, c.decode_step_s)
-        for part in np.array_split(rng.permutation(lengths), dp)
-    )
-    return c.generate_fixed_s + prefill + slowest
+    free = max(gpu.memory_bytes * c.kv_share - weights / shard, 0.05 * gpu.memory_bytes)
+    slots = max(1, int(free / (model.kv_bytes_per_token / shard * (prompt + float(lengths.mean())))))
+    bw, flops = gpu.hbm_bytes_per_s * c.hbm_efficiency, gpu.peak_flops * c.mfu
+    per_iter = c.decode_step_s + (2 * model.layers * ALL_REDUCE_LATENCY_S if tp > 1 else 0.0)
+    dp = shape.dp
+    usable = len(lengths) - len(lengths) % dp
+    parts = lengths[:usable].reshape(dp, -1)
+    waves = max(1, min(shape.micro_batches, parts.shape[1]))
+    cut = parts.shape[1] - parts.shape[1] % waves
+    chunks = parts[:, :cut].reshape(dp, waves, -1)
+    if chunks.shape[2] <= slots:
+        iters = chunks.max(axis=2).sum(axis=1).astype(float)
+    else:
+        iters = np.array([sum(makespan(w, slots) for w in r) for r in chunks], dtype=float)
+    lf = parts.astype(float)
+    ctx = (lf * prompt + lf * (lf + 1) / 2).sum(axis=1)  # KV tokens read, summed over iterations
+    memory = iters * weights / tp / bw + ctx * model.kv_bytes_per_token / tp / bw
+    compute = 2.0 * model.params * lf.sum(axis=1) / (tp * flops)
+    replica = iters * per_iter + np.maximum(memory, compute)
+    prefill = 2.0 * model.params * len(lengths) * prompt / (flops * shape.devices)
+    return c.generate_fixed_s + prefill + float(replica.max())
 
 
 def pass_parts(
-    stats: StepStats, model: ModelSize, gpu: Gpu, *, train: bool, devices: int
+    lengths: np.ndarray, prompt: float, model: ModelSize, gpu: Gpu, shape: Shape, *, train: bool
 ) -> tuple[float, float]:
-    """An infer (forward) or train (forward + backward) pass over the batch on ``devices`` GPUs: its
-    seconds at the full peak FLOP/s, and the Adam step's seconds (train only)."""
-    tokens = stats.batch * (stats.prompt_mean + stats.response_mean)
-    flops_s = (6.0 if train else 2.0) * model.params * tokens / (gpu.peak_flops * devices)
-    # Adam reads and writes ~16 bytes/param of state, sharded over the devices (ZeRO/FSDP)
-    adam_s = 16.0 * 2 * model.params / devices / gpu.hbm_bytes_per_s if train else 0.0
-    return flops_s, adam_s
+    """A forward (infer) or forward + backward (train) pass over the batch: its seconds at the full peak
+    FLOP/s on the slowest replica, bubble included, and the seconds that do not scale with MFU (TP
+    all-reduces, the Adam step)."""
+    mult, n_ar = (6.0, 4) if train else (2.0, 2)
+    seq = prompt + lengths[: len(lengths) - len(lengths) % shape.dp].astype(float).reshape(shape.dp, -1)
+    flops = mult * (model.params * seq + 2.0 * model.layers * model.hidden * seq**2).sum(axis=1)
+    bubble = (shape.micro_batches + shape.pp - 1) / shape.micro_batches
+    peak_s = float(flops.max()) / (gpu.peak_flops * shape.tp * shape.pp) * bubble
+    other = 0.0
+    if shape.tp > 1:
+        tokens = float(seq.sum(axis=1).max())
+        ring = 2.0 * (shape.tp - 1) / shape.tp
+        volume = tokens * model.layers / shape.pp * n_ar * model.hidden * 2.0 * ring
+        other += volume / tp_link(shape, gpu)
+        other += shape.micro_batches * model.layers * n_ar * ALL_REDUCE_LATENCY_S
+    if train:  # Adam reads and writes ~16 bytes/param of state, sharded over the devices (ZeRO/FSDP)
+        other += 16.0 * 2 * model.params / shape.devices / gpu.hbm_bytes_per_s
+    return peak_s, other
 
 
-def pass_s(
-    stats: StepStats, model: ModelSize, gpu: Gpu, c: WorldConstants, *, train: bool, devices: int
+def pass_time_s(
+    lengths: np.ndarray,
+    prompt: float,
+    model: ModelSize,
+    gpu: Gpu,
+    c: WorldConstants,
+    shape: Shape,
+    *,
+    train: bool,
+    recompute: bool = False,
 ) -> float:
-    flops_s, adam_s = pass_parts(stats, model, gpu, train=train, devices=devices)
-    return (c.train_fixed_s if train else c.infer_fixed_s) + flops_s / c.mfu + adam_s
+    """An infer or train stage; full activation recomputation adds one forward (8/6 of the FLOPs)."""
+    peak_s, other = pass_parts(lengths, prompt, model, gpu, shape, train=train)
+    if train and recompute:
+        peak_s *= 8.0 / 6.0
+    return (c.train_fixed_s if train else c.infer_fixed_s) + peak_s / c.mfu + other
 
 
 KINDS = ("generate", "infer", "train")
@@ -174,14 +245,24 @@ def stage_s(
     dp: int,
     seed: int = 0,
 ) -> float:
+    """One stage of one logged step (lengths drawn with ``seed``)."""
+    lengths = draw_lengths(stats, np.random.default_rng(seed), c.length_concentration)
+    shape = Shape(tp=tp, dp=dp)
     if kind == "generate":
-        return generate_s(stats, model, gpu, c, tp=tp, dp=dp, seed=seed)
-    return pass_s(stats, model, gpu, c, train=kind == "train", devices=tp * dp)
+        return generation_s(lengths, stats.prompt_mean, model, gpu, c, shape)
+    return pass_time_s(lengths, stats.prompt_mean, model, gpu, c, shape, train=kind == "train")
 
 
-def fit(
-    rows: Sequence[tuple[str, StepStats, ModelSize, Gpu, int, int, float]], start: WorldConstants
-) -> WorldConstants:
+def generate_s(
+    stats: StepStats, model: ModelSize, gpu: Gpu, c: WorldConstants, *, tp: int, dp: int, seed: int = 0
+) -> float:
+    return stage_s("generate", stats, model, gpu, c, tp=tp, dp=dp, seed=seed)
+
+
+Row = tuple[str, StepStats, ModelSize, Gpu, int, int, float]
+
+
+def fit(rows: Sequence[Row], start: WorldConstants) -> WorldConstants:
     """Fit the fixed costs and ``mfu`` by least squares on (kind, stats, model, gpu, tp, dp, seconds):
     each stage time is linear in its fixed cost and in the per-unit cost it scales (decode
     iterations; 1/mfu), so one linear solve per kind, clipped to physical values."""
@@ -204,7 +285,17 @@ def fit(
     passes = [r for r in rows if r[0] != "generate"]
     if passes:
         parts = np.array(
-            [pass_parts(s, m, g, train=k == "train", devices=t * d) for k, s, m, g, t, d, _ in passes]
+            [
+                pass_parts(
+                    draw_lengths(s, np.random.default_rng(i), c.length_concentration),
+                    s.prompt_mean,
+                    m,
+                    g,
+                    Shape(tp=t, dp=d),
+                    train=k == "train",
+                )
+                for i, (k, s, m, g, t, d, _) in enumerate(passes)
+            ]
         )
         is_train = np.array([r[0] == "train" for r in passes], dtype=float)
         design = np.column_stack([1.0 - is_train, is_train, parts[:, 0]])

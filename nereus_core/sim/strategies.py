@@ -10,6 +10,8 @@
   (and its slots) is scaled with them, and that rescale costs a transition like any
   other. Micro-batch counts (generation waves) are re-picked every step with the true
   cost, in its favour: vLLM admits what fits and trainers tune micro-batches.
+Every strategy has the same memory option: a train stage that would not fit otherwise
+turns on full activation recomputation at its time cost (``World.run_plan``, ``World.tune``).
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ class NereusStrategy:
 
     def prepare(self, k: int, world: World) -> Prepared:
         assert self.plan is not None
-        work = world.trace.workloads[k]
-        return Prepared(self.plan, {s: world.true_stage_s(s, v, work) for s, v in self.plan.layouts.items()})
+        usable = usable_bytes(world.trace.memory_bytes(k), self.settings.headroom)
+        return Prepared(self.plan, world.run_plan(self.plan, world.trace.workloads[k], usable))
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
         return step_seconds(plan.placement, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)
@@ -142,7 +144,7 @@ class NereusStrategy:
             )
         old, self.plan = self.plan, d.plan
         estimate = d.transition
-        seconds = world.transition_s(k, estimate) if estimate is not None else 0.0
+        seconds = world.transition_s(k, estimate, old, self.plan) if estimate is not None else 0.0
         if estimate is not None and seconds > 0:
             self.last = TransitionTiming(predicted=estimate, seconds=seconds)
         return Move(
@@ -220,7 +222,7 @@ class FixedStrategy:
         return Move(
             self.base,
             "rescale",
-            transition_s=world.transition_s(k, estimate),
+            transition_s=world.transition_s(k, estimate, old, self.base),
             predicted_transition_s=estimate.seconds,
             reason=f"devices {before} -> {new}: DP rescaled",
         )

@@ -1,18 +1,16 @@
 """The simulated world: the true time of every stage, weight sync and transition, and what fits in memory.
 
-Boundary: the only place that knows the hidden truth. A stage's true time is the
-analytic cost model's unscaled terms (``cost_terms.stage_tables``, the same
-formulas ``cost_model.estimate`` uses) times a hidden factor per term; what a job
-*measures* is that times seeded per-stage, per-step noise. Weight sync and
-transitions take the hidden ``wire`` and ``ops`` factors of the transition cost.
-Strategies see only measured times (``measured_stage_s``); the oracle helpers
-(``true_scales``, ``tune``) are for the baselines, whose fixed configs are chosen
-offline with perfect knowledge, in their favour.
-
-The factors are drawn once per seed (log-normal, clipped), and the noise for every
-(step, stage) up front, so every strategy of one (trace, seed) meets the same
-hardware and the same noise (common random numbers: their differences are not luck).
-Memory is not scaled: the cost model's memory is the truth (it gates feasibility).
+Boundary: the only place that knows the truth. A stage's true time comes from the
+stage-time world model (``stage_world``, fitted to verl's real logs; it shares no
+formula with the cost model), run on the sequences of that step: their response
+lengths are drawn once per (seed, step) from the trace's mean, p90 and max, so every
+strategy of one (trace, seed) meets the same sequences and the same noise (common
+random numbers: their differences are not luck). What a job *measures* is the true
+time times seeded per-stage, per-step noise; strategies see only measured times
+(``measured_stage_s``). Transitions, weight syncs and restarts add the world's fixed
+costs (``transitions``). The cost model's terms (``stage_tables``) are kept beside
+each evaluation only for what the job predicts and for memory: the cost model's
+memory is the truth of what fits (it gates feasibility).
 """
 
 from __future__ import annotations
@@ -23,11 +21,13 @@ from typing import NamedTuple
 import numpy as np
 
 from nereus_core.config import ModelConfig
-from nereus_core.cost_model import Scales, TransitionEstimate, Workload, stage_kind, weight_sync_s
-from nereus_core.cost_terms import PERSISTENT, TERMS, Geometry, layout_geometry, model_stats, stage_tables
+from nereus_core.cost_model import TransitionEstimate, Workload, stage_kind, weight_sync_s
+from nereus_core.cost_terms import PERSISTENT, Geometry, layout_geometry, model_stats, stage_tables
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan, model_of, models_for
+from nereus_core.sim import stage_world as sw
+from nereus_core.sim import transitions
 from nereus_core.sim.config import NoiseSettings
 from nereus_core.sim.trace import Trace
 
@@ -35,7 +35,7 @@ SYNC = len(MODEL_STAGES)  # noise column of the weight sync
 
 
 class StageEval(NamedTuple):
-    """One model-stage on one layout for one workload: unscaled terms, true seconds, bytes per device."""
+    """One model-stage on one layout for one workload: cost-model terms, true seconds, bytes per device."""
 
     raw: np.ndarray
     seconds: float
@@ -43,34 +43,86 @@ class StageEval(NamedTuple):
     transient: float
 
 
+def model_size(m: ModelConfig) -> sw.ModelSize:
+    """Parameters, layers, bf16 KV bytes per token and width of a decoder (Llama/Qwen shapes)."""
+    h, kv = m.hidden_size, m.num_key_value_heads * m.head_dim
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * m.intermediate_size
+    head = 1 if m.head == "value" else m.vocab_size * h
+    embed = m.vocab_size * h + (0 if m.tie_word_embeddings else head)
+    return sw.ModelSize(
+        params=float(m.num_hidden_layers * per_layer + embed),
+        layers=m.num_hidden_layers,
+        kv_bytes_per_token=2.0 * m.num_hidden_layers * kv * 2,
+        hidden=h,
+    )
+
+
 class World:
-    """One (trace, seed): the hidden factors, the noise, and the true cost of anything a strategy runs."""
+    """One (trace, seed): the sequences of every step, the noise, and the true cost of anything run."""
 
     def __init__(
         self, trace: Trace, model: ModelConfig, profile: HardwareProfile, noise: NoiseSettings, seed: int
     ) -> None:
         self.trace, self.profile, self.seed = trace, profile, seed
         self.models = models_for(model)
+        self.sizes = {name: model_size(m) for name, m in self.models.items()}
+        self.constants = sw.FITTED
         rng = np.random.default_rng([seed, 20_260_117])
-        hidden = np.exp(rng.normal(0.0, noise.hidden_sigma, size=len(TERMS) + 2))
-        hidden = np.clip(hidden, 1.0 / noise.hidden_max, noise.hidden_max)
-        self.factors = hidden[: len(TERMS)]
-        self.wire, self.ops = float(hidden[-2]), float(hidden[-1])
         self.stage_noise = np.exp(rng.normal(0.0, noise.stage_sigma, size=(trace.steps, SYNC + 1)))
         self.transition_noise = np.exp(rng.normal(0.0, noise.transition_sigma, size=trace.steps))
         self._recompute = profile.model_copy(update={"activation_recompute": "full"})
+        self._step_of = {w: k for k, w in reversed(list(enumerate(trace.workloads)))}
+        self._lengths: dict[int, np.ndarray] = {}
+        self._truth: dict[tuple, float] = {}
         self._geometries: dict[tuple, Geometry] = {}
         self._evals: dict[tuple, StageEval] = {}
+        self.k = 0
 
     @property
     def steps(self) -> int:
         return self.trace.steps
 
-    def true_scales(self) -> Scales:
-        """The hidden factors as cost-model scales (oracle knowledge)."""
-        return Scales.from_array(self.factors)
+    # ---------------------------------------------------------------- the sequences and their time
 
-    # ---------------------------------------------------------------- time
+    def lengths(self, k: int) -> np.ndarray:
+        """Response length of every sequence of step ``k`` (drawn once per seed and step)."""
+        found = self._lengths.get(k)
+        if found is None:
+            tr = self.trace
+            stats = sw.StepStats(
+                batch=int(tr.batch[k]),
+                prompt_mean=float(tr.prompt_len[k]),
+                response_mean=float(tr.response_mean[k]),
+                response_max=int(tr.response_max[k]),
+                response_p90=float(tr.response_p90[k]),
+            )
+            rng = np.random.default_rng([self.seed, k, 17])
+            found = self._lengths[k] = sw.draw_lengths(stats, rng, self.constants.length_concentration)
+        return found
+
+    def truth_s(self, stage: str, layout: Layout, work: Workload, *, recompute: bool = False) -> float:
+        """The world model's seconds of one stage on one layout for the step whose workload is ``work``."""
+        k = self.k if self.trace.workloads[self.k] == work else self._step_of.get(work, self.k)
+        key = (stage, layout.tp, layout.pp, layout.dp, layout.micro_batches, k, recompute)
+        found = self._truth.get(key)
+        if found is None:
+            size, c = self.sizes[model_of(stage)], self.constants
+            p = self.profile
+            gpu = sw.Gpu(p.name, p.peak_flops, p.memory_bandwidth, float(self.trace.memory_bytes(k)))
+            shape = sw.Shape(layout.tp, layout.pp, layout.dp, layout.micro_batches, p.devices_per_node)
+            lengths, prompt = self.lengths(k), float(work.prompt_len)
+            kind = stage_kind(stage)
+            if kind == "generate":
+                found = sw.generation_s(lengths, prompt, size, gpu, c, shape)
+            elif kind == "train":
+                one = sw.pass_time_s(lengths, prompt, size, gpu, c, shape, train=True, recompute=recompute)
+                found = c.train_fixed_s + (one - c.train_fixed_s) * work.ppo_epochs
+            else:
+                found = sw.pass_time_s(lengths, prompt, size, gpu, c, shape, train=False)
+            self._truth[key] = found
+        return found
+
+    # ---------------------------------------------------------------- cost-model terms and memory
 
     def _geometry(self, stage: str, layout: Layout) -> Geometry:
         key = (model_of(stage), layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.devices)
@@ -82,26 +134,29 @@ class World:
 
     def tables(
         self, stage: str, geo: Geometry, work: Workload, profile: HardwareProfile | None = None
-    ) -> tuple[np.ndarray, ...]:
-        """Unscaled terms ``[terms, n]``, true seconds, persistent and transient bytes per candidate."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Cost-model terms ``[terms, n]``, persistent and transient bytes per candidate."""
         stats = model_stats(self.models[model_of(stage)])
         raw, mem = stage_tables(stage_kind(stage), geo, work, stats, profile or self.profile)
-        return raw, self.factors @ raw, mem[PERSISTENT].sum(axis=0), mem[~PERSISTENT].sum(axis=0)
+        return raw, mem[PERSISTENT].sum(axis=0), mem[~PERSISTENT].sum(axis=0)
 
     def stage(self, stage: str, layout: Layout, work: Workload) -> StageEval:
         """One model-stage on one layout for one workload (kept for the step, as strategies ask twice)."""
         key = (stage, layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.devices, work)
         found = self._evals.get(key)
         if found is None:
-            raw, secs, persistent, transient = self.tables(stage, self._geometry(stage, layout), work)
+            raw, persistent, transient = self.tables(stage, self._geometry(stage, layout), work)
+            seconds = self.truth_s(stage, layout, work)
             found = self._evals[key] = StageEval(
-                raw[:, 0], float(secs[0]), float(persistent[0]), float(transient[0])
+                raw[:, 0], seconds, float(persistent[0]), float(transient[0])
             )
         return found
 
-    def begin_step(self) -> None:
-        """Forget the stage evaluations of earlier steps (each step has its own workload)."""
+    def begin_step(self, k: int = 0) -> None:
+        """Start step ``k``: forget the evaluations of earlier steps (each step has its own workload)."""
+        self.k = k
         self._evals.clear()
+        self._truth = {key: v for key, v in self._truth.items() if key[5] >= k}
 
     def true_stage_s(self, stage: str, layout: Layout, work: Workload) -> float:
         return self.stage(stage, layout, work).seconds
@@ -109,8 +164,10 @@ class World:
     def measured_stage_s(self, k: int, stage: str, true_s: float) -> float:
         return true_s * float(self.stage_noise[k, MODEL_STAGES.index(stage)])
 
+    # ---------------------------------------------------------------- sync, transitions, restarts
+
     def raw_sync_s(self, plan: GlobalPlan) -> float:
-        """Weight sync from actor/train to actor/generate as the cost model estimates it (unscaled)."""
+        """Weight sync from actor/train to actor/generate as the cost model estimates it."""
         train, gen = plan.layouts.get("actor/train"), plan.layouts.get(GENERATE)
         if train is None or gen is None:
             return 0.0
@@ -118,15 +175,23 @@ class World:
         return weight_sync_s(train, gen, self.models["actor"], self.profile, colocated=colocated)
 
     def true_sync_s(self, plan: GlobalPlan) -> float:
-        """The weight sync in truth: the estimate x the hidden wire factor."""
-        return self.raw_sync_s(plan) * self.wire
+        """The weight sync in truth: the bytes at link speed, at least the measured floor (transitions)."""
+        raw = self.raw_sync_s(plan)
+        if "actor/train" not in plan.layouts or GENERATE not in plan.layouts:
+            return raw
+        return max(raw, transitions.sync_floor_s(plan.placement == "colocated"))
 
     def measured_sync_s(self, k: int, true_s: float) -> float:
         return true_s * float(self.stage_noise[k, SYNC])
 
-    def transition_s(self, k: int, estimate: TransitionEstimate) -> float:
-        """What a transition the cost model estimated (its unscaled parts) takes in this world."""
-        return (self.wire * estimate.wire_s + self.ops * estimate.ops_s) * float(self.transition_noise[k])
+    def transition_s(self, k: int, estimate: TransitionEstimate, old: GlobalPlan, new: GlobalPlan) -> float:
+        """What a move takes in this world: the moved bytes at link speed and the fixed costs."""
+        fixed = transitions.fixed_s(dict(old.layouts), dict(new.layouts), old.placement != new.placement)
+        return (estimate.wire_s + fixed) * float(self.transition_noise[k])
+
+    def restart_s(self, plan: GlobalPlan) -> float:
+        """The fixed cost of restarting ``plan`` from its last checkpoint after a failed step."""
+        return transitions.restart_s(dict(plan.layouts))
 
     # ---------------------------------------------------------------- memory and micro-batches
 
@@ -140,38 +205,55 @@ class World:
             on_device[np.asarray(layout.devices)] += per_stage[stage]
         return {s: float(on_device[np.asarray(v.devices)].max()) for s, v in plan.layouts.items()}
 
+    def _choose(
+        self, stage: str, layout: Layout, ms: list[int], work: Workload, room: float, by_time: bool
+    ) -> tuple[Layout, bool]:
+        """The micro-batch count of ``ms`` that fits ``room`` transient bytes (fastest in truth when
+        ``by_time``, else the only one given); a train stage that fits with none turns on full activation
+        recomputation at its time cost (every strategy has this option). Stored for ``stage()``."""
+        one = self._geometry(stage, layout)
+        geo = Geometry(*(np.repeat(f, len(ms)) for f in one))._replace(m=np.asarray(ms, dtype=np.int64))
+        raw, persistent, transient = self.tables(stage, geo, work)
+        ok, recompute = transient <= room, False
+        if not ok.any() and stage_kind(stage) == "train" and self.profile.activation_recompute != "full":
+            raw, persistent, transient = self.tables(stage, geo, work, self._recompute)
+            ok, recompute = transient <= room, True
+        options = [layout.model_copy(update={"micro_batches": m}) for m in ms]
+        secs = np.array(
+            [self.truth_s(stage, v, work, recompute=recompute) if by_time else 0.0 for v in options]
+        )
+        i = int(np.argmin(np.where(ok, secs, np.inf))) if ok.any() else int(np.argmin(transient))
+        if not by_time:
+            secs[i] = self.truth_s(stage, options[i], work, recompute=recompute)
+        chosen = options[i]
+        key = (stage, chosen.tp, chosen.pp, chosen.dp, chosen.micro_batches, chosen.devices, work)
+        self._evals[key] = StageEval(raw[:, i], float(secs[i]), float(persistent[i]), float(transient[i]))
+        return chosen, bool(ok.any())
+
     def tune(
         self, plan: GlobalPlan, work: Workload, usable: float
     ) -> tuple[GlobalPlan, bool, dict[str, float]]:
         """The plan with each stage's micro-batch count (generation: waves) that runs fastest in truth
         while every device fits ``usable`` bytes; the degrees and devices stay. Returns the plan, whether
         it fits, and each stage's true seconds. When nothing fits, the least-memory choice is kept.
-
-        Memory per device = resident + the largest transient of its stages, so a stage fits iff its
-        transient <= usable - the resident bytes of its busiest device: stages choose independently.
-        A train stage that fits with no micro-batch count turns on full activation recomputation
-        (gradient checkpointing, on by default in verl's and OpenRLHF's examples) at its time cost.
+        Memory per device = resident + the largest transient of its stages, so stages choose independently.
         """
         resident = self.resident(plan, work)
-        layouts, fits, seconds = {}, True, {}
+        layouts, fits = {}, True
         for stage, layout in plan.layouts.items():
             ms = micro_batch_options(stage, layout, work.batch, self.profile)
-            one = self._geometry(stage, layout)
-            geo = Geometry(*(np.repeat(f, len(ms)) for f in one))._replace(m=np.asarray(ms, dtype=np.int64))
-            raw, secs, persistent, transient = self.tables(stage, geo, work)
-            ok = transient <= usable - resident[stage]
-            if not ok.any() and stage_kind(stage) == "train" and self.profile.activation_recompute != "full":
-                raw, secs, persistent, transient = self.tables(stage, geo, work, self._recompute)
-                ok = transient <= usable - resident[stage]
-            if ok.any():
-                i = int(np.argmin(np.where(ok, secs, np.inf)))
-            else:
-                i, fits = int(np.argmin(transient)), False
-            layouts[stage] = chosen = layout.model_copy(update={"micro_batches": ms[i]})
-            seconds[stage] = float(secs[i])
-            key = (stage, chosen.tp, chosen.pp, chosen.dp, chosen.micro_batches, chosen.devices, work)
-            self._evals[key] = StageEval(raw[:, i], float(secs[i]), float(persistent[i]), float(transient[i]))
-        return GlobalPlan.model_construct(placement=plan.placement, layouts=layouts), fits, seconds
+            layouts[stage], ok = self._choose(stage, layout, ms, work, usable - resident[stage], True)
+            fits = fits and ok
+        tuned = GlobalPlan.model_construct(placement=plan.placement, layouts=layouts)
+        return tuned, fits, {s: self.stage(s, v, work).seconds for s, v in layouts.items()}
+
+    def run_plan(self, plan: GlobalPlan, work: Workload, usable: float) -> dict[str, float]:
+        """Each stage's true seconds on ``plan`` as given (its micro-batches kept), with the same
+        recomputation option the fixed strategies get where a train stage would not fit ``usable``."""
+        resident = self.resident(plan, work)
+        for stage, layout in plan.layouts.items():
+            self._choose(stage, layout, [layout.micro_batches], work, usable - resident[stage], False)
+        return {s: self.stage(s, v, work).seconds for s, v in plan.layouts.items()}
 
     def peak_bytes(self, plan: GlobalPlan, work: Workload) -> float:
         """Bytes on the busiest device of ``plan`` (``plan.evaluate_plan``'s rule, true memory)."""

@@ -17,6 +17,7 @@ from nereus_core.sim.config import LLAMA_3_8B, NoiseSettings, StrategySpec, pars
 from nereus_core.sim.engine import simulate
 from nereus_core.sim.job import SimJob, make_strategy, run_job
 from nereus_core.sim.results import build_summary, summarize_run
+from nereus_core.sim.strategies import FixedStrategy
 from nereus_core.sim.trace import TraceError, parse_trace
 from nereus_core.sim.world import World, largest_dp, micro_batch_options, usable_bytes
 
@@ -107,16 +108,17 @@ def test_same_config_and_seed_give_the_same_summary() -> None:
     assert run(cfg, tr, "nereus", seed=1).summary != run(cfg, tr, "nereus").summary
 
 
-def test_calibration_converges_to_hidden_factors_it_never_sees() -> None:
-    cfg = config(noise={"stage_sigma": 0.05, "hidden_sigma": 0.5})
+def test_calibration_learns_a_world_that_is_not_the_cost_model() -> None:
+    cfg = config(noise={"stage_sigma": 0.05})
     tr = trace(56)
     world = World(tr, cfg.model, H100_SXM, cfg.noise, seed=0)
-    assert np.abs(np.log(world.factors)).max() > 0.2  # the model is really off
     strategy = make_strategy(cfg, "nereus")
     records, _ = simulate(world, strategy, trace="t", seed=0)
     summary = summarize_run(records)
-    assert summary["prediction_error_first5"] > 0.02
-    assert summary["prediction_error_45_55"] < summary["prediction_error_first5"] / 3
+    assert summary["prediction_error_first5"] > 0.05  # the prior is off: the truth is another model
+    # Calibration helps, but scales on the cost model's terms cannot express every cost the world has
+    # (e.g. per-step fixed costs): the error falls (18 % -> 10 % here), it does not vanish.
+    assert summary["prediction_error_45_55"] < 0.7 * summary["prediction_error_first5"]
     # The prediction is the controller's own estimate with its calibrated scales.
     work = tr.workloads[-1]
     usable = int(usable_bytes(tr.memory_bytes(tr.steps - 1), cfg.controller.headroom))
@@ -255,11 +257,81 @@ def test_summary_compares_the_adaptive_strategy_paired_by_seed() -> None:
     assert set(t["strategies"]["verl"]["by_seed"]) == {"0", "1"}
 
 
-def test_noise_free_truth_is_the_prior() -> None:
-    cfg = config(noise=NoiseSettings(stage_sigma=0, hidden_sigma=0, transition_sigma=0).model_dump())
-    result = run(cfg, trace(4), "nereus")
-    errors = [abs(r["predicted_step_s"] / r["true_step_s"] - 1) for r in result.records]
-    assert max(errors) < 1e-9 and all(r["step_s"] >= r["true_step_s"] for r in result.records)
+def test_truth_is_the_world_model_on_each_steps_sequences() -> None:
+    cfg = config(noise=NoiseSettings(stage_sigma=0, transition_sigma=0).model_dump())
+    tr = trace(2, mean=lambda k: 800.0)
+    tail = parse_trace(csv_text(2, mean=lambda k: 800.0).replace(",2400\n", ",9000\n"), name="t")
+    assert int(tail.response_max[0]) == 9000 and tail.response_mean[0] == tr.response_mean[0]
+    a, b = (World(t, cfg.model, H100_SXM, cfg.noise, seed=0) for t in (tr, tail))
+    layout = make_strategy(cfg, "static").begin(a).plan.layouts[GENERATE]
+    # same mean, a longer tail: the slowest sequence sets the generation time
+    gen = a.true_stage_s(GENERATE, layout, tr.workloads[0])
+    assert b.true_stage_s(GENERATE, layout, tail.workloads[0]) > 1.5 * gen
+    # a step's sequences are drawn once per seed: the same for every strategy, new for another seed
+    assert np.array_equal(a.lengths(1), World(tr, cfg.model, H100_SXM, cfg.noise, seed=0).lengths(1))
+    assert not np.array_equal(a.lengths(1), World(tr, cfg.model, H100_SXM, cfg.noise, seed=1).lengths(1))
+    assert a.lengths(0).max() == 2400 and abs(a.lengths(0).mean() / 800 - 1) < 0.05
+
+
+def test_transitions_pay_fixed_costs_and_a_step_that_does_not_fit_pays_a_restart() -> None:
+    from nereus_core.sim import transitions
+
+    cfg = config(noise=NoiseSettings(stage_sigma=0, transition_sigma=0).model_dump())
+    tr = trace(6, devices=lambda k: 16 if k < 3 else 32)
+    world = World(tr, cfg.model, H100_SXM, cfg.noise, 0)
+    static = run(cfg, tr, "static")
+    move = next(r for r in static.records if r["move"] == "rescale")
+    assert move["transition_s"] > transitions.ENGINE_REBUILD_S  # the rollout engine is rebuilt
+    assert transitions.group_s(8) == pytest.approx(2.0) and transitions.group_s(4096) == pytest.approx(150.0)
+    assert static.summary["mean_step_with_transitions_s"] == pytest.approx(
+        static.summary["mean_step_s"] + static.summary["transition_s_total"] / tr.steps
+    )
+    # Memory pressure below what the plan needs: the step fails and is charged a restart.
+    squeezed = parse_trace(csv_text(4).replace(",80.0,", ",30.0,"), name="t")
+    plan = make_strategy(cfg, "static").begin(world).plan
+    records, _ = simulate(World(squeezed, cfg.model, H100_SXM, cfg.noise, 0), Pinned(plan), trace="t", seed=0)
+    assert all(not r["fits"] for r in records)
+    restart = World(squeezed, cfg.model, H100_SXM, cfg.noise, 0).restart_s(plan)
+    for r in records:
+        assert r["restart_s"] == pytest.approx(r["stages_s"] + restart)
+        assert r["step_s"] == pytest.approx(r["stages_s"] + r["decide_s"] + r["restart_s"])
+    assert summarize_run(records)["infeasible_steps"] == 4
+
+
+class Pinned(FixedStrategy):
+    """A fixed plan that never changes (to test the engine's accounting)."""
+
+    def __init__(self, plan) -> None:
+        super().__init__("pinned", headroom=0.0)
+        self.plan = plan
+
+    def initial_plan(self, world: World):
+        return self.plan
+
+
+def test_every_strategy_gets_recomputation_when_a_train_stage_would_not_fit() -> None:
+    cfg = config()
+    tr = trace(2, mean=lambda k: 6000.0)
+    world = World(tr, cfg.model, H100_SXM, cfg.noise, 0)
+    plan = make_strategy(cfg, "static").begin(world).plan
+    work, train = tr.workloads[0], "actor/train"
+    usable = usable_bytes(tr.memory_bytes(0), 0.1)
+    room = usable - world.resident(plan, work)[train]
+    recompute = H100_SXM.model_copy(update={"activation_recompute": "full"})
+    found = None
+    for m in micro_batch_options(train, plan.layouts[train], work.batch, H100_SXM):
+        layout = plan.layouts[train].model_copy(update={"micro_batches": m})
+        geo = world._geometry(train, layout)
+        plain, with_rc = (world.tables(train, geo, work, p)[2][0] for p in (H100_SXM, recompute))
+        if plain > room >= with_rc:
+            found = layout
+            break
+    assert found is not None, "no micro-batch count where only recomputation fits"
+    pinned = plan.model_copy(update={"layouts": {**plan.layouts, train: found}})
+    plain_s = world.truth_s(train, found, work)
+    seconds = world.run_plan(pinned, work, usable)  # what the adaptive strategy runs
+    assert world.stage(train, found, work).transient <= room  # recomputation made it fit
+    assert seconds[train] > plain_s  # at its time cost (one more forward)
 
 
 # ------------------------------------------------------------------ the stage-time world (issue 17)
