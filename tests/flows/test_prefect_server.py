@@ -7,10 +7,15 @@
 - ``nereus run`` killed with SIGKILL leaves no process behind: its temporary Prefect server, Dask
   workers and watchdog all end within seconds.
 
-The flow runs here are a tiny flow named like Nereus's PPO flow (the automation matches Nereus's
-flows by name), not a deployed ``nereus-ppo`` run: the worker of a deployed run already marks a
-run Crashed when the flow's process exits, the automation is for a run whose process dies with
-no one watching it, as ``nereus run`` against a server.
+- (slow) A deployed ``nereus-ppo`` run (prefect.yaml's ``ppo-demo`` with a small config, a work
+  pool, a worker) killed with SIGKILL after its first checkpoint is shown Crashed (by its worker,
+  within seconds); ``prefect flow-run retry`` runs the same flow run again, which resumes its own
+  run directory and completes.
+
+The automation's flow runs are a tiny flow named like Nereus's PPO flow (the automation matches
+Nereus's flows by name), not a deployed run: the worker of a deployed run already marks it Crashed
+when the flow's process exits; the automation is for a run whose process dies with no one watching
+it, as ``nereus run`` against a server, or a worker lost with its runs.
 """
 
 from __future__ import annotations
@@ -111,11 +116,12 @@ def _state(api: str, run_id: str) -> str | None:
     return run["state"]["type"] if run and run.get("state") else None
 
 
-def _heartbeats(api: str, run_id: str) -> int:
+def _heartbeats(api: str, run_id: str, event: str = "prefect.flow-run.heartbeat") -> int:
+    """How many ``event`` events name the flow run ``run_id`` (as their resource or a related one)."""
     body = json.dumps(
         {
             "filter": {
-                "event": {"name": ["prefect.flow-run.heartbeat"]},
+                "event": {"name": [event]},
                 "any_resource": {"id": [f"prefect.flow-run.{run_id}"]},
             }
         }
@@ -282,9 +288,162 @@ def test_a_killed_driver_leaves_no_process(tmp_path: Path) -> None:
                 proc.kill()
 
 
-def test_a_retry_of_a_crashed_deployed_run_resumes_its_run_directory() -> None:
-    pytest.skip(
-        "not built yet: needs a work pool, a worker and a deployed nereus-ppo run killed mid-run, then "
-        "`prefect flow-run retry` and a check that the retry resumes runs/<name>-<flow run id>; several "
-        "minutes of a 2-core machine beyond the Crashed test above"
+# ------------------------------------------------------- a deployed run killed, Crashed, retried
+
+TINY_PPO = {
+    "name": "deployed",
+    "cluster": {"devices": 2, "memory_per_device": "8MiB"},
+    "model": {
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+    "job": {
+        "steps": 20,
+        "batch_size": 16,
+        "prompt_len": 4,
+        "response_len": 6,
+        "snapshot_every": 1,
+        "adapt": False,
+        "scenario": [],
+    },
+    "ppo": {"reward_fit_steps": 4, "reward_fit_batch": 8, "ppo_epochs": 1, "mini_batches": 2},
+    "plan": {
+        "actor/generate": {"pp": 2, "devices": [0, 1]},
+        "actor/train": {"pp": 2, "devices": [0, 1]},
+        "critic/train": {"pp": 2, "devices": [0, 1]},
+        "critic/infer": {"pp": 2, "devices": [0, 1]},
+        "reference/infer": {"devices": [0]},
+        "reward/infer": {"pp": 2, "devices": [0, 1]},
+    },
+}
+
+
+def _prefect(env: dict[str, str], cwd: Path, *args: str, timeout: float = 180) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
+    assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout}{done.stderr}"
+    return done.stdout
+
+
+def _checkpoint_steps(run_dir: Path) -> list[int]:
+    folder = run_dir / "state" / "checkpoints"
+    return sorted(int(p.stem.split("=")[1]) for p in folder.glob("step=*.json")) if folder.is_dir() else []
+
+
+def _flow_run_process(worker: subprocess.Popen, run_id: str) -> psutil.Process | None:
+    """The worker's child that runs the flow run ``run_id`` (its Dask workers inherit the same
+    PREFECT__FLOW_RUN_ID; the flow run's own process is the topmost of them)."""
+    ours = []
+    for proc in psutil.Process(worker.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("PREFECT__FLOW_RUN_ID") == run_id:
+                ours.append(proc)
+    pids = {proc.pid for proc in ours}
+    top = [proc for proc in ours if proc.ppid() not in pids]
+    return top[0] if len(top) == 1 else None
+
+
+@pytest.mark.slow  # 2 to 4 minutes on a loaded 2-core machine
+def test_a_retry_of_a_crashed_deployed_run_resumes_its_run_directory(
+    server: dict[str, str], tmp_path: Path
+) -> None:
+    """The README's steps with prefect.yaml's ``ppo-demo`` deployment: a work pool, ``prefect
+    deploy``, a worker, ``prefect deployment run`` with a small config (a checkpoint every step).
+    The flow run's process is killed with SIGKILL after its first checkpoint: the run becomes
+    Crashed; ``prefect flow-run retry`` (what the UI's Retry does: the same flow run set to
+    Scheduled) runs it again, and it resumes its own run directory and completes."""
+    api = server["PREFECT_API_URL"]
+    project = tmp_path / "project"  # a checkout's packages: prefect deploy's working directory
+    project.mkdir()
+    for package in ("flows", "nereus_core", "storage", "tasks"):
+        (project / package).symlink_to(ROOT / package, target_is_directory=True)
+    (project / "prefect.yaml").write_text((ROOT / "prefect.yaml").read_text())
+    (project / "tiny.yaml").write_text(json.dumps(TINY_PPO))  # YAML is a superset of JSON
+    # no PREFECT_FLOWS_HEARTBEAT_FREQUENCY here: the heartbeats come from the deployment's setting
+    env = server | {"PYTHONPATH": str(ROOT), "NEREUS_CACHE_DIR": str(tmp_path / "cache")}
+    _prefect(env, project, "work-pool", "create", "nereus-local", "--type", "process")
+    _prefect(env, project, "deploy", "--name", "ppo-demo", "--no-prompt")
+    worker_log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", "nereus-local"],
+        cwd=project,
+        env=env,
+        stdout=worker_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out = _prefect(
+            env, project, "deployment", "run", "nereus-ppo/ppo-demo", "--param", "config=tiny.yaml"
+        )
+        run_id = next(line.split()[-1] for line in out.splitlines() if "UUID:" in line)
+        runs = project / "runs"
+        run_dir = runs / f"{TINY_PPO['name']}-{run_id[:8]}"
+
+        def checkpointed() -> bool:
+            assert worker.poll() is None, "the worker ended"
+            return bool(_checkpoint_steps(run_dir)) and _checkpoint_steps(run_dir)[-1] >= 1
+
+        _wait_for("a checkpoint at step >= 1", checkpointed, limit=420)
+        _wait_for("a heartbeat of the deployed run", lambda: _heartbeats(api, run_id) >= 1, limit=60)
+        engine = _flow_run_process(worker, run_id)
+        assert engine is not None, "no process of the worker runs the flow run"
+        family = [engine, *engine.children(recursive=True)]
+        engine.kill()
+        killed = time.monotonic()
+        killed_at = _checkpoint_steps(run_dir)[-1]
+        assert killed_at < TINY_PPO["job"]["steps"], "the run had finished before it was killed"
+        crashed_s = _wait_for(
+            "Crashed", lambda: _state(api, run_id) == "CRASHED", limit=CRASHED_WITHIN, every=0.5
+        )
+        message = _get(f"{api}/flow_runs/{run_id}", timeout=30)["state"]["message"] or ""
+        by = "the automation" if "No heartbeat" in message else "the worker"
+        print(
+            f"\ndeployed flow run shown as Crashed {crashed_s:.1f} s after SIGKILL, by {by}: {message[:80]}"
+        )
+        assert "SIGKILL" in message or "No heartbeat" in message, message
+        _wait_for("the killed run's Dask workers to end", lambda: not any(map(_running, family)), limit=60)
+        assert not (run_dir / "summary.json").exists()
+        # A retry must wait for the worker to be done with the killed run: the worker reports the
+        # crash once more when its on_crashed hooks have run, and that report would turn a retry
+        # (Scheduled) made before it back into Crashed.
+        _wait_for(
+            "the worker to be done with the killed run",
+            lambda: _heartbeats(api, run_id, "prefect.worker.executed-flow-run") >= 1,
+            limit=120,
+        )
+        print(f"the worker was done with it {time.monotonic() - killed:.1f} s after SIGKILL")
+        assert "failed to retrieve flow" not in (tmp_path / "worker.log").read_text()  # hooks loaded it
+        assert _state(api, run_id) == "CRASHED"
+
+        retried = time.monotonic()
+        _prefect(env, project, "flow-run", "retry", run_id)
+        _wait_for(
+            "the retry to end",
+            lambda: _state(api, run_id) in ("COMPLETED", "FAILED", "CRASHED"),
+            limit=600,
+            every=1,
+        )
+        completed_s = time.monotonic() - retried
+        assert _state(api, run_id) == "COMPLETED", (tmp_path / "worker.log").read_text()[-3000:]
+        print(f"retry of the crashed run completed {completed_s:.0f} s after `prefect flow-run retry`")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed"
+        assert summary["steps"] == TINY_PPO["job"]["steps"]
+        assert summary["resumed_from_step"] >= max(1, killed_at), (summary["resumed_from_step"], killed_at)
+        assert [p.name for p in runs.iterdir()] == [run_dir.name], "the retry wrote another run directory"
+        record = _get(f"{api}/flow_runs/{run_id}", timeout=30)
+        assert record["run_count"] >= 2, record["run_count"]  # the same flow run, run a second time
+    finally:
+        _stop_group(worker)
+        worker_log.close()
