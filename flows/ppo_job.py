@@ -2,6 +2,7 @@
 
     open the run (fresh, or resume its newest checkpoint) -> device pool -> load or rehydrate models
     per step:  scenario event? -> controller -> transition subflow -> commit
+               a grow to come? -> the pool prepares its workers in the background
                PPO step: actor/generate -> experience (reward, reference, old log-probs, values)
                          -> advantages -> actor/train (+ sync) -> critic/train (+ sync) -> rollout
                record (flows/job_records.py) -> controller -> transition subflow -> commit
@@ -31,7 +32,7 @@ from nereus_core.config import NereusConfig
 from nereus_core.controller import TransitionTiming
 from nereus_core.plan import COPIES, ModelStage
 from nereus_core.task import make_prompts, rule_score
-from tasks import job_ops
+from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
 from tasks.controller import controller_step
 from tasks.device_pool import DevicePool
@@ -163,9 +164,9 @@ def decide_and_switch(
             )
     finally:
         records.transition(transition_id, step, state, outcome, stats, status)
-    live = status == "committed" and stats.get("route") != "durable" and decision.transition is not None
+    ran = status == "committed" and decision.transition is not None  # live and durable calibrate alike
     timing = (
-        TransitionTiming(predicted=decision.transition, seconds=max(stats["seconds"], 1e-6)) if live else None
+        TransitionTiming(predicted=decision.transition, seconds=max(stats["seconds"], 1e-6)) if ran else None
     )
     get_run_logger().info(
         "transition %s %s (%s route): %s -> %s in %.2f s, %d bytes moved; %s",
@@ -219,6 +220,9 @@ def ppo_job(
                     if what:
                         logger.info("scenario before step %d: %s", step, ", ".join(what))
                         state = decide_and_switch(pool, state, records, step - 1, why=f" ({', '.join(what)})")
+                    ahead = [e.devices for e in state.config.job.scenario if e.step > step and e.devices]
+                    if ahead and ahead[0] > pool.size:  # the next device event grows: its workers start now
+                        pool.prepare(ahead[0], warm=model_ops.warm_device)
                     t = time.perf_counter()
                     stats, lengths = run_step(pool, state, records, step)
                     records.finish_step(stats, time.perf_counter() - t, cfg.job.steps)

@@ -134,12 +134,13 @@ def _drop_all(pool: DevicePool) -> dict[str, Any]:
 
 
 def _resize(pool: DevicePool, devices: int) -> dict[str, Any]:
-    """A new world of ``devices`` slots, DeepSpeed warmed up on every one (new workers pay seconds
-    for their first engine: here, not in the first step or transition that uses them)."""
+    """A new world of ``devices`` slots, DeepSpeed warmed up on the workers new to it (a new worker
+    pays seconds for its first engine: here, not in the first step that uses it). Workers the job
+    prepared for this grow (``DevicePool.prepare``) joined warm: only the world is formed."""
     start = time.perf_counter()
     pool.resize(devices)
     resized = time.perf_counter()
-    model_ops.warm_up(pool)
+    model_ops.warm_up(pool, pool.cold_ranks)
     return {"seconds": time.perf_counter() - start, "resize_s": resized - start}
 
 

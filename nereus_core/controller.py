@@ -38,6 +38,7 @@ from nereus_core.controller_state import (
     TransitionTiming,
 )
 from nereus_core.cost_model import (
+    DurableCosts,
     Scales,
     TransferLike,
     TransitionEstimate,
@@ -98,7 +99,7 @@ def observe(observation: Observation, state: ControllerState) -> ControllerState
     transition_samples = list(state.transition_samples)
     if observation.transition is not None:
         p = observation.transition.predicted
-        transition_samples.append(Sample((p.wire_s, p.ops_s), observation.transition.seconds))
+        transition_samples.append(Sample(p.terms, observation.transition.seconds))
     s = state.settings
     cal = s.calibration
     samples, transition_samples = samples[-cal.max_samples :], transition_samples[-cal.max_samples :]
@@ -107,8 +108,7 @@ def observe(observation: Observation, state: ControllerState) -> ControllerState
         scales = Scales.from_array(fit_scales(samples, cal, start=scales.as_array()))
     tscales = state.transition_scales
     if observation.transition is not None:
-        wire, ops = fit_scales(transition_samples, cal, start=tscales.as_array())
-        tscales = TransitionScales(wire=float(wire), ops=float(ops))
+        tscales = TransitionScales.from_array(fit_scales(transition_samples, cal, start=tscales.as_array()))
     high = observation.workload.response_high
     return state.model_copy(
         update={
@@ -147,8 +147,16 @@ def _remember(
 
 
 def _transition(
-    current: GlobalPlan | None, new: GlobalPlan, state: ControllerState, planner: TransferPlanner | None
+    current: GlobalPlan | None,
+    new: GlobalPlan,
+    state: ControllerState,
+    planner: TransferPlanner | None,
+    durable: bool = False,
 ) -> TransitionEstimate:
+    if durable:  # a new world: every stage rehydrates from the checkpoint, whether its layout changes or not
+        old = dict(current.layouts) if current is not None else {}
+        args = (old, dict(new.layouts), state.models, state.profile, state.transition_scales)
+        return analytic_transition_cost(*args, durable=DurableCosts())
     if current is None or current == new:
         return TransitionEstimate.of(0.0, 0.0, None, critical_bytes=0, transfers=0, analytic=True)
     if planner is not None:
@@ -195,9 +203,10 @@ def _option(
     margin = state.settings.workload_margin
     record = ph.find(state.records, e.plan.plan_id, observation.workload, observation.devices, margin)
     seen = ph.measured(record)
+    durable = state.plan is not None and state.devices not in (None, observation.devices)  # a new world
     return adm.Option(
         est=e,
-        move=_transition(state.plan, e.plan, state, planner),
+        move=_transition(state.plan, e.plan, state, planner, durable=durable),
         step_s=e.step_s if seen is None else seen,
         measured=seen is not None,
         left_for=record.left_for if record is not None else None,
@@ -296,7 +305,7 @@ def _finish(
         gain_per_step_s=gain,
         current_measured_s=current_measured,
         horizon_steps=horizon,
-        transition=chosen.move if chosen and action == "switch" else None,
+        transition=chosen.move if chosen and (action == "switch" or verdict.forced) else None,
         alternatives=tuple(alternatives[: state.settings.max_alternatives]),
         state=new_state,
         elapsed_s=time.perf_counter() - started,

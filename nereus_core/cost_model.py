@@ -57,6 +57,7 @@ from nereus_core.cost_terms import (
 )
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
+from nereus_core.plan import ModelStage
 
 
 class _Frozen(BaseModel):
@@ -251,9 +252,31 @@ class TransitionScales(_Frozen):
 
     wire: float = Field(default=1.0, gt=0, description="Scale of the bytes-over-links time.")
     ops: float = Field(default=1.0, gt=0, description="Scale of the per-operation overhead.")
+    durable: float = Field(default=1.0, gt=0, description="Scale of a durable switch's fixed cost.")
 
     def as_array(self) -> np.ndarray:
-        return np.array([self.wire, self.ops], dtype=float)
+        return np.array([self.wire, self.ops, self.durable], dtype=float)
+
+    @classmethod
+    def from_array(cls, values: Sequence[float]) -> TransitionScales:
+        wire, ops, durable = (float(v) for v in values)
+        return cls(wire=wire, ops=ops, durable=durable)
+
+
+class DurableCosts(_Frozen):
+    """The fixed costs of a durable switch before calibration (issue 16): the pool forms a new
+    world, and every model-stage is rehydrated from the checkpoint, train stages with a new
+    DeepSpeed engine. The job's measured durable switches scale their sum (``TransitionScales``)."""
+
+    world_rebuild_s: float = Field(
+        default=0.5, ge=0, description="Every rank leaves the world and joins a new one, s."
+    )
+    engine_build_s: float = Field(
+        default=0.1, ge=0, description="A train stage's DeepSpeed engine built again on its devices, s."
+    )
+    store_read_bandwidth: float = Field(
+        default=200e6, gt=0, description="Bytes/s rehydration reads from the checkpoint store (all stages)."
+    )
 
 
 class TransitionEstimate(_Frozen):
@@ -262,16 +285,31 @@ class TransitionEstimate(_Frozen):
     seconds: float
     wire_s: float = Field(description="Unscaled time of the busiest port (send or receive).")
     ops_s: float = Field(description="Unscaled per-operation overhead on the busiest device.")
+    durable_s: float = Field(
+        default=0.0,
+        description="Unscaled fixed cost of a durable switch (0 for a live one): ``DurableCosts``.",
+    )
     critical_bytes: int = Field(description="Bytes through the busiest port.")
     transfers: int = Field(description="Operations counted (transfers, or changed layouts when analytic).")
     analytic: bool = Field(description="True when estimated from layouts (no transfer list was given).")
 
+    @property
+    def terms(self) -> tuple[float, float, float]:
+        """The unscaled terms, in the order of ``TransitionScales.as_array`` (what calibration fits)."""
+        return (self.wire_s, self.ops_s, self.durable_s)
+
     @classmethod
     def of(
-        cls, wire_s: float, ops_s: float, scales: TransitionScales | None, **rest: int | bool
+        cls,
+        wire_s: float,
+        ops_s: float,
+        scales: TransitionScales | None,
+        durable_s: float = 0.0,
+        **rest: int | bool,
     ) -> TransitionEstimate:
         s = scales or TransitionScales()
-        return cls(seconds=s.wire * wire_s + s.ops * ops_s, wire_s=wire_s, ops_s=ops_s, **rest)
+        seconds = s.wire * wire_s + s.ops * ops_s + s.durable * durable_s
+        return cls(seconds=seconds, wire_s=wire_s, ops_s=ops_s, durable_s=durable_s, **rest)
 
 
 def transition_cost(
@@ -350,15 +388,43 @@ def reshard_bytes(
     return math.ceil(weights * (1.0 - held_w) + state * (1.0 - held_s))
 
 
+def durable_seconds(
+    new: dict[str, Layout], models: dict[str, ModelConfig], profile: HardwareProfile, costs: DurableCosts
+) -> float:
+    """Unscaled fixed cost of a durable switch onto ``new``: one world rebuilt, one engine per train
+    stage, and every stage's state (weights, and optimizer state for train stages) read from the
+    checkpoint; the inference copies are relinked to their train stages, not read."""
+    engines, read = 0, 0.0
+    for stage in new:
+        if not ModelStage(stage).owns_state:
+            continue
+        params = model_stats(models[stage.partition("/")[0]]).total_params
+        trains = stage_kind(stage) == "train"
+        engines += trains
+        read += params * (profile.weight_bytes + (profile.optimizer_bytes if trains else 0))
+    return costs.world_rebuild_s + engines * costs.engine_build_s + read / costs.store_read_bandwidth
+
+
 def analytic_transition_cost(
     old: dict[str, Layout],
     new: dict[str, Layout],
     models: dict[str, ModelConfig],
     profile: HardwareProfile,
     scales: TransitionScales | None = None,
+    *,
+    durable: DurableCosts | None = None,
 ) -> TransitionEstimate:
     """Transition cost from layouts alone (no transfer list): the sum over model-stages of the
-    busiest device's receive bytes (an upper bound of one device's total) over the slowest link."""
+    busiest device's receive bytes (an upper bound of one device's total) over the slowest link.
+
+    ``durable`` (the device set changes, so the world is rebuilt): nothing moves device to device;
+    every model-stage is rehydrated or relinked (one operation each) at ``durable_seconds``."""
+    if durable is not None:
+        ops_s = len(new) * profile.transition_op_overhead_s
+        fixed = durable_seconds(new, models, profile, durable)
+        return TransitionEstimate.of(
+            0.0, ops_s, scales, fixed, critical_bytes=0, transfers=len(new), analytic=True
+        )
     total, changed, inter = 0, 0, False
     for stage, layout in new.items():
         before = old.get(stage)
@@ -415,6 +481,7 @@ def weight_sync_s(
 __all__ = [
     "MEMORY_PARTS",
     "TERMS",
+    "DurableCosts",
     "Estimate",
     "MemoryEstimate",
     "Scales",
@@ -423,6 +490,7 @@ __all__ = [
     "Workload",
     "analytic_transition_cost",
     "bubble_fraction",
+    "durable_seconds",
     "estimate",
     "estimate_many",
     "held_fraction",

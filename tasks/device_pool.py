@@ -28,18 +28,17 @@ import gc
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from nereus_core import faults
 from nereus_core.config import ClusterConfig
 from nereus_core.layout import Layout
 from tasks.cluster import Client, ClusterError, DaskCluster, Future, TlsFiles, get_address_host
-from tasks.device_actor import DeviceActor, DevicePoolError, DeviceRunError, RankFailure, gather, issue
-from tasks.pool_workers import WorkerBook, local_ranks, order_key, wait_until
+from tasks.device_actor import DevicePoolError, DeviceRunError, RankFailure, gather, issue
+from tasks.pool_growth import Growth, PlacedActor, Warm, free_workers, place_actors
+from tasks.pool_workers import WorkerBook, local_ranks, wait_until
 
 __all__ = ["DevicePool", "DevicePoolError", "DeviceRunError", "RankFailure"]
 
@@ -87,6 +86,8 @@ class DevicePool:
         self._futures: dict[str, Future] = {}  # address -> the actor's future (keeps it alive)
         self._book = WorkerBook()  # each worker's pid and nanny, to tell how one was lost
         self._built: list[str] = []
+        self._growth: Growth | None = None  # workers being prepared for a coming grow
+        self._cold: tuple[int, ...] = ()  # ranks the last resize added without preparing them
         # Ranks an operation is using; see _hold. "*" marks a whole-pool operation.
         self._busy: set[int | str] = set()
         self._idle = threading.Condition()
@@ -193,19 +194,51 @@ class DevicePool:
             ]
             return self._gather(f"run({getattr(fn, '__qualname__', fn)})", calls, None)
 
+    @property
+    def cold_ranks(self) -> tuple[int, ...]:
+        """Ranks the last ``resize`` added without ``prepare`` (their ``warm`` has not run)."""
+        return self._cold
+
+    def prepare(self, devices: int, warm: Warm | None = None) -> None:
+        """Start, in the background, the workers a later ``resize(devices)`` adds, with their actors,
+        and run ``warm(ctx)`` on them in a world of their own; the pool's world keeps running
+        meanwhile (``tasks.pool_growth``). No grow, or one already being prepared: nothing."""
+        if devices <= self.size or self._growth is not None:
+            return
+        opts = {
+            "backend": self.backend,
+            "timeout_s": self.join_timeout_s,
+            "torch_threads": self.torch_threads,
+        }
+        self._growth = Growth(
+            self._cluster_(),
+            devices=devices,
+            workers=self._workers,
+            join=opts,
+            warm=warm,
+            worker_timeout_s=self.worker_timeout_s,
+            join_timeout_s=self.join_timeout_s,
+            grace_s=self.failure_grace_s,
+        )
+
     def resize(self, devices: int) -> None:
-        """Grow or shrink to ``devices`` and rebuild the world (same size: just rebuild it)."""
+        """Grow or shrink to ``devices`` and rebuild the world (same size: just rebuild it). Workers
+        ``prepare`` started join (resize waits for them); those not needed are released."""
         if devices < 1:
             raise ValueError(f"devices={devices}; a pool needs at least 1 device")
         old = self.size
         with self._hold(), self._timed(f"rebuild {old}->{devices}"):
+            cold = self._adopt_prepared()
             self._prune_lost()
             self._leave_all()
             self._built.clear()
             if devices < self.size:
                 self._release(self._workers[devices:])
             if devices > self.size:
-                self._place(self._acquire(devices))
+                fresh = self._acquire(devices)
+                self._place(fresh)
+                cold += fresh
+            self._cold = tuple(r for r, a in enumerate(self._workers) if a in cold)
             self._form_world()
         logger.info("device pool resized %d -> %d", old, devices)
 
@@ -215,6 +248,7 @@ class DevicePool:
             self._close()
 
     def _close(self) -> None:
+        self._adopt_prepared(stop=True)  # a grow that never came: its workers go with the others
         if self._actors:
             try:
                 self._leave_all()
@@ -251,61 +285,41 @@ class DevicePool:
 
     def _acquire(self, devices: int) -> list[str]:
         """Addresses of ``devices - size`` workers not yet in the pool, in a stable order."""
-        need = devices - self.size
         self._cluster_().scale(devices)
-        deadline = time.monotonic() + self.worker_timeout_s
-        while True:
-            names = self._worker_names()
-            free = sorted((a for a in names if a not in self._actors), key=lambda a: order_key(names[a], a))
-            if len(free) >= need:
-                return free[:need]
-            if time.monotonic() > deadline:
-                where = self.scheduler_address or "the local cluster"
-                fix = (
-                    f"start {need - len(free)} more (dask worker {where} --nthreads 1) or lower the devices"
-                    if self.scheduler_address
-                    else "see the workers' log"
-                )
-                raise DevicePoolError(
-                    f"{where} has {len(names)} workers ({len(free)} free) after {self.worker_timeout_s:g}s; "
-                    f"need {devices} devices: {fix}"
-                )
-            time.sleep(0.1)
+        return free_workers(
+            self._cluster_(), set(self._actors), devices, devices - self.size, self.worker_timeout_s
+        )
 
     def _place(self, addresses: list[str]) -> None:
-        """One DeviceActor pinned to each address, appended to the rank order, once the worker's
-        import path is checked (an actor unpickled with the wrong packages would fail much later)."""
-        cluster = self._cluster_()
+        """One DeviceActor on each address (``pool_growth.place_actors``), appended to the rank order."""
+        for placed in place_actors(self._cluster_(), addresses, self.worker_timeout_s):
+            self._add(placed)
+
+    def _add(self, placed: PlacedActor) -> None:
+        a = placed.address
+        self._actors[a] = placed.key
+        self._futures[a] = placed.future
+        self._book.record(a, placed.pid, placed.nanny)
+        self._workers.append(a)
+
+    def _adopt_prepared(self, stop: bool = False) -> list[str]:
+        """Append the actors ``prepare`` placed to the rank order, once it is done (``stop``: without
+        waiting for workers not there yet); returns those not warmed. A failed preparation is logged
+        and what it placed is adopted: a resize then starts any missing workers itself."""
+        growth, self._growth = self._growth, None
+        if growth is None:
+            return []
         try:
-            pids = cluster.guard_imports(addresses, self.worker_timeout_s)
-        except ClusterError as exc:
-            raise DevicePoolError(str(exc)) from None
-        nannies = cluster.nannies()
-        client = cluster.client
-        futures = {
-            a: client.submit(
-                DeviceActor,
-                a,
-                faults.armed_points(),
-                key=f"nereus-device-actor-{uuid.uuid4().hex}",
-                actor=True,
-                workers=[a],
-                allow_other_workers=False,
+            placed = growth.result(stop=stop)
+        except Exception as exc:
+            logger.warning(
+                "device pool: preparing %d devices failed: %s", growth.devices, str(exc).splitlines()[0]
             )
-            for a in addresses
-        }
-        for a, fut in futures.items():
-            try:
-                fut.result(timeout=self.worker_timeout_s)
-            except Exception as exc:  # the worker could not import or build the actor, or is gone
-                raise DevicePoolError(
-                    f"the device actor could not start on worker {a} within {self.worker_timeout_s:g}s: "
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                ) from None
-            self._actors[a] = str(fut.key)
-            self._futures[a] = fut
-            self._book.record(a, pids.get(a), nannies.get(a))
-            self._workers.append(a)
+            placed = growth.placed
+        for p in placed:
+            self._add(p)
+        self.timings.append((f"prepare {growth.devices}", growth.seconds or 0.0))
+        return [] if growth.warmed else [p.address for p in placed]
 
     def _release(self, addresses: list[str]) -> None:
         """Drop the actors on ``addresses`` (they have left the world) and retire their workers if ours."""

@@ -8,6 +8,7 @@ answer back. No policy here; the flow decides what runs where.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -18,6 +19,7 @@ from nereus_core.engine.optimizer import OptimizerSettings
 from nereus_core.engine.shard import alias_shard, drop_shard, load_shard, set_weights, shard_state
 from nereus_core.engine.train import LossFn, lm_loss, train_step
 from nereus_core.layout import Layout
+from nereus_core.parallel.device import DeviceContext
 from tasks.device_pool import DevicePool
 
 
@@ -138,25 +140,39 @@ def full_state(
 
 
 WARM_UP = "nereus/warm-up"
+# The model of the warm-up engine: as small as a Llama-style decoder gets.
+WARM_UP_MODEL = ModelConfig(
+    vocab_size=16,
+    hidden_size=8,
+    intermediate_size=8,
+    num_hidden_layers=1,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+)
 
 
-def warm_up(pool: DevicePool) -> float:
-    """Build and drop a tiny DeepSpeed engine over every device; returns seconds.
+def warm_up(pool: DevicePool, ranks: Sequence[int] | None = None) -> float:
+    """Build and drop a tiny DeepSpeed engine over ``ranks`` (None: every device); returns seconds.
 
     The first engine on a fresh worker costs seconds (DeepSpeed's imports, its communication
     backend, its ops: ~8 s on a small CPU machine), later ones a tenth of a second. Paying it when
-    devices join keeps it out of the first step, and out of the first transition onto new devices."""
+    devices join keeps it out of the first step, and out of the first transition onto new devices;
+    workers prepared for a grow (``DevicePool.prepare`` with ``warm_device``) have paid it already."""
     start = time.perf_counter()
-    layout = Layout.contiguous(dp=pool.size)
-    tiny = ModelConfig(
-        vocab_size=16,
-        hidden_size=8,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-    )
+    devices = tuple(range(pool.size) if ranks is None else ranks)
+    if not devices:
+        return 0.0
+    layout = Layout(dp=len(devices), devices=devices)
     pool.build_groups(layout)
-    load_model(pool, layout, name=WARM_UP, config=tiny, optimizer=OptimizerSettings(lr=1e-3))
+    load_model(pool, layout, name=WARM_UP, config=WARM_UP_MODEL, optimizer=OptimizerSettings(lr=1e-3))
     unload_model(pool, layout, name=WARM_UP)
     return time.perf_counter() - start
+
+
+def warm_device(ctx: DeviceContext) -> None:
+    """``warm_up`` as one device's part of it, over every device of its world (collective): what a
+    worker prepared for a grow runs in the world of the new workers before it joins the pool's."""
+    layout = Layout.contiguous(dp=ctx.world_size)
+    ctx.build_groups(layout)
+    load_shard(ctx, name=WARM_UP, layout=layout, config=WARM_UP_MODEL, optimizer=OptimizerSettings(lr=1e-3))
+    drop_shard(ctx, name=WARM_UP)

@@ -249,6 +249,23 @@ def test_measured_transitions_calibrate_the_transition_cost() -> None:
     assert refit == pytest.approx(4.0 * first.transition.seconds, rel=0.1)
 
 
+def test_a_change_of_devices_is_priced_durable_and_calibrated_on_the_durable_switches_that_ran() -> None:
+    """Issue 16: a switch onto another device count rebuilds the world; its cost was predicted 0
+    when the plan stayed. It carries the durable fixed cost, and what such a switch took scales it."""
+    state = fresh(dwell=0)
+    start = decide(observe(4, 80 * GB, work()), state)
+    assert start.transition is not None and start.transition.durable_s == 0  # no plan yet: nothing to rebuild
+    grow = decide(observe(8, 80 * GB, work()), start.state)
+    assert grow.forced and grow.transition is not None and grow.transition.durable_s > 0
+    assert grow.transition.seconds >= grow.transition.durable_s
+    ran = TransitionTiming(predicted=grow.transition, seconds=3.0 * grow.transition.seconds)
+    after = decide(observe(8, 80 * GB, work(), transition=ran), grow.state.model_copy(update={"devices": 8}))
+    again = decide(observe(16, 80 * GB, work()), after.state)
+    assert again.transition is not None
+    assert again.transition.seconds == pytest.approx(3.0 * grow.transition.seconds, rel=0.15)
+    assert after.state.transition_scales.durable > 2.0
+
+
 @FAST
 @given(mini_batches=st.sampled_from([1, 2, 4, 8]), devices=st.sampled_from([4, 8, 16]))
 def test_the_search_obeys_the_mini_batch_rule_the_job_runs_by(mini_batches: int, devices: int) -> None:

@@ -14,7 +14,9 @@ from nereus_core.config import LLAMA_3_8B as LLAMA_8B
 from nereus_core.config import ModelConfig
 from nereus_core.cost_model import (
     TERMS,
+    DurableCosts,
     Scales,
+    TransitionScales,
     Workload,
     analytic_transition_cost,
     bubble_fraction,
@@ -181,6 +183,28 @@ def test_reshard_bytes_follow_hybridflow() -> None:
     models = dict.fromkeys(("actor", "critic", "reference", "reward"), LLAMA_8B)
     est = analytic_transition_cost({"actor/generate": gen}, {"actor/generate": fresh}, models, H100_SXM)
     assert est.analytic and est.transfers == 1 and est.critical_bytes == pytest.approx(m / 2, rel=1e-6)
+
+
+def test_a_durable_switch_costs_its_fixed_costs_even_when_no_layout_changes() -> None:
+    """Issue 16: a durable switch (the world is rebuilt) was priced by its changed layouts only: 0 s
+    for the demo's grow that keeps the plan. It now pays one world, one engine per train stage and
+    every stage's state read from the checkpoint; the inference copies are relinked, not read."""
+    plan = {s: Layout.contiguous(pp=2) for s in MODEL_STAGES}
+    models = dict.fromkeys(("actor", "critic", "reference", "reward"), LLAMA_8B)
+    costs = DurableCosts(world_rebuild_s=2.0, engine_build_s=0.5, store_read_bandwidth=1e9)
+    live = analytic_transition_cost(plan, plan, models, H100_SXM)
+    assert live.seconds == 0 and live.durable_s == 0
+    est = analytic_transition_cost(plan, plan, models, H100_SXM, durable=costs)
+    params = model_stats(LLAMA_8B).total_params
+    read = 2 * params * (2 + 12) + 2 * params * 2  # actor and critic train, reference and reward infer
+    assert est.durable_s == pytest.approx(2.0 + 2 * 0.5 + read / 1e9)
+    assert est.wire_s == 0 and est.ops_s == pytest.approx(len(plan) * H100_SXM.transition_op_overhead_s)
+    assert est.seconds == pytest.approx(est.durable_s + est.ops_s)
+    slower = analytic_transition_cost(
+        plan, plan, models, H100_SXM, TransitionScales(durable=3.0), durable=costs
+    )
+    assert slower.seconds == pytest.approx(3.0 * est.durable_s + est.ops_s)
+    assert slower.terms == est.terms == (0.0, est.ops_s, est.durable_s)  # what calibration fits
 
 
 def _synthetic(hidden: np.ndarray, noise: float, rng: np.random.Generator) -> tuple[list, list]:

@@ -29,6 +29,7 @@ from nereus_core.layout import Layout
 from nereus_core.parallel.device import DeviceContext
 from tasks.cluster import ClusterError, DaskCluster, TlsFiles
 from tasks.device_pool import DevicePool, DevicePoolError, DeviceRunError
+from tasks.pool_workers import wait_until
 
 # The per-rank helpers below travel to the workers by value: the workers need
 # not be able to import this test module.
@@ -182,6 +183,7 @@ def test_grow_and_shrink_in_one_driver(caplog: pytest.LogCaptureFixture) -> None
         pool.resize(4)
         assert pool.run_all(world_sum) == [(r, 4, 10.0) for r in range(4)]
         assert _pids(pool).items() >= first.items()  # survivors: same workers, same processes
+        assert pool.cold_ranks == (2, 3)  # started by the resize itself: nobody warmed them
         assert list(pool.workers[:2]) == list(first)  # ... and the same ranks
         infos = pool.info()
         assert [i["resident"] for i in infos] == [["shard"], ["shard"], [], []]
@@ -197,6 +199,55 @@ def test_grow_and_shrink_in_one_driver(caplog: pytest.LogCaptureFixture) -> None
         assert [e for e, _ in pool.timings if e.startswith("rebuild")] == ["rebuild 2->4", "rebuild 4->2"]
     assert _children() == before
     assert "resized 2 -> 4" in caplog.text
+
+
+def warm_note(ctx: DeviceContext) -> None:
+    """A warm-up that leaves a mark: its rank and world, and that world's sum of rank + 1."""
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    ctx.resident["warmed"] = (ctx.rank, ctx.world_size, t.item())
+
+
+def warm_fails(ctx: DeviceContext) -> None:
+    raise RuntimeError(f"no warm-up on rank {ctx.rank}")
+
+
+def marks(pool: DevicePool) -> list[Any]:
+    return pool.run_all(lambda ctx: ctx.resident.get("warmed"))
+
+
+def test_a_prepared_grow_starts_and_warms_the_new_workers_while_the_world_runs() -> None:
+    before = _children()
+    with DevicePool(2) as pool:
+        pool.prepare(4, warm=warm_note)
+        # The pool's world of 2 keeps working while the new workers start and warm in their own.
+        for _ in range(5):
+            assert pool.run_all(world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
+        first = _pids(pool)
+        pool.resize(4)
+        assert pool.run_all(world_sum) == [(r, 4, 10.0) for r in range(4)]
+        assert pool.cold_ranks == ()  # every new rank was warmed before it joined
+        # Ranks 2 and 3 ran the warm-up as ranks 0 and 1 of a world of two: the new workers only.
+        assert marks(pool) == [None, None, (0, 2, 3.0), (1, 2, 3.0)]
+        assert _pids(pool).items() >= first.items()
+        assert _children() - before == set(_pids(pool).values())  # the prepared workers, no others
+        events = [e for e, _ in pool.timings]
+        assert events.index("prepare 4") < events.index("rebuild 2->4")
+    assert _children() == before
+
+
+def test_a_failed_or_unneeded_preparation_leaves_the_pool_correct() -> None:
+    before = _children()
+    with DevicePool(2) as pool:
+        pool.prepare(4, warm=warm_fails)
+        pool.resize(3)  # the warm-up failed: its workers still serve, cold; the one not needed goes
+        assert pool.run_all(world_sum) == [(r, 3, 6.0) for r in range(3)]
+        assert pool.cold_ranks == (2,)
+        workers = set(_pids(pool).values())
+        assert wait_until(lambda: _children() - before == workers, 15.0)  # rank 3's worker is gone
+        pool.prepare(2)  # no grow: nothing to prepare
+        pool.prepare(4, warm=warm_note)  # a grow that never comes: its worker goes when the pool closes
+    assert _children() == before
 
 
 def test_no_listener_of_a_local_pool_is_reachable_from_another_machine(pool2: DevicePool) -> None:
