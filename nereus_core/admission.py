@@ -24,9 +24,9 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from nereus_core.controller_state import Alternative, ControllerSettings, Observation, Reason
-from nereus_core.cost_model import TransitionEstimate
 from nereus_core.plan import GlobalPlan
 from nereus_core.plan_estimate import PlanEstimate
+from nereus_core.transition_cost import TransitionEstimate
 
 GiB = 1024**3
 Action = Literal["keep", "switch", "none"]

@@ -37,21 +37,19 @@ from nereus_core.controller_state import (
     StageTiming,
     TransitionTiming,
 )
-from nereus_core.cost_model import (
-    DurableCosts,
-    Scales,
-    TransferLike,
-    TransitionEstimate,
-    TransitionScales,
-    Workload,
-    analytic_transition_cost,
-    estimate,
-    transition_cost,
-)
+from nereus_core.cost_model import Scales, Workload, estimate
 from nereus_core.plan import GlobalPlan, model_of
 from nereus_core.plan_estimate import PlanEstimate, fill_cache
 from nereus_core.plan_estimate import evaluate_plan as plan_estimate
 from nereus_core.plan_search import Searcher, SearchSpace
+from nereus_core.transition_cost import (
+    DurableCosts,
+    TransferLike,
+    TransitionEstimate,
+    TransitionScales,
+    analytic_transition_cost,
+    transition_cost,
+)
 
 __all__ = [
     "Alternative",

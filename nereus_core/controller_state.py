@@ -15,11 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nereus_core.calibration import CalibrationSettings, Sample
 from nereus_core.config import ModelConfig
-from nereus_core.cost_model import Scales, TransitionEstimate, TransitionScales, Workload
+from nereus_core.cost_model import Scales, Workload
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, ModelStage, models_for
 from nereus_core.plan_estimate import PlanEstimate
+from nereus_core.transition_cost import TransitionEstimate, TransitionScales
 
 
 class _Frozen(BaseModel):

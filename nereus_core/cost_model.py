@@ -34,8 +34,7 @@ The formulas themselves, vectorized over candidate layouts, are in ``cost_terms`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -45,7 +44,6 @@ from nereus_core.cost_terms import (
     MEMORY_PARTS,
     TERMS,
     Geometry,
-    Num,
     StageKind,
     bubble_fraction,
     is_contiguous,
@@ -57,7 +55,6 @@ from nereus_core.cost_terms import (
 )
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
-from nereus_core.plan import ModelStage
 
 
 class _Frozen(BaseModel):
@@ -236,271 +233,19 @@ def layout_label(layout: Layout) -> str:
     return layout.key
 
 
-# ---------------------------------------------------------------- transitions and weight sync
-
-
-class TransferLike(Protocol):
-    """One copy of a slice between device slots (``emu.Transfer`` has these fields)."""
-
-    src: int
-    dst: int
-    nbytes: int
-
-
-class TransitionScales(_Frozen):
-    """Calibrated multipliers of the transition cost."""
-
-    wire: float = Field(default=1.0, gt=0, description="Scale of the bytes-over-links time.")
-    ops: float = Field(default=1.0, gt=0, description="Scale of the per-operation overhead.")
-    durable: float = Field(default=1.0, gt=0, description="Scale of a durable switch's fixed cost.")
-
-    def as_array(self) -> np.ndarray:
-        return np.array([self.wire, self.ops, self.durable], dtype=float)
-
-    @classmethod
-    def from_array(cls, values: Sequence[float]) -> TransitionScales:
-        wire, ops, durable = (float(v) for v in values)
-        return cls(wire=wire, ops=ops, durable=durable)
-
-
-class DurableCosts(_Frozen):
-    """The fixed costs of a durable switch before calibration (issue 16): the pool forms a new
-    world, and every model-stage is rehydrated from the checkpoint, train stages with a new
-    DeepSpeed engine. The job's measured durable switches scale their sum (``TransitionScales``)."""
-
-    world_rebuild_s: float = Field(
-        default=0.5, ge=0, description="Every rank leaves the world and joins a new one, s."
-    )
-    engine_build_s: float = Field(
-        default=0.1, ge=0, description="A train stage's DeepSpeed engine built again on its devices, s."
-    )
-    store_read_bandwidth: float = Field(
-        default=200e6, gt=0, description="Bytes/s rehydration reads from the checkpoint store (all stages)."
-    )
-
-
-class TransitionEstimate(_Frozen):
-    """Predicted cost of moving state from one plan to another."""
-
-    seconds: float
-    wire_s: float = Field(description="Unscaled time of the busiest port (send or receive).")
-    ops_s: float = Field(description="Unscaled per-operation overhead on the busiest device.")
-    durable_s: float = Field(
-        default=0.0,
-        description="Unscaled fixed cost of a durable switch (0 for a live one): ``DurableCosts``.",
-    )
-    critical_bytes: int = Field(description="Bytes through the busiest port.")
-    transfers: int = Field(description="Operations counted (transfers, or changed layouts when analytic).")
-    analytic: bool = Field(description="True when estimated from layouts (no transfer list was given).")
-
-    @property
-    def terms(self) -> tuple[float, float, float]:
-        """The unscaled terms, in the order of ``TransitionScales.as_array`` (what calibration fits)."""
-        return (self.wire_s, self.ops_s, self.durable_s)
-
-    @classmethod
-    def of(
-        cls,
-        wire_s: float,
-        ops_s: float,
-        scales: TransitionScales | None,
-        durable_s: float = 0.0,
-        **rest: int | bool,
-    ) -> TransitionEstimate:
-        s = scales or TransitionScales()
-        seconds = s.wire * wire_s + s.ops * ops_s + s.durable * durable_s
-        return cls(seconds=seconds, wire_s=wire_s, ops_s=ops_s, durable_s=durable_s, **rest)
-
-
-def transition_cost(
-    transfers: Iterable[TransferLike | tuple[int, int, int]],
-    profile: HardwareProfile,
-    scales: TransitionScales | None = None,
-) -> TransitionEstimate:
-    """Cost of a list of transfers: the busiest port's bytes / its link bandwidth + per-op overhead.
-
-    Every device sends and receives at once; transfers through the same port queue
-    behind each other, so the critical path is the busiest port (a lower bound of
-    any schedule, reached when the GTG keeps every port busy). Same-device copies
-    run at memory bandwidth.
-    """
-    send: dict[int, float] = {}
-    recv: dict[int, float] = {}
-    ops: dict[int, int] = {}
-    sent_bytes: dict[int, int] = {}
-    count = 0
-    for item in transfers:
-        src, dst, nbytes = item if isinstance(item, tuple) else (item.src, item.dst, item.nbytes)
-        count += 1
-        ops[src] = ops.get(src, 0) + 1
-        ops[dst] = ops.get(dst, 0) + 1 if dst != src else ops.get(dst, 0)
-        if src == dst:
-            send[src] = send.get(src, 0.0) + nbytes / profile.hbm
-            continue
-        bw = profile.inter_bw if profile.node_of(src) != profile.node_of(dst) else profile.intra_bw
-        send[src] = send.get(src, 0.0) + nbytes / bw + profile.collective_latency_s
-        recv[dst] = recv.get(dst, 0.0) + nbytes / bw + profile.collective_latency_s
-        sent_bytes[src] = sent_bytes.get(src, 0) + nbytes
-        sent_bytes[dst] = sent_bytes.get(dst, 0) + nbytes
-    wire = max([*send.values(), *recv.values(), 0.0])
-    ops_s = max(ops.values(), default=0) * profile.transition_op_overhead_s
-    return TransitionEstimate.of(
-        wire,
-        ops_s,
-        scales,
-        critical_bytes=max(sent_bytes.values(), default=0),
-        transfers=count,
-        analytic=False,
-    )
-
-
-def held_fraction(
-    new_tp: Num, new_pp: Num, old_tp: Num, old_pp: Num, new_dp: Num = 1, old_dp: Num = 1
-) -> Num:
-    """Share of a device's new shard it already holds under the old layout, shards nested axis by
-    axis: min(1, t_new/t_old) * min(1, p_new/p_old) (* min(1, d_new/d_old) for dp-sharded state).
-
-    With generation coarser than training on every axis this is HybridFlow's (Sheng et al.
-    2025, Table 2) (tg*pg)/(t*p), i.e. a transfer of M/(tg*pg) - M/(t*p) per device.
-    """
-    return (
-        np.minimum(1.0, new_tp / old_tp) * np.minimum(1.0, new_pp / old_pp) * np.minimum(1.0, new_dp / old_dp)
-    )
-
-
-def reshard_bytes(
-    stage: str, old: Layout | None, new: Layout, model: ModelConfig, profile: HardwareProfile
-) -> int:
-    """Bytes the busiest device of ``new`` receives when ``stage`` moves from ``old`` to ``new``:
-    the part of its new shard it does not hold (``held_fraction``; all of it on a device new to
-    the model-stage). Optimizer state (train stages) is sharded over dp as well."""
-    if old == new:
-        return 0
-    stats = model_stats(model)
-    weights = stats.total_params * profile.weight_bytes / (new.tp * new.pp)
-    state = (
-        stats.total_params * profile.optimizer_bytes / new.world_size if stage_kind(stage) == "train" else 0
-    )
-    if old is None or set(new.devices) - set(old.devices):
-        return math.ceil(weights + state)
-    held_w = held_fraction(new.tp, new.pp, old.tp, old.pp)
-    held_s = held_fraction(new.tp, new.pp, old.tp, old.pp, new.dp, old.dp)
-    return math.ceil(weights * (1.0 - held_w) + state * (1.0 - held_s))
-
-
-def durable_seconds(
-    new: dict[str, Layout], models: dict[str, ModelConfig], profile: HardwareProfile, costs: DurableCosts
-) -> float:
-    """Unscaled fixed cost of a durable switch onto ``new``: one world rebuilt, one engine per train
-    stage, and every stage's state (weights, and optimizer state for train stages) read from the
-    checkpoint; the inference copies are relinked to their train stages, not read."""
-    engines, read = 0, 0.0
-    for stage in new:
-        if not ModelStage(stage).owns_state:
-            continue
-        params = model_stats(models[stage.partition("/")[0]]).total_params
-        trains = stage_kind(stage) == "train"
-        engines += trains
-        read += params * (profile.weight_bytes + (profile.optimizer_bytes if trains else 0))
-    return costs.world_rebuild_s + engines * costs.engine_build_s + read / costs.store_read_bandwidth
-
-
-def analytic_transition_cost(
-    old: dict[str, Layout],
-    new: dict[str, Layout],
-    models: dict[str, ModelConfig],
-    profile: HardwareProfile,
-    scales: TransitionScales | None = None,
-    *,
-    durable: DurableCosts | None = None,
-) -> TransitionEstimate:
-    """Transition cost from layouts alone (no transfer list): the sum over model-stages of the
-    busiest device's receive bytes (an upper bound of one device's total) over the slowest link.
-
-    ``durable`` (the device set changes, so the world is rebuilt): nothing moves device to device;
-    every model-stage is rehydrated or relinked (one operation each) at ``durable_seconds``."""
-    if durable is not None:
-        ops_s = len(new) * profile.transition_op_overhead_s
-        fixed = durable_seconds(new, models, profile, durable)
-        return TransitionEstimate.of(
-            0.0, ops_s, scales, fixed, critical_bytes=0, transfers=len(new), analytic=True
-        )
-    total, changed, inter = 0, 0, False
-    for stage, layout in new.items():
-        before = old.get(stage)
-        if before == layout:
-            continue
-        changed += 1
-        total += reshard_bytes(stage, before, layout, models[stage.partition("/")[0]], profile)
-        inter = inter or profile.spans_nodes((*layout.devices, *(before.devices if before else ())))
-    bw = profile.inter_bw if inter else profile.intra_bw
-    wire = total / bw + (profile.collective_latency_s if changed else 0.0)
-    ops_s = changed * profile.transition_op_overhead_s
-    return TransitionEstimate.of(wire, ops_s, scales, critical_bytes=total, transfers=changed, analytic=True)
-
-
-def sync_seconds(
-    model: ModelConfig,
-    profile: HardwareProfile,
-    gen_tp: Num,
-    gen_pp: Num,
-    *,
-    link: Iterable[int],
-    train: tuple[Num, Num] | None = None,
-) -> Num:
-    """Unscaled time to refresh the generation copy of the actor after its update, each step,
-    for generation degrees ``gen_tp`` x ``gen_pp`` (scalars or one per candidate layout).
-
-    Colocated (``train`` = actor/train's ``(tp, pp)``), the 3D-HybridEngine reshard of HybridFlow
-    (Table 2): each generation device receives the part of its shard M/(tg*pg) it does not hold
-    (``held_fraction``) over ``link``, the slots of a training replica. Disaggregated (``train``
-    None), each generation device receives its whole shard over ``link``, a generation slot and a
-    training slot (receivers bound the time: the training pool has at least as many senders).
-    """
-    shard_g = model_stats(model).total_params * profile.weight_bytes / (gen_tp * gen_pp)
-    nbytes = shard_g if train is None else shard_g * (1.0 - held_fraction(gen_tp, gen_pp, *train))
-    latency = np.where(nbytes > 0, profile.collective_latency_s, 0.0)  # nothing to move, no round
-    return nbytes / profile.link_bandwidth(link) + latency
-
-
-def weight_sync_s(
-    train: Layout, generate: Layout, model: ModelConfig, profile: HardwareProfile, *, colocated: bool
-) -> float:
-    """``sync_seconds`` of two layouts of the actor (train and generate)."""
-    if colocated:
-        degrees = (train.tp, train.pp)
-        return float(
-            sync_seconds(
-                model, profile, generate.tp, generate.pp, link=train.replica_groups()[0], train=degrees
-            )
-        )
-    link = (generate.devices[0], train.devices[0])
-    return float(sync_seconds(model, profile, generate.tp, generate.pp, link=link))
-
-
 __all__ = [
     "MEMORY_PARTS",
     "TERMS",
-    "DurableCosts",
     "Estimate",
     "MemoryEstimate",
     "Scales",
-    "TransitionEstimate",
-    "TransitionScales",
     "Workload",
-    "analytic_transition_cost",
     "bubble_fraction",
-    "durable_seconds",
     "estimate",
     "estimate_many",
-    "held_fraction",
     "korthikanti_bytes",
     "layout_label",
     "model_stats",
-    "reshard_bytes",
     "ring_bytes",
     "stage_kind",
-    "sync_seconds",
-    "transition_cost",
-    "weight_sync_s",
 ]

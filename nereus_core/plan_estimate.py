@@ -25,11 +25,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from nereus_core.config import ModelConfig
-from nereus_core.cost_model import Estimate, MemoryEstimate, Scales, Workload, estimate_many, weight_sync_s
+from nereus_core.cost_model import Estimate, MemoryEstimate, Scales, Workload, estimate_many
 from nereus_core.cost_terms import slots
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, GlobalPlan, Placement, model_of
+from nereus_core.transition_cost import weight_sync_s
 
 
 def memory_per_device(plan: GlobalPlan, memory: Mapping[str, MemoryEstimate]) -> dict[int, int]:

@@ -36,11 +36,12 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from nereus_core.config import ModelConfig
-from nereus_core.cost_model import Scales, Workload, sync_seconds
+from nereus_core.cost_model import Scales, Workload
 from nereus_core.cost_terms import PERSISTENT, contiguous_geometry, model_stats, split_arrays, stage_tables
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan, Placement, model_of, stage_rows
+from nereus_core.transition_cost import sync_seconds
 
 INF = float("inf")
 

@@ -29,7 +29,7 @@ from nereus_core.controller import (
     TransitionTiming,
     decide,
 )
-from nereus_core.cost_model import Workload, analytic_transition_cost
+from nereus_core.cost_model import Workload
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan
@@ -37,6 +37,7 @@ from nereus_core.plan_estimate import step_seconds
 from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.engine import Move, Prepared, SimError, StepRun
 from nereus_core.sim.world import World, largest_dp, usable_bytes
+from nereus_core.transition_cost import analytic_transition_cost
 
 
 def same_degrees(a: GlobalPlan, b: GlobalPlan) -> bool:

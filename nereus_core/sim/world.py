@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nereus_core.config import ModelConfig
-from nereus_core.cost_model import TransitionEstimate, Workload, stage_kind, weight_sync_s
+from nereus_core.cost_model import Workload, stage_kind
 from nereus_core.cost_terms import PERSISTENT, Geometry, layout_geometry, model_stats, stage_tables
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
@@ -30,6 +30,7 @@ from nereus_core.sim import stage_world as sw
 from nereus_core.sim import transitions
 from nereus_core.sim.config import NoiseSettings
 from nereus_core.sim.trace import Trace
+from nereus_core.transition_cost import TransitionEstimate, weight_sync_s
 
 SYNC = len(MODEL_STAGES)  # noise column of the weight sync
 

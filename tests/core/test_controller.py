@@ -356,7 +356,7 @@ def test_a_switch_that_measures_slower_is_undone_once_and_not_retried(monkeypatc
 def test_tiny_gains_are_refused() -> None:
     """Issue 17: gains of 1e-4 s on 20 s steps were admitted because the move looked cheaper still."""
     from nereus_core.admission import Option, admit
-    from nereus_core.cost_model import TransitionEstimate
+    from nereus_core.transition_cost import TransitionEstimate
 
     state = fresh()
     d = decide(observe(8, 80 * GB, work(batch=16, mean=256)), state)

@@ -14,24 +14,26 @@ from nereus_core.config import LLAMA_3_8B as LLAMA_8B
 from nereus_core.config import ModelConfig
 from nereus_core.cost_model import (
     TERMS,
-    DurableCosts,
     Scales,
-    TransitionScales,
     Workload,
-    analytic_transition_cost,
     bubble_fraction,
     estimate,
     estimate_many,
     korthikanti_bytes,
     model_stats,
-    reshard_bytes,
     ring_bytes,
-    transition_cost,
-    weight_sync_s,
 )
 from nereus_core.hardware import CPU_WORKERS, H100_SXM, get_profile
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES
+from nereus_core.transition_cost import (
+    DurableCosts,
+    TransitionScales,
+    analytic_transition_cost,
+    reshard_bytes,
+    transition_cost,
+    weight_sync_s,
+)
 
 TINY = ModelConfig()
 IDEAL = H100_SXM.model_copy(
