@@ -415,6 +415,9 @@ def test_a_worker_killed_mid_call_is_reported_as_lost_with_its_cause(pool2: Devi
         pool2.run_all(nap_on_rank_1)
     assert time.monotonic() - start < 30
     message = str(info.value).splitlines()[0]
-    assert f"device slot 1 (worker {worker}) was lost: killed (out of memory?" in message
-    assert f"Worker process {pid} was killed by signal 9" in message
+    assert f"device slot 1 (worker {worker}) was lost: " in message and "out of memory?" in message
+    # The nanny's own line names the signal when it is logged before the 10 s the pool waits for it;
+    # on a loaded machine it can come later, and the message then says so instead of guessing.
+    named = f"Worker process {pid} was killed by signal 9" in message
+    assert named or "its nanny logged no cause" in message, message
     assert [f.rank for f in info.value.failures] == [1]
