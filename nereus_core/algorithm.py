@@ -12,16 +12,9 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nereus_core.grpo import BASELINES, LOSS_AGGREGATIONS, SCALE_REWARDS
-from nereus_core.ppo import KL_KINDS
+from nereus_core.ppo import KL_KINDS, known_name
 
 ALGORITHMS: tuple[str, ...] = ("ppo", "grpo")
-
-
-def _one_of(name: str, valid: tuple[str, ...] | list[str]) -> str:
-    # The config layer prefixes the field's path, so the message does not repeat it.
-    if name not in valid:
-        raise ValueError(f"{name!r} is unknown; valid: {', '.join(valid)}")
-    return name
 
 
 class AlgorithmConfig(BaseModel):
@@ -77,27 +70,27 @@ class AlgorithmConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _check_name(cls, name: str) -> str:
-        return _one_of(name, ALGORITHMS)
+        return known_name(name, ALGORITHMS)
 
     @field_validator("baseline")
     @classmethod
     def _check_baseline(cls, name: str) -> str:
-        return _one_of(name, BASELINES)
+        return known_name(name, BASELINES)
 
     @field_validator("scale_rewards")
     @classmethod
     def _check_scale(cls, name: str) -> str:
-        return _one_of(name, SCALE_REWARDS)
+        return known_name(name, SCALE_REWARDS)
 
     @field_validator("loss_agg_mode")
     @classmethod
     def _check_agg(cls, name: str) -> str:
-        return _one_of(name, list(LOSS_AGGREGATIONS))
+        return known_name(name, list(LOSS_AGGREGATIONS))
 
     @field_validator("kl_estimator")
     @classmethod
     def _check_kl(cls, name: str) -> str:
-        return _one_of(name, KL_KINDS)
+        return known_name(name, KL_KINDS)
 
     @model_validator(mode="after")
     def _check_group(self) -> AlgorithmConfig:

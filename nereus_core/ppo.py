@@ -32,7 +32,7 @@ The registries at the bottom map the names used in config to these functions, as
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection
 from typing import Literal, get_args
 
 import torch
@@ -234,8 +234,9 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": policy_loss}
 VALUE_LOSSES: dict[str, ValueLoss] = {"clipped_mse": value_loss}
 
 
-def _known(name: str, registry: Mapping[str, object]) -> str:
-    # The config layer prefixes the field's path, so the message does not repeat it.
+def known_name(name: str, registry: Collection[str]) -> str:
+    """``name`` if ``registry`` has it, else ``ValueError`` listing the valid names (the config layer
+    prefixes the field's path, so the message does not repeat it)."""
     if name not in registry:
         raise ValueError(f"{name!r} is unknown; valid: {', '.join(registry)}")
     return name
@@ -273,17 +274,17 @@ class PPOSettings(BaseModel):
     @field_validator("advantage_estimator")
     @classmethod
     def _check_estimator(cls, name: str) -> str:
-        return _known(name, ADVANTAGE_ESTIMATORS)
+        return known_name(name, ADVANTAGE_ESTIMATORS)
 
     @field_validator("policy_loss")
     @classmethod
     def _check_policy_loss(cls, name: str) -> str:
-        return _known(name, POLICY_LOSSES)
+        return known_name(name, POLICY_LOSSES)
 
     @field_validator("value_loss")
     @classmethod
     def _check_value_loss(cls, name: str) -> str:
-        return _known(name, VALUE_LOSSES)
+        return known_name(name, VALUE_LOSSES)
 
     @model_validator(mode="after")
     def _check_kl_loss(self) -> PPOSettings:

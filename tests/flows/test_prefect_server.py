@@ -21,6 +21,7 @@ it, as ``nereus run`` against a server, or a worker lost with its runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.flows.test_faults import BASE
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_START_SECONDS = 120.0
@@ -290,36 +293,11 @@ def test_a_killed_driver_leaves_no_process(tmp_path: Path) -> None:
 
 # ------------------------------------------------------- a deployed run killed, Crashed, retried
 
-TINY_PPO = {
-    "name": "deployed",
-    "cluster": {"devices": 2, "memory_per_device": "8MiB"},
-    "model": {
-        "vocab_size": 32,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
-    "job": {
-        "steps": 20,
-        "batch_size": 16,
-        "prompt_len": 4,
-        "response_len": 6,
-        "snapshot_every": 1,
-        "adapt": False,
-        "scenario": [],
-    },
-    "ppo": {"reward_fit_steps": 4, "reward_fit_batch": 8, "ppo_epochs": 1, "mini_batches": 2},
-    "plan": {
-        "actor/generate": {"pp": 2, "devices": [0, 1]},
-        "actor/train": {"pp": 2, "devices": [0, 1]},
-        "critic/train": {"pp": 2, "devices": [0, 1]},
-        "critic/infer": {"pp": 2, "devices": [0, 1]},
-        "reference/infer": {"devices": [0]},
-        "reward/infer": {"pp": 2, "devices": [0, 1]},
-    },
-}
+# The fault tests' small job (the demo's model), on 2 slots, long enough to be killed mid-run, a
+# checkpoint every step, no scenario.
+TINY_PPO = copy.deepcopy(BASE) | {"name": "deployed"}
+TINY_PPO["cluster"]["devices"] = 2
+TINY_PPO["job"].update(steps=20, snapshot_every=1, adapt=False, scenario=[])
 
 
 def _prefect(env: dict[str, str], cwd: Path, *args: str, timeout: float = 180) -> str:
