@@ -90,9 +90,10 @@ def resolve(spec: str) -> RewardFn:
     if spec in TOKEN_BUILTINS:
         return RewardFn(spec, TOKEN_BUILTINS[spec], inputs_of(spec))
     path_text, _, name = spec.rpartition(":")
-    fn = getattr(_load_module(Path(path_text)), name, None)
-    if fn is None:
+    module = _load_module(Path(path_text))
+    if not hasattr(module, name):
         raise ValueError(f"{path_text} has no function {name!r}; define it or fix the name after ':'")
+    fn = getattr(module, name)
     if not callable(fn):
         raise ValueError(f"{path_text}:{name} is a {type(fn).__name__}, not a function")
     _check_signature(fn, spec)
