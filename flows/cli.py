@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(handler=cmd_export)
 
-    cli_data.add_data_command(sub)
+    cli_data.add_data_command(sub, fail=_fail)
     return parser
 
 

@@ -12,15 +12,17 @@ output files are never replaced.
 from __future__ import annotations
 
 import argparse
-import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 TEXT_DIR = Path(__file__).resolve().parents[1] / "data" / "text"
 SOURCES = {"gsm8k": "gsm8k_test_first500.jsonl", "math500": "math500_test.jsonl"}
-EXIT_OK, EXIT_USAGE = 0, 2
+EXIT_OK = 0
+Fail = Callable[[Path | None, str], int]  # flows/cli.py's one-line error: prints it, returns exit status 2
 
 
-def cmd_data(args: argparse.Namespace) -> int:
+def cmd_data(args: argparse.Namespace, *, fail: Fail) -> int:
     """Convert the chosen data set's JSONL into train/test Parquet under ``--out``."""
     from nereus_core.dataset.convert import TEST_EVERY, convert
     from storage.datasets import DatasetError, existing, read_jsonl_records, write_parquet
@@ -29,25 +31,29 @@ def cmd_data(args: argparse.Namespace) -> int:
     out = Path(args.out)
     targets = [out / "train.parquet", out / "test.parquet"]
     if out.exists() and not out.is_dir():
-        return _fail(out, "is a file; --out names a directory")
+        return fail(out, "is a file; --out names a directory")
     already = existing(targets)
     if already:
-        return _fail(already[0], "exists already; remove it or choose another --out")
+        return fail(already[0], "exists already; remove it or choose another --out")
     try:
         splits = convert(args.dataset, read_jsonl_records(source))
     except DatasetError as err:
-        return _fail(None, str(err))
+        return fail(None, str(err))
     except ValueError as err:  # a record without the fields the data set has
-        return _fail(source, str(err))
+        return fail(source, str(err))
     if not splits["train"] or not splits["test"]:
-        return _fail(
+        return fail(
             source, f"{sum(map(len, splits.values()))} records are too few to split; need {TEST_EVERY}"
         )
+    written: list[Path] = []
     try:
         for target, split in zip(targets, ("train", "test"), strict=True):
             write_parquet(splits[split], target)
+            written.append(target)
     except (DatasetError, OSError) as err:
-        return _fail(out, str(err))
+        for path in written:  # both files or neither: only what this command wrote is removed
+            path.unlink(missing_ok=True)
+        return fail(out, str(err))
     print(
         f"nereus: data {args.dataset}: {len(splits['train'])} train + {len(splits['test'])} test rows "
         f"(every {TEST_EVERY}th record from 0 to test) -> {targets[0]}, {targets[1]}"
@@ -55,16 +61,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _fail(where: Path | None, message: str) -> int:
-    print(
-        f"nereus: error: {message}" if where is None else f"nereus: error: {where}: {message}",
-        file=sys.stderr,
-    )
-    return EXIT_USAGE
-
-
-def add_data_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register ``nereus data`` with the CLI's subparsers."""
+def add_data_command(sub: argparse._SubParsersAction, *, fail: Fail) -> None:  # type: ignore[type-arg]
+    """Register ``nereus data`` with the CLI's subparsers; ``fail`` reports bad input."""
     data = sub.add_parser(
         "data",
         help="write GSM8K or MATH500 prompts as verl-format Parquet",
@@ -78,4 +76,4 @@ def add_data_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     data.add_argument(
         "--source", type=Path, metavar="FILE", help="JSONL to read instead of the project's data/text file"
     )
-    data.set_defaults(handler=cmd_data)
+    data.set_defaults(handler=partial(cmd_data, fail=fail))
