@@ -32,7 +32,7 @@ def extract(solution: str, method: Literal["strict", "flexible"] = "strict") -> 
     tail = solution[-CLIP_CHARS:]
     if method == "strict":
         found = _STRICT.findall(tail)
-        return found[-1].replace(",", "").replace("$", "") if found else None
+        return found[-1].replace(",", "") if found else None  # "$" cannot follow "#### " here
     for number in reversed(_NUMBER.findall(tail)):
         if number not in ("", "."):
             return number

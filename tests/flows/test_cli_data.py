@@ -109,3 +109,28 @@ def test_bad_source_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith("nereus: error: ") and message in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_out_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "f"
+    out.write_text("x")
+    assert main(["data", "math500", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"nereus: error: {out}: is a file; --out names a directory\n"
+
+
+def test_a_failed_second_write_leaves_neither_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import storage.datasets
+
+    real = storage.datasets.write_parquet
+
+    def full_disk_on_test(rows: object, path: Path) -> int:
+        if path.name == "test.parquet":
+            raise OSError(28, "No space left on device")
+        return real(rows, path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storage.datasets, "write_parquet", full_disk_on_test)
+    assert main(["data", "gsm8k", "--out", str(tmp_path)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
