@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from nereus_core.config_data import DataConfig
 from nereus_core.dataset.prompt_length import (
     LengthReport,
     PromptTokenizer,
@@ -117,6 +118,25 @@ def load_split(
     return LoadedSplit(kept, report)
 
 
+def load_data(
+    data: DataConfig, *, tokenize: PromptTokenizer, log: Callable[[str], None] = _LOG.info
+) -> dict[str, LoadedSplit]:
+    """The ``train`` split of a ``data`` config section, and ``val`` when it names files."""
+    files = {"train": data.train_files, "val": data.val_files}
+    return {
+        split: load_split(
+            paths,
+            split=split,
+            tokenize=tokenize,
+            max_prompt_length=data.max_prompt_length,
+            truncation=data.truncation,
+            log=log,
+        )
+        for split, paths in files.items()
+        if paths
+    }
+
+
 def read_jsonl_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The objects of a JSONL file (one per line), as dicts."""
     where = Path(path)
@@ -152,6 +172,7 @@ __all__ = [
     "DatasetError",
     "LoadedSplit",
     "existing",
+    "load_data",
     "load_split",
     "read_examples",
     "read_jsonl_records",

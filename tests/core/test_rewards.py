@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nereus_core import task
 from nereus_core.rewards import (
@@ -214,3 +216,14 @@ def test_user_function_failing_during_a_step(tmp_path: Path, body: str, message:
     with pytest.raises(RewardError, match=message) as err:
         score_text(reward, "src", "text", "1", {})
     assert "\n" not in str(err.value)
+
+
+TEXT = st.text(alphabet=st.sampled_from(list("0123456789.,-$# {}\\boxedfrac^_=/%xk\n")), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=TEXT, truth=TEXT)
+def test_scorers_never_raise_on_any_text(text: str, truth: str) -> None:
+    assert gsm8k.score(text, truth, "strict") in (0.0, 1.0)
+    assert gsm8k.score(text, truth, "flexible") in (0.0, 1.0)
+    assert math_answer.score(text, truth) in (0.0, 1.0)

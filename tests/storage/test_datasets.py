@@ -12,7 +12,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from storage.datasets import DatasetError, load_split, read_examples, read_jsonl_records, write_parquet
+from nereus_core.config_data import DataConfig
+from storage.datasets import (
+    DatasetError,
+    load_data,
+    load_split,
+    read_examples,
+    read_jsonl_records,
+    write_parquet,
+)
 
 
 def rows(n: int, words: int = 3) -> list[dict[str, Any]]:
@@ -114,6 +122,18 @@ def test_load_split_filters_and_says_so_in_one_line(tmp_path: Path) -> None:
             [path], split="train", tokenize=words, max_prompt_length=4, truncation="error", log=lines.append
         )
     assert len(lines) == 1  # nothing logged for a refused split
+
+
+def test_load_data_reads_both_splits_of_a_config(tmp_path: Path) -> None:
+    train, val = tmp_path / "train.parquet", write_jsonl(tmp_path / "val.jsonl", rows(3, words=1))
+    write_parquet(rows(8), train)
+    data = DataConfig(train_files=(str(train),), val_files=(str(val),), max_prompt_length=5)
+    lines: list[str] = []
+    splits = load_data(data, tokenize=words, log=lines.append)
+    assert {name: len(split.examples) for name, split in splits.items()} == {"train": 6, "val": 3}
+    assert [line.split(":")[1] for line in lines] == [" train", " val"]
+    only_train = DataConfig(train_files=(str(train),), max_prompt_length=5)
+    assert list(load_data(only_train, tokenize=words, log=lines.append)) == ["train"]
 
 
 def test_writer_never_replaces_a_file(tmp_path: Path) -> None:
