@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
-from flows import cli_prefect, cli_watchdog, tracking
+from flows import cli_data, cli_prefect, cli_watchdog, tracking
 from flows.cli_input import (
     MAX_DEVICES_ENV,
     SCHEDULER_ENV,
@@ -326,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf", required=True, type=Path, metavar="OUT", help="folder to write the model into (required)"
     )
     export.set_defaults(handler=cmd_export)
+
+    cli_data.add_data_command(sub, fail=_fail)
     return parser
 
 

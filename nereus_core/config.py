@@ -25,6 +25,7 @@ from nereus_core.config_base import (
     name_error,
     shown,
 )
+from nereus_core.config_data import DataConfig, RewardConfig, ValidationConfig, sections_problem
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems
 from nereus_core.ppo import PPOSettings
@@ -232,6 +233,15 @@ class NereusConfig(_Frozen):
     plan: dict[ModelStage, Layout] = Field(
         default_factory=dict, description="Initial layout per model-stage, e.g. 'actor/train'."
     )
+    data: DataConfig | None = Field(
+        default=None, description="Prompt data in verl's format (config_data.py)."
+    )
+    validation: ValidationConfig | None = Field(
+        default=None, description="When to score the validation prompts."
+    )
+    reward: RewardConfig | None = Field(
+        default=None, description="The reward function (rewards/registry.py)."
+    )
 
     def plan_rules(self, devices: int | None = None) -> PlanRules:
         """What every plan of this job must obey (``plan.problems``), on ``devices`` slots (default: the
@@ -273,6 +283,14 @@ class NereusConfig(_Frozen):
                 f"model.max_position_embeddings={self.model.max_position_embeddings}; "
                 "shorten them or raise the limit"
             )
+        problem = sections_problem(
+            self.data,
+            self.validation,
+            self.reward,
+            max_position_embeddings=self.model.max_position_embeddings,
+        )
+        if problem:
+            raise ValueError(problem)
         return self
 
 
