@@ -20,14 +20,16 @@ from nereus_core.engine.shard import shard_state
 from nereus_core.layout import Layout
 from nereus_core.model.hf_dir import read_hf_config
 from nereus_core.model.weights import param_shapes, shard_tensor, stage_param_names
+from nereus_core.tokenizer import chat_prompt_ids, load_tokenizer, stop_token_ids
 from storage.export import export_hf
 from storage.run_dir import RunDir
 from tasks import job_ops, model_ops
 from tasks.device_pool import DevicePool
-from tests.hf_models import SIZES, write_model
+from tests.hf_models import SIZES, write_model, write_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 NAME = "reference/infer"
+CHAT = [[{"role": "user", "content": "How many eggs?"}]]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +40,15 @@ def pool() -> Iterator[DevicePool]:
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
-    """Qwen2 with tied embeddings and Llama, both saved in several safetensors files."""
+    """Qwen2 with tied embeddings and Llama, both saved in several safetensors files; Qwen2's with a
+    tokenizer and a generation config beside the weights."""
+    from transformers import GenerationConfig
+
     root = tmp_path_factory.mktemp("hf")
-    return {kind: (root / kind, write_model(kind, root / kind, shard="20KB")) for kind in ("qwen2", "llama")}
+    out = {kind: (root / kind, write_model(kind, root / kind, shard="20KB")) for kind in ("qwen2", "llama")}
+    write_tokenizer(root / "qwen2")
+    GenerationConfig(eos_token_id=[4, 0]).save_pretrained(root / "qwen2")
+    return out
 
 
 def _ids() -> torch.Tensor:
@@ -145,6 +153,15 @@ def test_job_loads_from_model_path_and_exports_it_bitwise_at_step_0(
     back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(back).__name__ == type(model).__name__
     torch.testing.assert_close(_hf_logprobs(back, ids), expected, atol=0, rtol=0)
+
+    # Its tokenizer and generation config go along (a directory as complete as the one it came from).
+    if kind == "qwen2":
+        tokenizer = load_tokenizer(out)
+        assert chat_prompt_ids(tokenizer, CHAT) == chat_prompt_ids(load_tokenizer(path), CHAT)
+        assert stop_token_ids(tokenizer, out) == stop_token_ids(load_tokenizer(path), path) == (4, 0)
+    else:
+        assert not list(out.glob("tokenizer*"))  # none to take
+    assert (out / "generation_config.json").read_text() == (path / "generation_config.json").read_text()
 
     # The critic: the actor's backbone and the fresh value head (verl's init), a sequence classifier.
     out = export_hf(run.root, model="critic", step=0, out=tmp_path / "critic")
