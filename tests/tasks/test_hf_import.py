@@ -46,6 +46,9 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, A
 
     root = tmp_path_factory.mktemp("hf")
     out = {kind: (root / kind, write_model(kind, root / kind, shard="20KB")) for kind in ("qwen2", "llama")}
+    model = write_model("llama", root / "scratch")
+    model.to(torch.bfloat16).save_pretrained(root / "llama-bf16", max_shard_size="10KB")
+    out["llama-bf16"] = (root / "llama-bf16", model.float())  # the bf16 values, computed in fp32 as ours
     write_tokenizer(root / "qwen2")
     GenerationConfig(eos_token_id=[4, 0]).save_pretrained(root / "qwen2")
     return out
@@ -65,12 +68,15 @@ def _layout(tp: int, pp: int) -> Layout:
     return Layout.contiguous(tp=tp, pp=pp, micro_batches=pp)
 
 
-@pytest.mark.parametrize(("kind", "tp", "pp"), [("qwen2", 2, 1), ("llama", 2, 1), ("llama", 1, 2)])
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp"), [("qwen2", 2, 1), ("llama", 2, 1), ("llama", 1, 2), ("llama-bf16", 2, 1)]
+)
 def test_each_device_reads_only_its_shards(
     pool: DevicePool, written: dict[str, tuple[Path, Any]], kind: str, tp: int, pp: int
 ) -> None:
     path, model = written[kind]
     config, layout = read_hf_config(path), _layout(tp, pp)
+    file_dtype = torch.bfloat16 if kind.endswith("bf16") else torch.float32
     figures = model_ops.import_model(pool, layout, name=NAME, config=config, source=HFSource(str(path)))
     try:
         state, shapes = model.state_dict(), param_shapes(config)
@@ -84,10 +90,11 @@ def test_each_device_reads_only_its_shards(
                 coord.pp == pp - 1,
             )
             assert sorted(local) == sorted(names)
-            for name in names:
-                assert torch.equal(local[name], shard_tensor(state[name], name, coord.tp, tp)), name
+            for name in names:  # held in fp32; a bf16 file's values widened exactly
+                expected = shard_tensor(state[name], name, coord.tp, tp).to(file_dtype).float()
+                assert local[name].dtype == torch.float32 and torch.equal(local[name], expected), name
             # Exactly its shards' bytes came out of the files: about half of the model, never all of it.
-            mine = sum(t.numel() * t.element_size() for t in local.values())
+            mine = sum(t.numel() * file_dtype.itemsize for t in local.values())
             assert fig["file_bytes"] == mine
             whole = sum(4 * torch.Size(s).numel() for s in shapes.values())
             assert mine < 0.75 * whole
@@ -137,6 +144,13 @@ def test_job_loads_from_model_path_and_exports_it_bitwise_at_step_0(
         for stage in ("actor/train", "actor/generate", "reference/infer"):
             got = model_ops.forward(pool, state.layouts[stage], ids, name=stage)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=stage)
+        # The critic's inference copy (loaded on its own in llama's plan) draws the same fresh head.
+        values = {
+            s: model_ops.forward(pool, state.layouts[s], ids, name=s)
+            for s in ("critic/train", "critic/infer")
+        }
+        torch.testing.assert_close(values["critic/infer"], values["critic/train"], atol=1e-5, rtol=0)
+        assert values["critic/train"].shape == ids.shape and values["critic/train"].std() > 0
     finally:
         for stage, layout in state.layouts.items():
             model_ops.unload_model(pool, layout, name=stage)
