@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT / "data" / "text" / "gsm8k_test.jsonl"
+TEXT = ROOT / "data" / "text"
+GSM8K_FILES = ("gsm8k_test.jsonl", "gsm8k_test_first500.jsonl")  # the full test split, or its first rows
 SIZES = {
     "vocab_size": 128,
     "hidden_size": 32,
@@ -69,13 +70,14 @@ def write_model(kind: str, path: Path, *, shard: str | None = None, **changes: A
 def corpus(limit: int = 400) -> list[str]:
     """Text to train a tokenizer on: the project's GSM8K questions and answers, or a small inline text
     when the data file is absent."""
-    if not GSM8K.is_file():
+    found = [TEXT / name for name in GSM8K_FILES if (TEXT / name).is_file()]
+    if not found:
         return [
             "Natalia sold clips to 48 of her friends in April, and then she sold half as many in May.",
             "How many clips did Natalia sell altogether in April and May? 48 / 2 = 24. 48 + 24 = 72",
         ] * 20
     lines = []
-    with GSM8K.open() as handle:
+    with found[0].open() as handle:
         for line in handle:
             row = json.loads(line)
             lines.extend(str(row.get(key, "")) for key in ("question", "answer"))
