@@ -4,28 +4,31 @@ Every default lives here, never at a call site. A bad value raises a
 ``ConfigError`` whose message is one line naming the field, the value and what
 would be valid; the CLI prints that line and exits 2.
 
-This module knows nothing about files or the environment: callers pass in the
+This module knows nothing about files or the environment, but for one thing: a ``model.path``
+names a Hugging Face directory whose config.json decides the model's shapes, read when the model
+section is validated (``nereus_core.hf_files.imported_section``). Callers pass in the
 mapping they read (``config_yaml.parse_yaml`` reads YAML text with limits; ``load_config`` in the CLI reads
 the file).
 """
 
 from __future__ import annotations
 
-import re
-from difflib import get_close_matches
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from nereus_core.config_base import (
     ClusterConfig,
     ConfigError,
+    CriticConfig,
     TrainerConfig,
     _Frozen,
     name_error,
     shown,
 )
 from nereus_core.config_data import DataConfig, RewardConfig, ValidationConfig, sections_problem
+from nereus_core.config_errors import one_line
+from nereus_core.hf_files import critic_error, imported_section
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems
 from nereus_core.ppo import PPOSettings
@@ -82,10 +85,33 @@ class ModelConfig(_Frozen):
     )
     init_std: float = Field(default=0.02, gt=0, description="Std of the seeded normal init.")
     seed: int = Field(default=0, ge=0, description="Seed of the weights; every rank builds the same.")
+    path: str | None = Field(
+        default=None,
+        description=(
+            "A Hugging Face model directory (LlamaForCausalLM or Qwen2ForCausalLM): shapes, architecture, "
+            "RoPE, eps and ties come from its config.json, weights from its safetensors (each device reads "
+            "its own slices); fields given beside it must be equal. None: seeded random weights."
+        ),
+    )
+    tokenizer: str | None = Field(
+        default=None, description="Tokenizer directory (transformers AutoTokenizer); None: model.path."
+    )
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        return self.tokenizer or self.path
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_path(cls, data: Any) -> Any:
+        """With ``path``, the directory's config.json decides the model's shapes (hf_dir reads it)."""
+        if not isinstance(data, dict) or (data.get("path") is None and data.get("tokenizer") is None):
+            return data
+        return imported_section(data, cls)
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -118,7 +144,8 @@ class ModelConfig(_Frozen):
             value = getattr(self, name)
             if value % tp:
                 valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
-                return f"tp={tp} does not divide model.{name}={value}; valid tp: {valid}"
+                source = f" (from {self.path}/config.json)" if self.path else ""
+                return f"tp={tp} does not divide model.{name}={value}{source}; valid tp: {valid}"
         return None
 
     def pp_error(self, pp: int) -> str | None:
@@ -242,6 +269,7 @@ class NereusConfig(_Frozen):
     reward: RewardConfig | None = Field(
         default=None, description="The reward function (rewards/registry.py)."
     )
+    critic: CriticConfig = CriticConfig()
 
     def plan_rules(self, devices: int | None = None) -> PlanRules:
         """What every plan of this job must obey (``plan.problems``), on ``devices`` slots (default: the
@@ -293,69 +321,14 @@ class NereusConfig(_Frozen):
             raise ValueError(problem)
         return self
 
-
-_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-_BOUND_CTX = {"greater_than_equal": "ge", "greater_than": "gt", "less_than_equal": "le", "less_than": "lt"}
-
-
-def _where(loc: tuple[Any, ...]) -> str:
-    """``('plan', 'actor/train', 'devices', 1)`` -> ``plan.actor/train.devices[1]``."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _section_fields(loc: tuple[Any, ...]) -> list[str]:
-    """The field names of the config section at ``loc`` (empty if it is not a model)."""
-    node: Any = NereusConfig
-    for part in loc:
-        if isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
-            node = node.model_fields[part].annotation
-        elif get_origin(node) is dict:
-            node = get_args(node)[1]
-        else:
-            return []
-    return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
-
-
-def _one_line(err: ValidationError) -> str:
-    """The first error of ``err`` as one line: where, the bad value, and what would be valid."""
-    first = err.errors()[0]
-    loc = tuple(first["loc"])
-    kind = first["type"]
-    ctx = first.get("ctx") or {}
-    if loc and loc[-1] == "[key]" and loc[0] == "plan":
-        return f"{_where(loc[:-1])}: unknown model-stage; valid: {', '.join(MODEL_STAGES)}"
-    where = _where(loc)
-    if kind == "extra_forbidden":
-        valid = _section_fields(loc[:-1])
-        near = get_close_matches(str(loc[-1]), valid, n=1)
-        hint = f"did you mean {near[0]}? " if near else ""
-        return f"{where}: unknown field; {hint}valid fields: {', '.join(valid)}"
-    if kind.startswith("missing"):
-        return f"{where}: required field is missing"
-    if kind in _BOUNDS:
-        msg = f"must be {_BOUNDS[kind]} {ctx[_BOUND_CTX[kind]]}"
-    elif kind in ("model_type", "dict_type", "model_attributes_type"):
-        if first.get("input") is None:
-            return f"{where}: is empty; give it fields or remove it"
-        msg = f"must be a mapping, got {type(first.get('input')).__name__}"
-    elif kind in ("tuple_type", "list_type"):
-        msg = "must be a list, e.g. [0, 1]"
-    elif kind == "byte_size":
-        msg = "is not a size; use bytes or a number with a unit, e.g. 2GiB or 512MB"
-    else:
-        msg = first["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        msg = re.sub(r"^(Input|String|List|Tuple|Value) should", "must", msg)
-    if not where:
-        return msg
-    if msg.startswith(f"{where}.") or msg.startswith(f"{where}="):
-        return msg  # the validator already named the field in full
-    bad = first.get("input")
-    if kind != "value_error" and not isinstance(bad, dict):
-        return f"{where}={shown(bad)}: {msg}"
-    return f"{where}: {msg}"
+    @model_validator(mode="after")
+    def _check_critic(self) -> NereusConfig:
+        problem = (
+            critic_error(self.critic.path, models_for(self.model)["critic"]) if self.critic.path else None
+        )
+        if problem:
+            raise ValueError(f"critic.path: {problem}")
+        return self
 
 
 def parse_config(data: dict[str, Any] | None) -> NereusConfig:
@@ -367,7 +340,7 @@ def parse_config(data: dict[str, Any] | None) -> NereusConfig:
     try:
         return NereusConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(" ".join(_one_line(err).splitlines())) from None
+        raise ConfigError(" ".join(one_line(err, NereusConfig).splitlines())) from None
 
 
 def with_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -394,6 +367,7 @@ __all__ = [
     "MODEL_STAGES",
     "ClusterConfig",
     "ConfigError",
+    "CriticConfig",
     "JobConfig",
     "ModelConfig",
     "NereusConfig",

@@ -7,6 +7,7 @@ nothing here knows the whole config.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Literal
 
@@ -145,6 +146,24 @@ class TrainerConfig(_Frozen):
         if len(set(value)) != len(value):
             raise ValueError(f"trainer.logger={list(value)} names a tracker twice; name each once")
         return value
+
+
+class CriticConfig(_Frozen):
+    """Where the critic's weights come from."""
+
+    path: str | None = Field(
+        default=None,
+        description=(
+            "A one-label LlamaFor/Qwen2For SequenceClassification or TokenClassification directory of the "
+            "model's shapes (backbone and score.weight). None with model.path: the actor's backbone and a "
+            "fresh value head (verl's critic); None without: the fitted reward model (OpenRLHF's)."
+        ),
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, path: str | None) -> str | None:
+        return None if path is None else os.path.abspath(path)
 
 
 NAME_MAX_CHARS = 100

@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from nereus_core import faults
 from nereus_core.config import NereusConfig
+from nereus_core.engine.hf_load import hf_source
 from nereus_core.engine.memory import held_bytes as device_held_bytes
 from nereus_core.job import JobState, model_config, optimizer_settings
 from nereus_core.layout import Layout
@@ -48,12 +49,25 @@ def load_models(
     aliased: frozenset[ModelStage],
     reward_state: dict[str, torch.Tensor] | None,
 ) -> None:
-    """Every model-stage on its layout: own state from the seed (the reward model and the critic from
-    the fitted reward model, as OpenRLHF starts the critic), copies sharing or copying their source."""
+    """Every model-stage on its layout: from the model directories of the config where it names them
+    (``engine.hf_load.hf_source``: each device reads its own slices), else own state from the seed (the
+    reward model and the critic from the fitted reward model, as OpenRLHF starts the critic); copies
+    sharing their source, or loaded as it is."""
     for stage in LOAD_ORDER:
         layout = layouts[stage]
         if stage in aliased:
             model_ops.alias_model(pool, layout, name=stage, target=COPIES[stage])
+            continue
+        source = hf_source(config, stage.model)
+        if source is not None:
+            model_ops.import_model(
+                pool,
+                layout,
+                name=stage,
+                config=model_config(config, stage),
+                source=source,
+                optimizer=optimizer_settings(config, stage),
+            )
             continue
         full = reward_state if stage.model in ("reward", "critic") else None
         model_ops.load_model(

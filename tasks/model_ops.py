@@ -13,9 +13,12 @@ from collections.abc import Sequence
 import torch
 
 from nereus_core.config import ModelConfig
+from nereus_core.emu import shard_map
 from nereus_core.engine import dispatch
 from nereus_core.engine.forward import forward_outputs, generate
+from nereus_core.engine.hf_load import HFSource, load_from_hf
 from nereus_core.engine.optimizer import OptimizerSettings
+from nereus_core.engine.reshard import ReshardJob
 from nereus_core.engine.shard import alias_shard, drop_shard, load_shard, set_weights, shard_state
 from nereus_core.engine.train import LossFn, lm_loss, train_step
 from nereus_core.layout import Layout
@@ -47,6 +50,23 @@ def load_model(
         optimizer=optimizer,
         full_state=full_state,
     )
+
+
+def import_model(
+    pool: DevicePool,
+    layout: Layout,
+    *,
+    name: str,
+    config: ModelConfig,
+    source: HFSource,
+    optimizer: OptimizerSettings | None = None,
+) -> list[dict[str, float]]:
+    """Build ``name`` on ``layout`` from the model directory ``source``: each device reads only its own
+    slices, memory-mapped (``engine.hf_load``); returns each device's figures (seconds, file bytes)."""
+    pool.build_groups(layout)
+    smap = shard_map(config, layout, train=optimizer is not None)
+    job = ReshardJob(name, config, smap, smap, optimizer)
+    return pool.run_on(layout.devices, load_from_hf, job=job, source=source)
 
 
 def push_weights(pool: DevicePool, layout: Layout, full_state: dict[str, torch.Tensor], *, name: str) -> None:

@@ -16,56 +16,14 @@ from nereus_core.model import LlamaStage, vocab_parallel_logprobs
 from nereus_core.model.hf_dir import HFDirError, read_hf_config, read_slices, read_stage_shards
 from nereus_core.model.weights import param_shapes, shard_slices, shard_tensor
 from tests.core.dist_utils import run_world
+from tests.hf_models import LLAMA3_ROPE, SIZES, write_model
 
-SIZES = {
-    "vocab_size": 128,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
 BATCH, SEQ = 2, 12
-
-
-def _randomize(model: Any) -> Any:
-    """Every weight random, biases and norms included (HF initialises them to 0 and 1, which would hide
-    a bias or norm that is read wrongly)."""
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
-    return model.eval()
 
 
 def _write(kind: str, root: Path) -> tuple[Path, Any]:
     """A tiny random model of ``kind`` saved under ``root``: Qwen2 (tied, sharded) or Llama (llama3 rope)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    path = root / kind
-    if kind == "qwen2":
-        config = Qwen2Config(
-            **SIZES, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False
-        )
-        model = _randomize(Qwen2ForCausalLM._from_config(config, attn_implementation="eager"))
-        model.save_pretrained(path, max_shard_size="20KB")
-    else:
-        config = LlamaConfig(
-            **SIZES, rope_parameters=LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=False
-        )
-        model = _randomize(LlamaForCausalLM._from_config(config, attn_implementation="eager"))
-        model.save_pretrained(path)
-    return path, model
+    return root / kind, write_model(kind, root / kind, shard="20KB" if kind == "qwen2" else None)
 
 
 @pytest.fixture(scope="module")
