@@ -122,8 +122,9 @@ def last_token_index(mask_bt: torch.Tensor) -> torch.Tensor:
 
 def last_value(values_bs: torch.Tensor, attention_mask_bs: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's value at its last real token ``[b]`` (the last column without a mask): where a
-    reward model reads the score of a right-padded sequence, as verl's reward model does."""
-    if attention_mask_bs is None:
+    reward model reads the score of a right-padded sequence, as verl's reward model does. When every
+    row ends on a real token that is the last column, read as a slice (bit for bit as without a mask)."""
+    if attention_mask_bs is None or bool(attention_mask_bs[:, -1].all()):
         return values_bs[:, -1]
     last_b = last_token_index(attention_mask_bs.to(values_bs.device)).clamp_min(0)
     return values_bs.gather(1, last_b[:, None]).squeeze(1)
