@@ -158,6 +158,8 @@ def generate(
     cache = shard.stage.new_cache(b, prompt_len + max_new_tokens)
     gen = sampling_generator(seed, groups.coord.dp, ctx.device)
     positions, mask = padding(prompt_mask_bs, prompt_len, ctx.device)
+    if mask is not None and not bool(mask[:, -1].all()):
+        raise ValueError("prompts must be left-padded: every row's last prompt column must be a real token")
     stop_ids = torch.tensor(eos_ids, dtype=torch.int64, device=ctx.device)
     running_b = torch.ones(b, dtype=torch.bool, device=ctx.device)
     ids, tokens = prompt_bs, []
@@ -175,7 +177,7 @@ def generate(
         if groups.layout.pp_enabled:
             dist.broadcast(token_b, src=groups.pp_ranks[-1], group=groups.pp_group)
         running_b &= ~torch.isin(token_b, stop_ids)
-        if not bool(running_b.any()):
+        if eos_ids and not bool(running_b.any()):
             break
         ids = token_b[:, None]
         positions = positions[..., -1:] + 1
