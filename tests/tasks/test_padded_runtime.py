@@ -5,6 +5,7 @@ per row at EOS."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -169,39 +170,45 @@ def _left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return prompts.masked_fill(mask == 0, PAD), mask
 
 
-@pytest.fixture(scope="module")
-def eos_case() -> dict[str, Any]:
-    """Stop ids taken from the model's own greedy continuations, so rows stop at different steps
-    and one runs to the limit; transformers' tokens for them, padded to NEW_TOKENS with PAD."""
-    hf, (prompts, mask) = _hf_lm(LLAMA), _left_padded_prompts()
+@functools.cache
+def _eos_case(model: str, stops: str) -> dict[str, Any]:
+    """Stop ids taken from the model's own greedy continuations and transformers' tokens for them,
+    padded to NEW_TOKENS with PAD. ``stops="some"``: rows stop at different steps and some may run
+    to the limit; ``"all"``: every row stops by its third token, so generation ends early."""
+    hf, (prompts, mask) = _hf_lm(MODELS[model]), _left_padded_prompts()
     greedy = dict(attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
     with torch.no_grad():
         free = hf.generate(prompts, **greedy)[:, GEN_PROMPT:]
-        eos = (int(free[0, 1]), int(free[2, 4]))
-        # Make sure one row never meets them (else every row would stop early: still a fair test).
+        eos = (int(free[0, 1]), int(free[2, 4])) if stops == "some" else tuple(set(free[:, 2].tolist()))
         out = hf.generate(prompts, eos_token_id=list(eos), **greedy)[:, GEN_PROMPT:]
+    if stops == "all":
+        assert out.shape[1] <= 3, "transformers did not end early; the case is degenerate"
     expected = torch.full((ROWS, NEW_TOKENS), PAD)
     expected[:, : out.shape[1]] = out
     return {"prompts": prompts, "mask": mask, "eos": eos, "expected": expected}
 
 
 @pytest.mark.parametrize("dims", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)], ids=_layout_id)
-def test_greedy_generation_with_eos_matches_transformers(pool, eos_case, dims: tuple[int, int, int]) -> None:
-    layout = _layout(*dims)
-    model_ops.load_model(pool, layout, name="actor/generate", config=LLAMA)
+@pytest.mark.parametrize("stops", ["some", "all"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_greedy_generation_with_eos_matches_transformers(
+    pool, model: str, stops: str, dims: tuple[int, int, int]
+) -> None:
+    layout, case = _layout(*dims), _eos_case(model, stops)
+    model_ops.load_model(pool, layout, name="actor/generate", config=MODELS[model])
     try:
         tokens = model_ops.sample(
             pool,
             layout,
-            eos_case["prompts"],
+            case["prompts"],
             name="actor/generate",
             max_new_tokens=NEW_TOKENS,
-            prompt_mask=eos_case["mask"],
-            eos_ids=eos_case["eos"],
+            prompt_mask=case["mask"],
+            eos_ids=case["eos"],
             pad_id=PAD,
         )
     finally:
         model_ops.unload_model(pool, layout, name="actor/generate")
-    lengths = response_mask(tokens, eos_case["eos"]).sum(1)
+    lengths = response_mask(tokens, case["eos"]).sum(1)
     assert lengths.min() < NEW_TOKENS and len(set(lengths.tolist())) > 1, "rows must stop at different steps"
-    assert torch.equal(tokens, eos_case["expected"])
+    assert torch.equal(tokens, case["expected"])
