@@ -16,7 +16,7 @@ statistic reads only the tokens ``mask`` marks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -104,7 +104,7 @@ class Stopping:
     ``pad_id`` fills the columns after. No stop ids: every response is exactly the max new tokens
     (the ``count`` task). A tokenizer supplies both for real models."""
 
-    eos_ids: tuple[int, ...] = field(default=())
+    eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
 
     def __post_init__(self) -> None:
@@ -149,7 +149,7 @@ def actor_objective(
 
     Statistics (verl's names in brackets): ``clip_frac`` (pg_clipfrac), ``approx_kl`` (ppo_kl) and,
     when the engine put the policy's per-token entropy in ``batch['entropy']``, ``entropy``: each a
-    token-mean over the micro-batch's real response tokens, as the loss.
+    token-mean over the real response tokens, weighted as the loss.
     """
     mask = batch["mask"]
     share = ppo.minibatch_share(mask, batch.get("tokens_per_row"))
@@ -170,8 +170,8 @@ def actor_objective(
 def critic_objective(
     values_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
 ) -> ppo.LossAndStats:
-    """The critic's loss on a micro-batch: clipped value loss against the returns; statistic
-    ``value_clip_frac`` (verl's vf_clipfrac)."""
+    """The critic's loss on a micro-batch: clipped value loss against the returns, weighted as the
+    actor's; statistic ``value_clip_frac`` (verl's vf_clipfrac)."""
     mask = batch["mask"]
     share = ppo.minibatch_share(mask, batch.get("tokens_per_row"))
     values = response_values(values_full, mask.shape[1])
