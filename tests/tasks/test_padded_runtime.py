@@ -188,7 +188,9 @@ def _eos_case(model: str, stops: str) -> dict[str, Any]:
     return {"prompts": prompts, "mask": mask, "eos": eos, "expected": expected}
 
 
-@pytest.mark.parametrize("dims", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)], ids=_layout_id)
+@pytest.mark.parametrize(
+    "dims", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2)], ids=_layout_id
+)
 @pytest.mark.parametrize("stops", ["some", "all"])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_greedy_generation_with_eos_matches_transformers(
