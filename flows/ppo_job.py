@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
@@ -31,6 +30,7 @@ from nereus_core import rollout as ro
 from nereus_core.config import NereusConfig
 from nereus_core.controller import TransitionTiming
 from nereus_core.plan import COPIES, ModelStage
+from nereus_core.ppo import masked_mean
 from nereus_core.task import make_prompts, rule_score
 from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
@@ -39,12 +39,17 @@ from tasks.device_pool import DevicePool
 
 
 def run_step(
-    pool: DevicePool, state: jb.JobState, records: JobRecords, step: int
+    pool: DevicePool,
+    state: jb.JobState,
+    records: JobRecords,
+    step: int,
+    stopping: ro.Stopping = ro.NO_STOP,
 ) -> tuple[dict[str, Any], list[int]]:
     """One PPO step on the plan in force; returns its statistics (scores, losses, PPO statistics,
-    response lengths) and every generated response's length."""
+    response lengths) and every generated response's length. ``stopping``: the stop ids and pad id
+    (none for the count task: every response has the full length)."""
     cfg, plan, pid = state.config, state.layouts, state.plan_id
-    b, p_len, t_len = cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len
+    b, t_len = cfg.job.batch_size, cfg.job.response_len
     prompts = make_prompts(cfg.job.task_settings, b, cfg.job.seed, step)
     with records.task_call(step, pid) as call:
         gen_seed = cfg.job.seed * 7919 + step
@@ -56,19 +61,21 @@ def run_step(
             max_new_tokens=t_len,
             temperature=cfg.ppo.temperature,
             seed=gen_seed,
+            stopping=stopping,
         )
-        call.add("actor", "generate", b * t_len, s)
-    r = ro.Rollout(prompts=prompts, responses=responses, mask=torch.ones(b, t_len))
-    n_tok = b * (p_len + t_len)
+        mask = ro.response_mask(responses, stopping.eos_ids)
+        call.add("actor", "generate", int(mask.sum()), s)
+    r = ro.Rollout(prompts=prompts, responses=responses, mask=mask)
+    n_tok = int(r.attention_mask.sum())
     with records.plain(step, pid, "task", "rule_score", b):
         r.rule_score = rule_score(prompts, responses)
     passes = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # actor/train: old log-probs
     with records.task_call(step, pid) as call:
-        out, seconds = st.experience(pool, {k: plan[k] for k in passes}, r.ids)
+        out, seconds = st.experience(pool, {k: plan[k] for k in passes}, r.ids, r.attention_mask)
         for key in passes:
             model = ModelStage(key).model
             call.add(model, "infer", n_tok, seconds[key])
-    r.score = ro.final_score(out["reward/infer"])
+    r.score = ro.final_score(out["reward/infer"], r.attention_mask)
     r.ref_logp = ro.response_logp(out["reference/infer"], t_len)
     r.old_logp = ro.response_logp(out["actor/train"], t_len)
     r.values = ro.response_values(out["critic/infer"], t_len)
@@ -99,13 +106,13 @@ def run_step(
         "plan_id": pid,
         "score": float(r.score.mean()),
         "rule_score": float(r.rule_score.mean()),
-        "kl": float((r.old_logp - r.ref_logp).mean()),
-        "tokens": b * t_len,
+        "kl": float(masked_mean(r.old_logp - r.ref_logp, r.mask)),
+        "tokens": int(r.mask.sum()),
         **{f"actor_{k}": v for k, v in trained["actor"].items()},
         **{f"critic_{k}": v for k, v in trained["critic"].items()},
         **ro.length_stats(r.mask, t_len),
     }
-    return stats, [int(n) for n in r.mask.sum(dim=1).tolist()]
+    return stats, r.lengths.tolist()
 
 
 def decide_and_switch(

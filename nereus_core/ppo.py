@@ -53,6 +53,22 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp_min(_EPS)
 
 
+def minibatch_share(mask_bt: torch.Tensor, tokens_per_row: torch.Tensor | None) -> torch.Tensor:
+    """What turns a micro-batch's token-mean into its share of the mini-batch's token-mean.
+
+    The engine averages micro-batch losses over micro-batches and replicas (DeepSpeed's 1/GAS and
+    DP mean). With ragged masks a mean of per-micro-batch token-means weights a token by the length
+    of its micro-batch, so the gradient would depend on the layout. Multiplying each micro-batch's
+    token-mean by ``sum(mask) / (rows * tokens_per_row)``, where ``tokens_per_row`` is the mini-batch's
+    real tokens per row, makes that average the token-mean over the whole mini-batch (as verl's
+    global token normalization) in every layout. Exactly 1 when every row has the same length, and
+    when ``tokens_per_row`` is None (a plain per-micro-batch mean).
+    """
+    if tokens_per_row is None:
+        return mask_bt.new_ones(())
+    return mask_bt.sum() / (mask_bt.shape[0] * tokens_per_row.reshape(-1)[0].to(mask_bt.dtype))
+
+
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of the masked entries of ``x``; unbiased (Bessel's ``n / (n - 1)``) by default."""
     mean = masked_mean(x, mask)
@@ -102,6 +118,16 @@ def last_token_index(mask_bt: torch.Tensor) -> torch.Tensor:
     """Index of the last real token of each row, ``[b]``; -1 for a row with none."""
     positions = torch.arange(mask_bt.shape[-1], device=mask_bt.device).expand_as(mask_bt)
     return torch.where(mask_bt > 0, positions, torch.full_like(positions, -1)).amax(dim=-1)
+
+
+def last_value(values_bs: torch.Tensor, attention_mask_bs: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's value at its last real token ``[b]`` (the last column without a mask): where a
+    reward model reads the score of a right-padded sequence, as verl's reward model does. When every
+    row ends on a real token that is the last column, read as a slice (bit for bit as without a mask)."""
+    if attention_mask_bs is None or bool(attention_mask_bs[:, -1].all()):
+        return values_bs[:, -1]
+    last_b = last_token_index(attention_mask_bs.to(values_bs.device)).clamp_min(0)
+    return values_bs.gather(1, last_b[:, None]).squeeze(1)
 
 
 def shaped_rewards(
@@ -308,9 +334,11 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "last_token_index",
+    "last_value",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "minibatch_share",
     "policy_loss",
     "shaped_rewards",
     "value_loss",

@@ -7,6 +7,11 @@ head gives ``values[:, j]`` for the state after ``ids[:, :j+1]``; the value of
 the state in which response token ``i`` is chosen is ``values[:, P-1+i]``,
 i.e. columns ``s-T-1 .. s-2``. The objectives below take the head's full
 outputs (as the engine computes them) and slice the response out.
+
+Padding, as verl: prompts are left-padded (``prompt_mask`` 0 on the pads) and responses
+right-padded (``mask`` 1 up to and including the stop token, 0 after), so the alignment above
+holds for every row. ``attention_mask`` is both masks side by side; every loss, estimator and
+statistic reads only the tokens ``mask`` marks.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from nereus_core import ppo
 class Rollout:
     """Per-sequence tensors of one step; every field's first dim is the batch."""
 
-    prompts: torch.Tensor  # [b, P] token ids
-    responses: torch.Tensor  # [b, T] token ids
-    mask: torch.Tensor  # [b, T] 1.0 for real response tokens
+    prompts: torch.Tensor  # [b, P] token ids, left-padded
+    responses: torch.Tensor  # [b, T] token ids, right-padded
+    mask: torch.Tensor  # [b, T] 1.0 for real response tokens (up to and including the stop token)
+    prompt_mask: torch.Tensor | None = None  # [b, P] 1 for real prompt tokens; None: no padding
     rule_score: torch.Tensor | None = None  # [b] the task's verifiable score
     score: torch.Tensor | None = None  # [b] the reward model's score
     old_logp: torch.Tensor | None = None  # [b, T] actor log-probs at rollout time
@@ -39,16 +45,37 @@ class Rollout:
         return torch.cat([self.prompts, self.responses], dim=1)
 
     @property
+    def attention_mask(self) -> torch.Tensor:
+        """``[b, P + T]``: 1 for the real tokens of ``ids``, 0 for the pads on either side."""
+        prompt_mask = torch.ones_like(self.prompts) if self.prompt_mask is None else self.prompt_mask
+        return torch.cat([prompt_mask.to(self.mask.dtype), self.mask], dim=1)
+
+    @property
     def response_len(self) -> int:
+        """The response columns ``T`` (the max new tokens); a row's own length is in ``lengths``."""
         return self.responses.shape[1]
 
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Each response's real tokens ``[b]`` (int64)."""
+        return self.mask.sum(dim=1).round().long()
+
     def columns(self) -> dict[str, torch.Tensor]:
-        """The filled fields, by name (for the rollouts table)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        """The filled fields, by name, and each response's length (for the rollouts table)."""
+        filled = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {**filled, "response_length": self.lengths}
 
     def train_batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the train stages need for the given rows: ids plus response-aligned targets."""
-        batch = {"ids": self.ids[rows], "mask": self.mask[rows]}
+        """What the train stages need for the given rows: ids and their attention mask plus
+        response-aligned targets."""
+        mask = self.mask[rows]
+        batch = {
+            "ids": self.ids[rows],
+            "attention_mask": self.attention_mask[rows],
+            "mask": mask,
+            # Each row carries the mini-batch's real tokens per row (ppo.minibatch_share).
+            "tokens_per_row": (mask.sum() / mask.shape[0]).expand(mask.shape[0]).clone(),
+        }
         for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
             value = getattr(self, name)
             if value is not None:
@@ -66,9 +93,38 @@ def response_values(values_full: torch.Tensor, response_len: int) -> torch.Tenso
     return values_full[:, -response_len - 1 : -1]
 
 
-def final_score(values_full: torch.Tensor) -> torch.Tensor:
-    """The reward model's score of a sequence: its value after the last token ``[b]``."""
-    return values_full[:, -1]
+def final_score(values_full: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The reward model's score of a sequence: its value after its last real token ``[b]``."""
+    return ppo.last_value(values_full, attention_mask)
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """When a response ends: at its first id in ``eos_ids`` (kept, mask 1) or at the max new tokens;
+    ``pad_id`` fills the columns after. No stop ids: every response is exactly the max new tokens
+    (the ``count`` task). A tokenizer supplies both for real models."""
+
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if any(i < 0 for i in self.eos_ids) or self.pad_id < 0:
+            raise ValueError(f"token ids must be >= 0, got eos_ids={self.eos_ids}, pad_id={self.pad_id}")
+
+
+# The count task's stopping: none, every response runs to the max new tokens.
+NO_STOP = Stopping()
+
+
+def response_mask(responses_bt: torch.Tensor, eos_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """``[b, T]`` float: 1 up to and including each row's first id in ``eos_ids``, 0 after (verl's
+    ``get_response_mask``); all ones without stop ids. Pads are not looked at, so ``pad_id`` may be
+    a stop id."""
+    if not eos_ids:
+        return torch.ones(responses_bt.shape, dtype=torch.float32)
+    stops_bt = torch.isin(responses_bt, torch.tensor(eos_ids, dtype=responses_bt.dtype)).long()
+    stops_before_bt = stops_bt.cumsum(dim=1) - stops_bt
+    return (stops_before_bt == 0).float()
 
 
 def compute_advantages(rollout: Rollout, settings: ppo.PPOSettings) -> None:
@@ -88,13 +144,15 @@ def compute_advantages(rollout: Rollout, settings: ppo.PPOSettings) -> None:
 def actor_objective(
     logp_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
 ) -> ppo.LossAndStats:
-    """The actor's loss on a micro-batch: PPO's clipped surrogate (+ KL loss when enabled).
+    """The actor's loss on a micro-batch: PPO's clipped surrogate (+ KL loss when enabled), as its
+    share of the mini-batch's token-mean (``ppo.minibatch_share``) when the batch says its size.
 
     Statistics (verl's names in brackets): ``clip_frac`` (pg_clipfrac), ``approx_kl`` (ppo_kl) and,
     when the engine put the policy's per-token entropy in ``batch['entropy']``, ``entropy``: each a
-    token-mean over the micro-batch's real response tokens, as the loss.
+    token-mean over the real response tokens, weighted as the loss.
     """
     mask = batch["mask"]
+    share = ppo.minibatch_share(mask, batch.get("tokens_per_row"))
     logp = response_logp(logp_full, mask.shape[1])
     loss, loss_stats = ppo.POLICY_LOSSES[settings.policy_loss](
         logp, batch["old_logp"], batch["advantages"], mask, settings.clip_ratio
@@ -106,20 +164,21 @@ def actor_objective(
     stats = {"clip_frac": loss_stats["clip_frac"], "approx_kl": loss_stats["approx_kl"]}
     if "entropy" in batch:
         stats["entropy"] = ppo.masked_mean(response_logp(batch["entropy"], mask.shape[1]), mask)
-    return loss, stats
+    return loss * share, {k: v * share for k, v in stats.items()}
 
 
 def critic_objective(
     values_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
 ) -> ppo.LossAndStats:
-    """The critic's loss on a micro-batch: clipped value loss against the returns; statistic
-    ``value_clip_frac`` (verl's vf_clipfrac)."""
+    """The critic's loss on a micro-batch: clipped value loss against the returns, weighted as the
+    actor's; statistic ``value_clip_frac`` (verl's vf_clipfrac)."""
     mask = batch["mask"]
+    share = ppo.minibatch_share(mask, batch.get("tokens_per_row"))
     values = response_values(values_full, mask.shape[1])
     loss, loss_stats = ppo.VALUE_LOSSES[settings.value_loss](
         values, batch["values"], batch["returns"], mask, settings.value_clip
     )
-    return loss, {"value_clip_frac": loss_stats["value_clip_frac"]}
+    return loss * share, {"value_clip_frac": loss_stats["value_clip_frac"] * share}
 
 
 def length_stats(mask_bt: torch.Tensor, limit: int) -> dict[str, float]:

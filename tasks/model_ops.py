@@ -83,10 +83,18 @@ def unload_model(pool: DevicePool, layout: Layout, *, name: str) -> None:
     pool.run(layout, drop_shard, name=name)
 
 
-def forward(pool: DevicePool, layout: Layout, ids_bs: torch.Tensor, *, name: str) -> torch.Tensor:
-    """Per-token outputs of ``name`` on ``ids_bs``: log-probs ``[b, s-1]`` (lm head) or values ``[b, s]``."""
-    parts = dispatch.per_device(layout, ids_bs)
-    return dispatch.collect(layout, pool.run(layout, forward_outputs, [(p,) for p in parts], name=name))
+def forward(
+    pool: DevicePool,
+    layout: Layout,
+    ids_bs: torch.Tensor,
+    *,
+    name: str,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token outputs of ``name`` on ``ids_bs`` (padded where ``attention_mask`` is 0): log-probs
+    ``[b, s-1]`` (lm head) or values ``[b, s]``."""
+    args = dispatch.per_device_args(layout, ids_bs, attention_mask)
+    return dispatch.collect(layout, pool.run(layout, forward_outputs, args, name=name))
 
 
 def sample(
@@ -98,17 +106,22 @@ def sample(
     max_new_tokens: int,
     temperature: float = 0.0,
     seed: int = 0,
+    prompt_mask: torch.Tensor | None = None,
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
 ) -> torch.Tensor:
-    """Generated tokens ``[b, max_new_tokens]`` after each prompt."""
-    parts = dispatch.per_device(layout, prompts_bs)
+    """Generated tokens ``[b, max_new_tokens]`` after each (left-padded) prompt; a row stops at its
+    first id in ``eos_ids`` and is filled with ``pad_id`` after it (``engine.forward.generate``)."""
     results = pool.run(
         layout,
         generate,
-        [(p,) for p in parts],
+        dispatch.per_device_args(layout, prompts_bs, prompt_mask),
         name=name,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
+        eos_ids=tuple(eos_ids),
+        pad_id=pad_id,
     )
     return dispatch.collect(layout, results)
 

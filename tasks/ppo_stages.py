@@ -114,8 +114,10 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     seed: int,
+    prompt_mask: torch.Tensor | None = None,
+    stopping: ro.Stopping = ro.NO_STOP,
 ) -> Timed:
-    """actor/generate: sample responses with the KV cache."""
+    """actor/generate: sample responses with the KV cache, each stopping at an EOS id or the limit."""
     return _timed(
         model_ops.sample,
         pool,
@@ -125,12 +127,18 @@ def generate(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
+        prompt_mask=prompt_mask,
+        eos_ids=stopping.eos_ids,
+        pad_id=stopping.pad_id,
     )
 
 
 @task(cache_policy=NO_CACHE)
 def experience(
-    pool: DevicePool, layouts: dict[str, Layout], ids: torch.Tensor
+    pool: DevicePool,
+    layouts: dict[str, Layout],
+    ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Every forward pass over the rollout in one task, each stage timed on its own: ``layouts`` maps
     the model-stage to run (reward/infer, reference/infer, actor/train for the old log-probs,
@@ -138,7 +146,9 @@ def experience(
     of the demo's models ~50 ms (OpenRLHF groups the same passes as ``make_experience``)."""
     outputs, seconds = {}, {}
     for name, layout in layouts.items():
-        outputs[name], seconds[name] = _timed(model_ops.forward, pool, layout, ids, name=name)
+        outputs[name], seconds[name] = _timed(
+            model_ops.forward, pool, layout, ids, name=name, attention_mask=attention_mask
+        )
     return outputs, seconds
 
 

@@ -31,6 +31,12 @@ def per_device(layout: Layout, tensor: torch.Tensor) -> list[torch.Tensor]:
     return [tensor[rows[layout.coord(i).dp]].clone() for i in range(layout.world_size)]
 
 
+def per_device_args(layout: Layout, *tensors: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...]]:
+    """One tuple of positional arguments per device: each tensor's replica rows (None stays None)."""
+    parts = [per_device(layout, t) if t is not None else [None] * layout.world_size for t in tensors]
+    return [tuple(p[i] for p in parts) for i in range(layout.world_size)]
+
+
 def per_device_batch(layout: Layout, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """``per_device`` for a dict of per-sequence tensors."""
     parts = {k: per_device(layout, v) for k, v in batch.items()}

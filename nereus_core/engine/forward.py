@@ -6,11 +6,19 @@ forward point-to-point; the last stage turns its vocab-split logits into
 log-probs or sampled tokens without gathering the vocabulary (tensor_parallel).
 Only the last stage's tp-rank-0 device returns a tensor; the others return None,
 and ``dispatch.collect`` stitches replicas back together.
+
+Padding, as verl and transformers: prompts are left-padded and responses right-padded, so
+every response starts at the same column. An ``attention_mask`` ``[b, s]`` (1 real, 0 pad)
+hides pad keys, and positions count from each row's first real token (``position_ids``). A
+batch without padding (no mask, or all ones) runs the plain causal path, bit for bit as
+before. Generation stops a row at its first stop id (EOS) and fills the rest with ``pad_id``,
+as transformers' ``generate``; it ends early once every row of the replica has stopped.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from nereus_core.engine import p2p
 from nereus_core.engine.shard import ModelShard, get_shard
@@ -26,12 +34,34 @@ def micro_batches(batch: int, count: int) -> list[slice]:
     return [slice(i * size, (i + 1) * size) for i in range(count)]
 
 
+def position_ids(attention_mask_bs: torch.Tensor) -> torch.Tensor:
+    """Each token's position counted from its row's first real token, ``[b, s]``; pads before it get 0.
+
+    As transformers' ``generate`` derives them (``cumsum(mask) - 1``) and verl passes them to training.
+    """
+    return (attention_mask_bs.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def padding(
+    attention_mask_bs: torch.Tensor | None, length: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(positions, attention_mask)`` for a batch of ``length`` columns: ``arange`` and None when
+    nothing is padded (the plain causal path), else per-row positions and the mask on ``device``."""
+    if attention_mask_bs is None or bool(attention_mask_bs.all()):
+        return torch.arange(length, device=device), None
+    if attention_mask_bs.shape[-1] != length:
+        raise ValueError(f"attention_mask has {attention_mask_bs.shape[-1]} columns; the ids have {length}")
+    mask = attention_mask_bs.to(device)
+    return position_ids(mask), mask
+
+
 def stage_forward(
     shard: ModelShard,
     ids: torch.Tensor,
     positions: torch.Tensor,
     *,
     cache: object | None = None,
+    attention_mask: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Receive this stage's input (or take the ids), run the stage, send the output on.
@@ -46,7 +76,12 @@ def stage_forward(
         shape = (ids.shape[0], ids.shape[1], shard.config.hidden_size)
         x = p2p.recv(shape, dtype, groups.prev_rank, ids.device)
         x.requires_grad_(torch.is_grad_enabled())
-    out = shard.module(x, positions, cache) if cache is not None else shard.module(x, positions)
+    if attention_mask is not None:
+        out = shard.module(x, positions, cache, attention_mask=attention_mask)
+    elif cache is not None:
+        out = shard.module(x, positions, cache)
+    else:
+        out = shard.module(x, positions)
     if not groups.is_last_stage:
         p2p.send(out.detach(), groups.next_rank)
     return x, out
@@ -64,16 +99,27 @@ def head_outputs(shard: ModelShard, out: torch.Tensor, ids_bs: torch.Tensor) -> 
     return vocab_parallel_logprobs(out[:, :-1], ids_bs[:, 1:], groups.tp_group, tp_rank=groups.coord.tp)
 
 
+def rows(positions: torch.Tensor, mask: torch.Tensor | None, mb: slice) -> dict[str, torch.Tensor | None]:
+    """A micro-batch's ``positions`` (shared ``[s]`` or per-row ``[b, s]``) and ``attention_mask``."""
+    return {
+        "positions": positions[mb] if positions.dim() == 2 else positions,
+        "attention_mask": None if mask is None else mask[mb],
+    }
+
+
 @torch.no_grad()
-def forward_outputs(ctx: DeviceContext, ids_bs: torch.Tensor, *, name: str) -> torch.Tensor | None:
-    """``head_outputs`` for this replica's ids ``[b, s]``, micro-batch by micro-batch."""
+def forward_outputs(
+    ctx: DeviceContext, ids_bs: torch.Tensor, attention_mask_bs: torch.Tensor | None = None, *, name: str
+) -> torch.Tensor | None:
+    """``head_outputs`` for this replica's ids ``[b, s]`` (padded where ``attention_mask_bs`` is 0),
+    micro-batch by micro-batch."""
     shard = get_shard(ctx, name)
     groups = shard.groups
     ids_bs = ids_bs.to(ctx.device)
-    positions = torch.arange(ids_bs.shape[1], device=ctx.device)
+    positions, mask = padding(attention_mask_bs, ids_bs.shape[1], ctx.device)
     outs = []
     for mb in micro_batches(ids_bs.shape[0], groups.layout.micro_batches):
-        _, out = stage_forward(shard, ids_bs[mb], positions)
+        _, out = stage_forward(shard, ids_bs[mb], **rows(positions, mask, mb))
         if groups.is_last_stage:
             outs.append(head_outputs(shard, out, ids_bs[mb]))
     return torch.cat(outs).cpu() if _returns(groups) else None
@@ -88,16 +134,22 @@ def sampling_generator(seed: int, dp_rank: int, device: torch.device) -> torch.G
 def generate(
     ctx: DeviceContext,
     prompt_bs: torch.Tensor,
+    prompt_mask_bs: torch.Tensor | None = None,
     *,
     name: str,
     max_new_tokens: int,
     temperature: float = 0.0,
     seed: int = 0,
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
 ) -> torch.Tensor | None:
-    """Sample ``max_new_tokens`` after each prompt of this replica; returns ``[b, max_new_tokens]``.
+    """Sample up to ``max_new_tokens`` after each left-padded prompt of this replica; returns
+    ``[b, max_new_tokens]``, each row padded with ``pad_id`` after its first id in ``eos_ids``.
 
-    Prefill runs the whole prompt through the pipeline, then one token per step;
-    the last stage samples and sends the token back to the first stage.
+    Prefill runs the whole prompt through the pipeline, then one token per step; the last stage
+    samples and, with pipeline stages, broadcasts the tokens to the others so that every stage
+    knows which rows stopped and when all have (then the loop ends). A stopped row keeps being fed
+    ``pad_id`` with its mask at 1, as transformers does; its outputs are discarded.
     """
     shard = get_shard(ctx, name)
     groups = shard.groups
@@ -105,24 +157,48 @@ def generate(
     b, prompt_len = prompt_bs.shape
     cache = shard.stage.new_cache(b, prompt_len + max_new_tokens)
     gen = sampling_generator(seed, groups.coord.dp, ctx.device)
-    first_rank = groups.pp_ranks[0]
-    last_rank = groups.pp_ranks[-1]
-    ids, start, tokens = prompt_bs, 0, []
+    positions, mask = padding(prompt_mask_bs, prompt_len, ctx.device)
+    if mask is not None and not bool(mask[:, -1].all()):
+        raise ValueError("prompts must be left-padded: every row's last prompt column must be a real token")
+    stop_ids = torch.tensor(eos_ids, dtype=torch.int64, device=ctx.device)
+    running_b = torch.ones(b, dtype=torch.bool, device=ctx.device)
+    ids, tokens = prompt_bs, []
     for step in range(max_new_tokens):
-        positions = torch.arange(start, start + ids.shape[1], device=ctx.device)
-        _, out = stage_forward(shard, ids, positions, cache=cache)
-        start += ids.shape[1]
-        more = step + 1 < max_new_tokens
+        _, out = stage_forward(shard, ids, positions, cache=cache, attention_mask=mask)
+        if step + 1 == max_new_tokens:
+            if groups.is_last_stage:
+                tokens.append(_next_token(shard, out, temperature, gen, running_b, pad_id))
+            break
         if groups.is_last_stage:
-            token_b = vocab_parallel_sample(
-                out[:, -1], temperature, gen, groups.tp_group, tp_rank=groups.coord.tp
-            )
+            token_b = _next_token(shard, out, temperature, gen, running_b, pad_id)
             tokens.append(token_b)
-            if more and groups.layout.pp_enabled:
-                p2p.send(token_b, first_rank)
-            ids = token_b[:, None]
-        elif groups.is_first_stage and more:
-            ids = p2p.recv((b,), torch.int64, last_rank, ctx.device)[:, None]
         else:
-            ids = torch.empty((b, 1), dtype=torch.int64, device=ctx.device)  # shape only
-    return torch.stack(tokens, dim=1).cpu() if _returns(groups) else None
+            token_b = torch.empty((b,), dtype=torch.int64, device=ctx.device)
+        if groups.layout.pp_enabled:
+            dist.broadcast(token_b, src=groups.pp_ranks[-1], group=groups.pp_group)
+        running_b &= ~torch.isin(token_b, stop_ids)
+        if eos_ids and not bool(running_b.any()):
+            break
+        ids = token_b[:, None]
+        positions = positions[..., -1:] + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+    if not _returns(groups):
+        return None
+    out_bt = torch.full((b, max_new_tokens), pad_id, dtype=torch.int64, device=ctx.device)
+    out_bt[:, : len(tokens)] = torch.stack(tokens, dim=1)
+    return out_bt.cpu()
+
+
+def _next_token(
+    shard: ModelShard,
+    out: torch.Tensor,
+    temperature: float,
+    gen: torch.Generator,
+    running_b: torch.Tensor,
+    pad_id: int,
+) -> torch.Tensor:
+    """The last stage's next token of every row; ``pad_id`` for rows that already stopped."""
+    groups = shard.groups
+    token_b = vocab_parallel_sample(out[:, -1], temperature, gen, groups.tp_group, tp_rank=groups.coord.tp)
+    return torch.where(running_b, token_b, torch.full_like(token_b, pad_id))

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from nereus_core.engine import p2p
-from nereus_core.engine.forward import head_outputs, micro_batches, stage_forward
+from nereus_core.engine.forward import head_outputs, micro_batches, padding, rows, stage_forward
 from nereus_core.engine.shard import ModelShard, get_shard
 from nereus_core.model.tensor_parallel import vocab_parallel_entropy
 from nereus_core.parallel.device import DeviceContext
+from nereus_core.ppo import last_value, minibatch_share
 
 # A micro-batch's loss, or its loss and statistics (detached 0-dim tensors, e.g. a clip fraction).
 LossFn = Callable[
@@ -28,17 +29,22 @@ LossFn = Callable[
 
 
 def lm_loss(logp_bt: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Negative mean log-likelihood of the tokens (masked by ``batch['mask']`` when given)."""
+    """Negative mean log-likelihood of the tokens (masked by ``batch['mask']`` ``[b, s]`` when given: its
+    columns 1.. mark the targets; with ``batch['tokens_per_row']`` the mean is over the mini-batch,
+    ``ppo.minibatch_share``)."""
     mask = batch.get("mask")
     if mask is None:
         return -logp_bt.mean()
     mask = mask[:, 1:].to(logp_bt.dtype)
-    return -(logp_bt * mask).sum() / mask.sum().clamp(min=1.0)
+    share = minibatch_share(mask, batch.get("tokens_per_row"))
+    return -(logp_bt * mask).sum() / mask.sum().clamp(min=1.0) * share
 
 
 def score_mse_loss(values_bs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean squared error of the last token's value against ``batch['score']`` (reward-model fitting)."""
-    return (values_bs[:, -1] - batch["score"].to(values_bs.dtype)).pow(2).mean()
+    """Mean squared error of the last real token's value (``last_value``) against ``batch['score']``
+    (reward-model fitting)."""
+    last_b = last_value(values_bs, batch.get("attention_mask"))
+    return (last_b - batch["score"].to(values_bs.dtype)).pow(2).mean()
 
 
 def _slice(batch: dict[str, torch.Tensor], mb: slice, device: torch.device) -> dict[str, torch.Tensor]:
@@ -53,7 +59,8 @@ def train_step(
     loss_fn: LossFn = lm_loss,
     with_entropy: bool = False,
 ) -> dict[str, float] | None:
-    """One optimizer step on this replica's ``batch`` (``batch['ids']`` ``[b, s]`` plus per-sequence extras).
+    """One optimizer step on this replica's ``batch`` (``batch['ids']`` ``[b, s]`` plus per-sequence extras;
+    ``batch['attention_mask']`` ``[b, s]``, when present, marks the padding, as ``forward.padding``).
 
     The loss of a micro-batch is ``loss_fn(outputs, micro-batch)`` with the head's outputs
     (``forward.head_outputs``: log-probs ``[b, s-1]`` or values ``[b, s]``); a loss function may
@@ -72,11 +79,11 @@ def train_step(
         raise ValueError(f"model-stage {name!r} has a value head: it has no entropy; pass with_entropy=False")
     engine, groups = shard.engine, shard.groups
     ids_bs = batch["ids"].to(ctx.device)
-    positions = torch.arange(ids_bs.shape[1], device=ctx.device)
+    positions, mask = padding(batch.get("attention_mask"), ids_bs.shape[1], ctx.device)
     engine.train()
     saved, stats = [], []
     for mb in micro_batches(ids_bs.shape[0], groups.layout.micro_batches):
-        x, out = stage_forward(shard, ids_bs[mb], positions)
+        x, out = stage_forward(shard, ids_bs[mb], **rows(positions, mask, mb))
         if groups.is_last_stage:
             mb_batch = _slice(batch, mb, ctx.device)
             if with_entropy:

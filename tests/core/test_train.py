@@ -1,6 +1,7 @@
 """The PPO statistics of a train step (nereus_core/engine/train.py): loss, clip fraction, approximate
 KL, entropy and the global gradient norm, in several layouts (tp, pp, dp; ZeRO 0/1/2) of a gloo world,
-against the same quantities written out in plain torch on one device."""
+against the same quantities written out in plain torch on one device; and with left-padded prompts
+and ragged responses, against the token-means of the whole batch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from nereus_core.config import ModelConfig
 from nereus_core.engine.dispatch import per_device_batch
+from nereus_core.engine.forward import position_ids
 from nereus_core.engine.optimizer import OptimizerSettings
 from nereus_core.engine.shard import load_shard
 from nereus_core.engine.train import train_step
@@ -54,8 +56,13 @@ def _reference_model() -> Any:
     return model.float()
 
 
-def _response_logp_and_entropy(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logp_all = torch.log_softmax(model(ids).logits[:, :-1].float(), dim=-1)
+def _response_logp_and_entropy(
+    model: Any, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kwargs = {}
+    if attention_mask is not None:
+        kwargs = {"attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
+    logp_all = torch.log_softmax(model(ids, **kwargs).logits[:, :-1].float(), dim=-1)
     logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp[:, -RESPONSE:], entropy[:, -RESPONSE:]
@@ -102,6 +109,46 @@ def _reference_stats(batch: dict[str, torch.Tensor]) -> dict[str, float]:
     return {**{k: float(v.detach()) for k, v in stats.items()}, "grad_norm": float(grad_sq.sqrt())}
 
 
+def _padded_batch() -> dict[str, torch.Tensor]:
+    """``_stats_batch`` with left-padded prompts, its attention mask and the rows' tokens per row."""
+    batch = _stats_batch()
+    prompt_mask = (torch.arange(PROMPT) >= torch.tensor([0, 2, 1, 2])[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, batch["mask"].long()], dim=1)
+    with torch.no_grad():
+        logp, _ = _response_logp_and_entropy(_reference_model(), batch["ids"], attention_mask)
+    gen = torch.Generator().manual_seed(9)
+    per_row = batch["mask"].sum() / ROWS
+    return {
+        **batch,
+        "attention_mask": attention_mask,
+        "old_logp": logp + 0.3 * torch.randn(logp.shape, generator=gen),
+        "tokens_per_row": per_row.expand(ROWS).clone(),
+    }
+
+
+def _whole_batch_stats(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The clipped surrogate and its statistics as token-means over all rows at once (the padded
+    forward as transformers runs it), and the gradient norm of that loss."""
+    model = _reference_model()
+    logp, entropy = _response_logp_and_entropy(model, batch["ids"], batch["attention_mask"])
+    mask, old, adv = batch["mask"], batch["old_logp"], batch["advantages"]
+    ratio = (logp - old).exp()
+    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(0.8, 1.2)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return (x * mask).sum() / mask.sum()
+
+    stats = {
+        "loss": mean(torch.maximum(unclipped, clipped)),
+        "clip_frac": mean((clipped > unclipped).float()),
+        "approx_kl": mean(old - logp),
+        "entropy": mean(entropy),
+    }
+    stats["loss"].backward()
+    grad_sq = sum(p.grad.double().square().sum() for p in model.parameters())
+    return {**{k: float(v.detach()) for k, v in stats.items()}, "grad_norm": float(grad_sq.sqrt())}
+
+
 def _stats_world(rank: int, world: int, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # DeepSpeed reads them; the world exists
@@ -125,9 +172,10 @@ def _stats_world(rank: int, world: int, batch: dict[str, torch.Tensor]) -> dict[
 
 
 @pytest.mark.timeout(240)
-def test_train_step_statistics_match_one_device_in_every_layout() -> None:
-    batch = _stats_batch()
-    expected = _reference_stats(batch)
+@pytest.mark.parametrize("padded", [False, True], ids=["chunks", "padded-whole-batch"])
+def test_train_step_statistics_match_one_device_in_every_layout(padded: bool) -> None:
+    batch = _padded_batch() if padded else _stats_batch()
+    expected = _whole_batch_stats(batch) if padded else _reference_stats(batch)
     # The case is not degenerate: some tokens clip, the policies differ, gradients flow.
     assert 0 < expected["clip_frac"] < 1 and abs(expected["approx_kl"]) > 1e-3 and expected["grad_norm"] > 0
     results = run_world(2, _stats_world, batch, timeout_s=200)
