@@ -1,6 +1,7 @@
 """What a PPO run records: stage timings, per-step history, transitions, decisions and the summary.
 
-    stage timings  -> metrics/steps.parquet, a table per step (run logger), artifact nereus-step-timings
+    stage timings  -> metrics/steps.parquet (and the step's response lengths), a table per step
+                      (run logger), artifact nereus-step-timings
     step history   -> metrics/history.parquet (scores, losses, PPO statistics, lengths, wall, overhead)
     transitions    -> metrics/transitions.parquet, artifact nereus-transitions
     every step     -> trainer.logger's trackers (flows/tracking.py), the progress bar on a terminal
@@ -36,6 +37,7 @@ from nereus_core.job import JobState, Switch
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 
 HISTORY_TABLE = "metrics/history.parquet"
+LENGTH_STATS = ("response_len_mean", "response_len_max", "response_clip_frac")  # rollout.length_stats
 
 
 class QuietCompletedTasks(logging.Filter):
@@ -140,8 +142,10 @@ class JobRecords:
         start, step = time.perf_counter(), stats["step"]
         rows = self.step_rows(step)
         inside = sum(r["duration_s"] for r in rows)
+        lengths = {k: stats[k] for k in LENGTH_STATS if k in stats}
         for r in rows:
             r["step_wall_s"] = wall_s
+            r.update(lengths)  # the step's response lengths beside its stage times
         stats.update(wall_s=wall_s, stage_s=inside, overhead_s=wall_s - inside)
         stats["run_s"] = self.before_s + time.perf_counter() - self.t0
         self.run.write_rows(STEPS_TABLE, self.rows)

@@ -92,6 +92,9 @@ def bring_up(
         return state, {"fit": {}, "resume_verified_bitwise": verified}
     state = jb.start(cfg)
     run.write_plan(state.plan_id, {str(k): v.model_dump(mode="json") for k, v in state.layouts.items()})
+    if not cfg.uses_reward_model:  # a rule on text scores the responses: no reward model to fit
+        job_ops.load_models(pool, cfg, state.layouts, state.aliased, None)
+        return state, {"fit": {}}
     reward = state.layouts["reward/infer"]
     cache_dir = reward_fit_cache_dir()
     fit = st.fit_reward_model(pool, reward, cfg, st.reward_fit_key(cfg), cache_dir)

@@ -22,20 +22,23 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows import job_start, tracking
+from flows import generation, job_start, tracking
+from flows.job_data import job_data
 from flows.job_records import JobRecords, done_line, log_decision
 from flows.transition import transition_flow
 from nereus_core import job as jb
+from nereus_core import prompt_source as ps
 from nereus_core import rollout as ro
 from nereus_core.config import NereusConfig
 from nereus_core.controller import TransitionTiming
 from nereus_core.plan import COPIES, ModelStage
 from nereus_core.ppo import masked_mean
-from nereus_core.task import make_prompts, rule_score
 from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
 from tasks.controller import controller_step
 from tasks.device_pool import DevicePool
+
+PASSES = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # forward passes over the rollout
 
 
 def run_step(
@@ -43,39 +46,23 @@ def run_step(
     state: jb.JobState,
     records: JobRecords,
     step: int,
-    stopping: ro.Stopping = ro.NO_STOP,
+    prompt_source: ps.PromptSource | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """One PPO step on the plan in force; returns its statistics (scores, losses, PPO statistics,
-    response lengths) and every generated response's length. ``stopping``: the stop ids and pad id
-    (none for the count task: every response has the full length)."""
+    response lengths) and every generated response's length. ``prompt_source``: the prompts, stop ids and
+    rule (flows/job_data.py; default: the count task)."""
     cfg, plan, pid = state.config, state.layouts, state.plan_id
     b, t_len = cfg.job.batch_size, cfg.job.response_len
-    prompts = make_prompts(cfg.job.task_settings, b, cfg.job.seed, step)
-    with records.task_call(step, pid) as call:
-        gen_seed = cfg.job.seed * 7919 + step
-        responses, s = st.generate(
-            pool,
-            plan[ModelStage.ACTOR_GENERATE],
-            prompts,
-            name="actor/generate",
-            max_new_tokens=t_len,
-            temperature=cfg.ppo.temperature,
-            seed=gen_seed,
-            stopping=stopping,
-        )
-        mask = ro.response_mask(responses, stopping.eos_ids)
-        call.add("actor", "generate", int(mask.sum()), s)
-    r = ro.Rollout(prompts=prompts, responses=responses, mask=mask)
+    r, scores = generation.rollout(pool, state, records, step, prompt_source or job_data(cfg).train)
     n_tok = int(r.attention_mask.sum())
-    with records.plain(step, pid, "task", "rule_score", b):
-        r.rule_score = rule_score(prompts, responses)
-    passes = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # actor/train: old log-probs
+    # actor/train: the old log-probs; reward/infer only when the score is the reward model's.
+    passes = [k for k in PASSES if k != "reward/infer" or cfg.uses_reward_model]
     with records.task_call(step, pid) as call:
         out, seconds = st.experience(pool, {k: plan[k] for k in passes}, r.ids, r.attention_mask)
         for key in passes:
             model = ModelStage(key).model
             call.add(model, "infer", n_tok, seconds[key])
-    r.score = ro.final_score(out["reward/infer"], r.attention_mask)
+    r.score = ro.final_score(out["reward/infer"], r.attention_mask) if "reward/infer" in out else r.rule_score
     r.ref_logp = ro.response_logp(out["reference/infer"], t_len)
     r.old_logp = ro.response_logp(out["actor/train"], t_len)
     r.values = ro.response_values(out["critic/infer"], t_len)
@@ -100,7 +87,7 @@ def run_step(
             call.add(model, "sync", 0, seconds.get("sync", 0.0))
     # Persisting the rollout is the step's own work (the old log-probs are checked against it): a stage.
     with records.plain(step, pid, "rollout", "write", 0):
-        records.run.write_rollout(step, r.columns())
+        records.run.write_rollout(step, generation.rollout_columns(r, scores))
     stats = {
         "step": step,
         "plan_id": pid,
@@ -111,6 +98,7 @@ def run_step(
         **{f"actor_{k}": v for k, v in trained["actor"].items()},
         **{f"critic_{k}": v for k, v in trained["critic"].items()},
         **ro.length_stats(r.mask, t_len),
+        **{f"reward_{k}": v for k, v in scores.extras.items()},
     }
     return stats, r.lengths.tolist()
 
@@ -216,10 +204,13 @@ def ppo_job(
     tracking.require(cfg.trainer.logger)  # a missing tracker package is refused before anything starts
     out_dir = out_dir or f"runs/{cfg.name}-{str(prefect_flow_run.id)[:8]}"  # a retry finds (resumes) it
     start = time.perf_counter()
+    data = job_data(cfg, logger.info)  # prompts, tokenizer and reward: a problem stops the run here
     with job_start.opened(cfg, out_dir, devices) as (run, cfg, point):
         with DevicePool.for_cluster(cfg.cluster) as pool:
             state, started = job_start.bring_up(pool, run, cfg, point)
             records = JobRecords(run, first_step=point.step if point else 0, config=cfg)
+            if point is None and data.val is not None and cfg.validation and cfg.validation.before_train:
+                started["val_before_train"] = generation.validate(pool, state, data.val)
             with job_start.quiet_task_logs(), records.tracking():
                 for step in range(point.step if point else 0, cfg.job.steps):
                     events = [e for e in state.config.job.scenario if e.step == step]
@@ -231,8 +222,13 @@ def ppo_job(
                     if ahead and ahead[0] > pool.size:  # the next device event grows: its workers start now
                         pool.prepare(ahead[0], warm=model_ops.warm_device)
                     t = time.perf_counter()
-                    stats, lengths = run_step(pool, state, records, step)
-                    records.finish_step(stats, time.perf_counter() - t, cfg.job.steps)
+                    stats, lengths = run_step(pool, state, records, step, data.train)
+                    wall = time.perf_counter() - t
+                    if data.val is not None and generation.validation_due(
+                        step, cfg.job.steps, cfg.validation
+                    ):
+                        stats.update(generation.validate(pool, state, data.val))  # not in the step's wall
+                    records.finish_step(stats, wall, cfg.job.steps)
                     if cfg.job.adapt and step + 1 < cfg.job.steps:
                         seen = {"rows": records.step_rows(step), "memory_peaks": job_ops.held_bytes(pool)}
                         state = decide_and_switch(pool, state, records, step, lengths=lengths, **seen)
@@ -242,6 +238,8 @@ def ppo_job(
             if not _try_checkpoint(pool, state, records, cfg.job.steps, attempts=2):
                 raise jb.JobFailed(f"the final checkpoint (step {cfg.job.steps}) could not be written twice")
         summary = records.summary(state, time.perf_counter() - start, started["fit"])
+        if "val_before_train" in started:
+            summary["val_before_train"] = started["val_before_train"]
         if point is not None:
             summary.update(
                 resumed_from_step=point.step, resume_verified_bitwise=started["resume_verified_bitwise"]

@@ -271,6 +271,12 @@ class NereusConfig(_Frozen):
     )
     critic: CriticConfig = CriticConfig()
 
+    @property
+    def uses_reward_model(self) -> bool:
+        """Whether PPO's score comes from a reward model: the count task's, fitted to its rule (the
+        reward/infer stage); not when ``reward.function`` is a rule on text (verl's rule rewards)."""
+        return self.reward is None or self.reward.inputs == "tokens"
+
     def plan_rules(self, devices: int | None = None) -> PlanRules:
         """What every plan of this job must obey (``plan.problems``), on ``devices`` slots (default: the
         cluster's)."""
@@ -280,6 +286,29 @@ class NereusConfig(_Frozen):
             batch=self.job.batch_size,
             mini_batches=self.ppo.mini_batches,
         )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lengths_from_data(cls, data: Any) -> Any:
+        """With a ``data`` section its lengths are the job's (one owner): job.prompt_len and
+        job.response_len follow data.max_prompt_length and data.max_response_length; given beside
+        them they must be equal."""
+        section = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(section, dict):
+            return data
+        job = dict(data.get("job") or {}) if isinstance(data.get("job") or {}, dict) else data.get("job")
+        if not isinstance(job, dict):
+            return data
+        fields = DataConfig.model_fields
+        for ours, theirs in (("prompt_len", "max_prompt_length"), ("response_len", "max_response_length")):
+            value = section.get(theirs, fields[theirs].default)
+            if ours in job and job[ours] != value:
+                raise ValueError(
+                    f"job.{ours}={job[ours]} differs from data.{theirs}={value}; with a data section "
+                    f"set only data.{theirs}"
+                )
+            job[ours] = value
+        return {**data, "job": job}
 
     @field_validator("name")
     @classmethod

@@ -121,6 +121,11 @@ class RewardConfig(_Frozen):
             raise ValueError(f"{shown(path)} is not a directory; give a Hugging Face model directory")
         return path
 
+    @property
+    def inputs(self) -> str:
+        """What the function reads: ``text`` (decoded responses) or ``tokens`` (the count task)."""
+        return registry.inputs_of(self.function)
+
     def resolve(self) -> registry.RewardFn:
         """The reward function (a user's file is imported again, in this process)."""
         return registry.resolve(self.function)
@@ -145,6 +150,11 @@ def sections_problem(
                 f"model.max_position_embeddings={max_position_embeddings}; shorten them or raise the limit"
             )
     if reward is None:
+        if data is not None:
+            return (
+                "data needs a reward: set reward.function "
+                "(gsm8k, gsm8k_flexible, math or path/to/file.py:function)"
+            )
         return None
     kind = registry.inputs_of(reward.function)
     if data is not None and kind == "tokens":
