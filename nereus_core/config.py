@@ -334,7 +334,7 @@ class NereusConfig(_Frozen):
                 f"use at least {MIN_VOCAB}"
             )
         total = self.job.prompt_len + self.job.response_len
-        if total > self.model.max_position_embeddings:
+        if self.data is None and total > self.model.max_position_embeddings:  # else data's names
             raise ValueError(
                 f"job.prompt_len+job.response_len={total} exceeds "
                 f"model.max_position_embeddings={self.model.max_position_embeddings}; "

@@ -20,6 +20,8 @@ def files(tmp_path: Path) -> tuple[str, str]:
 
 
 def load(**sections: Any) -> Any:
+    if "data" in sections and "reward" not in sections:  # data is scored by a text reward
+        sections["reward"] = {"function": "gsm8k"}
     return parse_config({"model": BIG_MODEL, **sections})
 
 
@@ -96,6 +98,18 @@ def test_reward_kind_must_match_the_data(tmp_path: Path) -> None:
     assert line.startswith("reward.function=count scores the demo's token ids")
     assert "give data.train_files" in one_line_error(reward={"function": "math"})
     assert load(reward={"function": "count"}).reward.function == "count"
+    line = one_line_error(data={"train_files": train}, reward=None)
+    assert line.startswith("data needs a reward: set reward.function (gsm8k") and "file.py" in line
+
+
+def test_the_job_lengths_follow_the_data_section(tmp_path: Path) -> None:
+    train, _ = files(tmp_path)
+    cfg = load(data={"train_files": train, "max_prompt_length": 300, "max_response_length": 40})
+    assert (cfg.job.prompt_len, cfg.job.response_len) == (300, 40)
+    assert not cfg.uses_reward_model  # a rule on text: no reward model
+    assert load().uses_reward_model  # the count task's fitted one
+    line = one_line_error(data={"train_files": train}, job={"response_len": 8})
+    assert line.startswith("job.response_len=8 differs from data.max_response_length=512")
 
 
 def test_reward_model_path_is_a_directory(tmp_path: Path) -> None:

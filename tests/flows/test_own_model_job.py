@@ -1,0 +1,167 @@
+"""``nereus run`` on a user's own model, data and reward: a tiny random Qwen2 written with
+``save_pretrained``, a BPE tokenizer trained here with a chat template, the GSM8K files made by
+``nereus data gsm8k`` and the ``gsm8k`` rule reward.
+
+The run completes; its rollouts hold the sampler's prompts rendered by the chat template and
+left-padded, the responses decoded and scored by the reward; the old log-probs it stored equal
+transformers' on the actor exported at that step; validation is logged under verl's names; the
+tables carry the response lengths. The slow variant adds a durable switch (2 -> 4 slots) verified
+bitwise, with the same checks after it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.ppo_job import ppo_job
+from nereus_core import rewards
+from nereus_core import tokenizer as tk
+from nereus_core.config import parse_config
+from nereus_core.dataset.sampler import Sampler
+from nereus_core.engine.forward import position_ids
+from storage.datasets import read_examples
+from storage.export import export_hf
+from storage.run_dir import STEPS_TABLE, RunDir
+from tests.hf_models import write_model, write_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+VAL_KEY = "val-core/openai/gsm8k/reward/mean@1"
+MAX_PROMPT = 256  # this tokenizer's GSM8K prompts: 108 to 503 tokens, median 214
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("own")
+    model = root / "qwen2"
+    write_model("qwen2", model, vocab_size=320, max_position_embeddings=512)
+    write_tokenizer(model)  # 300 tokens: the model's 320 rows take every id
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "data", "gsm8k", "--out", str(root / "gsm8k")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {
+        "model": model,
+        "train": root / "gsm8k" / "train.parquet",
+        "test": root / "gsm8k" / "test.parquet",
+    }
+
+
+def config(files: dict[str, Path], **job: Any) -> dict[str, Any]:
+    return {
+        "name": "qwen2-gsm8k",
+        "cluster": {"devices": 2},
+        "model": {"path": str(files["model"])},
+        "data": {
+            "train_files": [str(files["train"])],
+            "val_files": [str(files["test"])],
+            "max_prompt_length": MAX_PROMPT,
+            "max_response_length": 16,
+            "seed": 3,
+        },
+        "validation": {"every": 2, "batch_size": 64},
+        "reward": {"function": "gsm8k"},
+        "job": {"steps": 2, "batch_size": 8, "snapshot_every": 1, **job},
+        "ppo": {"ppo_epochs": 1, "mini_batches": 2, "kl_coef": 0.001},
+        "plan": {
+            "actor/generate": {"tp": 2, "devices": [0, 1]},
+            "actor/train": {"dp": 2, "devices": [0, 1]},
+            "critic/train": {"tp": 2, "devices": [0, 1]},
+            "critic/infer": {"dp": 2, "devices": [0, 1]},
+            "reference/infer": {"devices": [1]},
+        },
+    }
+
+
+def run(files: dict[str, Path], out: Path, **job: Any) -> Path:
+    with prefect_test_harness(server_startup_timeout=300):
+        ppo_job(config=parse_config(config(files, **job)), out_dir=str(out))
+    return out
+
+
+def check_rollout(files: dict[str, Path], run_dir: Path, step: int, tmp_path: Path) -> None:
+    """Rollout ``step``: the sampler's prompts, decoded and scored responses, and old log-probs equal
+    to transformers' on the actor exported at ``step`` (the state that generated it), within 1e-4."""
+    from transformers import Qwen2ForCausalLM
+
+    tokenizer = tk.load_tokenizer(files["model"])
+    rollout = RunDir(run_dir).read_rollout(step)
+    prompts, responses = torch.tensor(rollout["prompts"]), torch.tensor(rollout["responses"])
+    prompt_mask = (
+        torch.tensor(rollout["prompt_mask"]) if "prompt_mask" in rollout else torch.ones_like(prompts)
+    )
+    mask = torch.tensor(rollout["mask"])
+    # The prompts are the sampler's batch of this step, rendered by the chat template, left-padded.
+    examples = [e for e in read_examples([files["train"]])]
+    kept = [e for e in examples if len(tk.chat_prompt_ids(tokenizer, [e.chat()])[0]) <= MAX_PROMPT]
+    rows = [kept[i] for i in Sampler(len(kept), 8, seed=3).batch(step)]
+    reals = prompt_mask.sum(1).tolist()
+    for row, ids, real, ex in zip(prompts.tolist(), prompt_mask.tolist(), reals, rows, strict=True):
+        assert row[len(row) - real :] == tk.chat_prompt_ids(tokenizer, [ex.chat()])[0]
+        assert ids == [0] * (len(row) - real) + [1] * real
+    # Responses decoded up to their own length and scored by the gsm8k rule.
+    lengths = mask.sum(1).long().tolist()
+    assert rollout["response_length"] == lengths
+    for text, resp, n, ex, score in zip(
+        rollout["response_text"], responses.tolist(), lengths, rows, rollout["rule_score"], strict=True
+    ):
+        assert text == tokenizer.decode(resp[:n], skip_special_tokens=True)
+        assert score == rewards.resolve("gsm8k").fn(ex.data_source, text, ex.ground_truth, ex.extra_info)
+    assert rollout["score"] == rollout["rule_score"]  # no reward model: the rule is the score
+    # Old log-probs against transformers on the exported actor, left padding and positions as generate's.
+    export_hf(run_dir, model="actor", step=step, out=tmp_path / f"actor-{step}")
+    hf = Qwen2ForCausalLM.from_pretrained(tmp_path / f"actor-{step}", dtype=torch.float32).eval()
+    ids, attention = torch.cat([prompts, responses], 1), torch.cat([prompt_mask, mask.long()], 1)
+    with torch.no_grad():
+        logits = hf(ids, attention_mask=attention, position_ids=position_ids(attention)).logits
+    logp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    t = responses.shape[1]
+    diff = ((logp[:, -t:] - torch.tensor(rollout["old_logp"])) * mask).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def check_tables(run_dir: Path, steps: int) -> None:
+    history = RunDir(run_dir).read_rows("metrics/history.parquet")
+    assert [h["step"] for h in history] == list(range(steps))
+    for h in history:
+        assert 0 < h["response_len_mean"] <= h["response_len_max"] <= 16 and 0 <= h["response_clip_frac"] <= 1
+        validated = (h["step"] + 1) % 2 == 0 or h["step"] == steps - 1
+        assert (h.get(VAL_KEY) is not None) == validated, h["step"]
+        if validated:
+            assert 0.0 <= h[VAL_KEY] <= 1.0 and h["val_s"] > 0
+    rows = RunDir(run_dir).read_rows(STEPS_TABLE)
+    stages = {(r["model"], r["stage"]) for r in rows}
+    assert ("reward", "infer") not in stages  # a rule reward: the reward model never runs
+    for r in rows:
+        (h,) = [h for h in history if h["step"] == r["step"]]
+        assert r["response_len_mean"] == h["response_len_mean"]
+        assert r["response_clip_frac"] == h["response_clip_frac"]
+
+
+def test_own_qwen2_on_gsm8k_with_the_gsm8k_reward(files: dict[str, Path], tmp_path: Path) -> None:
+    out = run(files, tmp_path / "run")
+    summary = RunDir(out).read_summary()
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    check_tables(out, 2)
+    check_rollout(files, out, 1, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_own_qwen2_on_gsm8k_through_a_durable_switch(files: dict[str, Path], tmp_path: Path) -> None:
+    out = run(files, tmp_path / "run", steps=3, scenario=[{"step": 2, "devices": 4}], verify_transitions=True)
+    summary = RunDir(out).read_summary()
+    assert summary["status"] == "completed" and summary["transitions"] == 1
+    (row,) = RunDir(out).read_rows("metrics/transitions.parquet")
+    assert row["status"] == "committed" and row["route"] == "durable" and row["verified_bitwise"]
+    check_tables(out, 3)
+    check_rollout(files, out, 2, tmp_path)  # generated on plan B, from the state moved there
