@@ -5,14 +5,15 @@
 The run completes; its rollouts hold the sampler's prompts rendered by the chat template and
 left-padded, the responses decoded and scored by the reward; the old log-probs it stored equal
 transformers' on the actor exported at that step; validation is logged under verl's names; the
-tables carry the response lengths. The slow variant adds a durable switch (2 -> 4 slots) verified
-bitwise, with the same checks after it.
+tables carry the response lengths. The slow variants add a live and a durable switch, each verified
+bitwise, and a resume after the driver is killed, with the same checks after them.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +130,12 @@ def check_rollout(files: dict[str, Path], run_dir: Path, step: int, tmp_path: Pa
     assert diff <= 1e-4, diff
 
 
-def check_tables(run_dir: Path, steps: int) -> None:
+def check_tables(run_dir: Path, steps: int, limit: int = 16) -> None:
     history = RunDir(run_dir).read_rows("metrics/history.parquet")
     assert [h["step"] for h in history] == list(range(steps))
     for h in history:
-        assert 0 < h["response_len_mean"] <= h["response_len_max"] <= 16 and 0 <= h["response_clip_frac"] <= 1
+        assert 0 < h["response_len_mean"] <= h["response_len_max"] <= limit
+        assert 0 <= h["response_clip_frac"] <= 1
         validated = (h["step"] + 1) % 2 == 0 or h["step"] == steps - 1
         assert (h.get(VAL_KEY) is not None) == validated, h["step"]
         if validated:
@@ -155,13 +157,55 @@ def test_own_qwen2_on_gsm8k_with_the_gsm8k_reward(files: dict[str, Path], tmp_pa
     check_rollout(files, out, 1, tmp_path)
 
 
+# 44 MiB per slot (39.6 usable) fits the first plan at 16-token responses (30 MiB by the cost model)
+# but not at 64 (40.6 MiB): the response-length event forces a live switch; two slots joining
+# before step 2 force a durable one.
+SWITCHES = {
+    "steps": 4,
+    "scenario": [{"step": 1, "response_len": 64}, {"step": 2, "devices": 4}],
+    "verify_transitions": True,
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_own_qwen2_on_gsm8k_through_a_durable_switch(files: dict[str, Path], tmp_path: Path) -> None:
-    out = run(files, tmp_path / "run", steps=3, scenario=[{"step": 2, "devices": 4}], verify_transitions=True)
+def test_own_qwen2_on_gsm8k_through_a_live_and_a_durable_switch(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    cfg = config(files, **SWITCHES)
+    cfg["cluster"]["memory_per_device"] = "44MiB"
+    with prefect_test_harness(server_startup_timeout=300):
+        ppo_job(config=parse_config(cfg), out_dir=str(tmp_path / "run"))
+    out = tmp_path / "run"
     summary = RunDir(out).read_summary()
-    assert summary["status"] == "completed" and summary["transitions"] == 1
-    (row,) = RunDir(out).read_rows("metrics/transitions.parquet")
-    assert row["status"] == "committed" and row["route"] == "durable" and row["verified_bitwise"]
-    check_tables(out, 3)
-    check_rollout(files, out, 2, tmp_path)  # generated on plan B, from the state moved there
+    assert summary["status"] == "completed" and summary["transitions"] == 2
+    rows = RunDir(out).read_rows("metrics/transitions.parquet")
+    assert [(r["route"], r["status"], r["verified_bitwise"]) for r in rows] == [
+        ("live", "committed", True),
+        ("durable", "committed", True),
+    ]
+    check_tables(out, 4, limit=64)
+    check_rollout(files, out, 1, tmp_path)  # generated on the plan the live switch moved the state to
+    check_rollout(files, out, 3, tmp_path)  # and on the one after the durable switch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_own_qwen2_on_gsm8k_resumes_after_a_kill(files: dict[str, Path], tmp_path: Path) -> None:
+    from .test_faults import _kill_session, _resume, _start_run
+
+    driver, out = _start_run(tmp_path, config(files, steps=4))
+    try:
+        ready = out / "state" / "checkpoints" / "step=2.json"
+        for _ in range(3000):  # the driver dies as soon as the checkpoint of step 2 is complete
+            if ready.exists() or driver.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert ready.exists(), (tmp_path / "driver.log").read_text()[-2000:]
+    finally:
+        _kill_session(driver)
+    _resume(tmp_path, out)
+    summary = RunDir(out).read_summary()
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
+    check_tables(out, 4)
+    check_rollout(files, out, 2, tmp_path)  # the resumed job's first step: the sampler's batch 2
