@@ -30,7 +30,7 @@ from nereus_core import job as jb
 from nereus_core import rollout as ro
 from nereus_core.config import NereusConfig
 from nereus_core.controller import TransitionTiming
-from nereus_core.plan import COPIES, ModelStage
+from nereus_core.plan import ModelStage, copies
 from nereus_core.task import make_prompts, rule_score
 from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
@@ -75,7 +75,7 @@ def run_step(
     with records.plain(step, pid, "ppo", "advantages", b * t_len):
         ro.compute_advantages(r, cfg.ppo)
     trained: dict[str, dict[str, float]] = {}
-    for copy, source in COPIES.items():
+    for copy, source in copies(plan).items():
         model, config = source.model, jb.model_config(cfg, source)
         sync = None if copy in state.aliased else (plan[copy], str(copy), config)
         with records.task_call(step, pid) as call:
