@@ -1,8 +1,9 @@
-"""The PPO job flow: what `nereus run` does, read top to bottom.
+"""The job flow (PPO or GRPO): what `nereus run` does, read top to bottom.
 
     open the run (fresh, or resume its newest checkpoint) -> device pool -> load or rehydrate models
     per step:  scenario event? -> controller -> transition subflow -> commit
                a grow to come? -> the pool prepares its workers in the background
+               the algorithm's step (STEPS): PPO's here, GRPO's in flows/grpo_step.py
                PPO step: actor/generate -> experience (reward, reference, old log-probs, values)
                          -> advantages -> actor/train (+ sync) -> critic/train (+ sync) -> rollout
                record (flows/job_records.py) -> controller -> transition subflow -> commit
@@ -19,19 +20,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows import job_start, tracking
+from flows import grpo_step, job_start, tracking
 from flows.job_records import JobRecords, done_line, log_decision
+from flows.sampling import sample_rollout
 from flows.transition import transition_flow
 from nereus_core import job as jb
 from nereus_core import rollout as ro
 from nereus_core.config import NereusConfig
 from nereus_core.controller import TransitionTiming
 from nereus_core.plan import ModelStage, copies
-from nereus_core.task import make_prompts, rule_score
+from nereus_core.task import make_prompts
 from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
 from tasks.controller import controller_step
@@ -45,23 +46,8 @@ def run_step(
     response lengths) and every generated response's length."""
     cfg, plan, pid = state.config, state.layouts, state.plan_id
     b, p_len, t_len = cfg.job.batch_size, cfg.job.prompt_len, cfg.job.response_len
-    prompts = make_prompts(cfg.job.task_settings, b, cfg.job.seed, step)
-    with records.task_call(step, pid) as call:
-        gen_seed = cfg.job.seed * 7919 + step
-        responses, s = st.generate(
-            pool,
-            plan[ModelStage.ACTOR_GENERATE],
-            prompts,
-            name="actor/generate",
-            max_new_tokens=t_len,
-            temperature=cfg.ppo.temperature,
-            seed=gen_seed,
-        )
-        call.add("actor", "generate", b * t_len, s)
-    r = ro.Rollout(prompts=prompts, responses=responses, mask=torch.ones(b, t_len))
+    r = sample_rollout(pool, state, records, step, make_prompts(cfg.job.task_settings, b, cfg.job.seed, step))
     n_tok = b * (p_len + t_len)
-    with records.plain(step, pid, "task", "rule_score", b):
-        r.rule_score = rule_score(prompts, responses)
     passes = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # actor/train: old log-probs
     with records.task_call(step, pid) as call:
         out, seconds = st.experience(pool, {k: plan[k] for k in passes}, r.ids)
@@ -106,6 +92,10 @@ def run_step(
         **ro.length_stats(r.mask, t_len),
     }
     return stats, [int(n) for n in r.mask.sum(dim=1).tolist()]
+
+
+# The step of each algorithm (``algorithm.name``); the rest of the flow is the same for both.
+STEPS = {"ppo": run_step, "grpo": grpo_step.run_step}
 
 
 def decide_and_switch(
@@ -224,7 +214,7 @@ def ppo_job(
                     if ahead and ahead[0] > pool.size:  # the next device event grows: its workers start now
                         pool.prepare(ahead[0], warm=model_ops.warm_device)
                     t = time.perf_counter()
-                    stats, lengths = run_step(pool, state, records, step)
+                    stats, lengths = STEPS[cfg.algorithm.name](pool, state, records, step)
                     records.finish_step(stats, time.perf_counter() - t, cfg.job.steps)
                     if cfg.job.adapt and step + 1 < cfg.job.steps:
                         seen = {"rows": records.step_rows(step), "memory_peaks": job_ops.held_bytes(pool)}
