@@ -187,7 +187,8 @@ def _checkpoint(pool: DevicePool, state: jb.JobState, records: JobRecords, step:
 def ppo_job(
     config: NereusConfig | dict[str, Any] | str, out_dir: str | None = None, devices: int | None = None
 ) -> dict[str, Any]:
-    """Run PPO for ``config.job.steps`` steps on the device pool; the run directory is ``out_dir``.
+    """Run PPO or GRPO (``config.algorithm``) for ``config.job.steps`` steps on the device pool; the run
+    directory is ``out_dir``.
 
     If ``out_dir`` holds an unfinished run of the same config (a checkpoint, no completed summary:
     the driver died, or this is a retry of the failed flow run; ``out_dir`` defaults to

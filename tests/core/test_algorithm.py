@@ -3,13 +3,16 @@ the job's model-stages that follow from it (nereus_core/plan.py ``stages_for``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from nereus_core.config import ConfigError, parse_config
+from nereus_core.config_yaml import parse_yaml
 from nereus_core.plan import MODEL_STAGES, PPO_STAGES, copies, default_plan, load_order, own_state, stages_for
 
+ROOT = Path(__file__).resolve().parents[2]
 GRPO = {"algorithm": {"name": "grpo", "group_size": 4}, "job": {"batch_size": 16}}
 
 
@@ -79,3 +82,9 @@ def test_inconsistent_algorithm_input_is_one_line(data: dict[str, Any], needles:
 def test_a_grpo_plan_of_its_own_stages_is_accepted() -> None:
     cfg = parse_config(grpo(plan={"actor/train": {"devices": [0]}, "reference/infer": {"devices": [0]}}))
     assert set(default_plan(cfg.plan, cfg.stages)) == set(cfg.stages)
+
+
+def test_the_grpo_example_loads_with_no_critic_and_no_reward_model() -> None:
+    cfg = parse_config(parse_yaml((ROOT / "examples" / "tiny_grpo.yaml").read_text()))
+    assert cfg.algorithm.name == "grpo" and cfg.stages == ("actor/generate", "actor/train")
+    assert set(cfg.plan) == set(cfg.stages)
