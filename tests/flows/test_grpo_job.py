@@ -4,6 +4,7 @@ plan and state hold no critic and no reward model, its rollouts come in groups, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -92,3 +93,16 @@ def test_the_actor_moves_and_the_reference_stays_put(run_dir):
     assert any(not torch.equal(actor1[k], actor3[k]) for k in actor1)
     ref1, ref3 = read_full_state(run_dir, "reference", step=1), read_full_state(run_dir, "reference", step=3)
     assert all(torch.equal(ref1[k], ref3[k]) for k in ref1)
+
+
+@pytest.mark.slow  # the demo as shipped: 40 steps, about 1 to 2 minutes on two loaded cores
+@pytest.mark.timeout(900)
+def test_the_grpo_demo_learns_the_count_task(tmp_path):
+    from nereus_core.config_yaml import parse_yaml
+
+    config = parse_yaml((Path(__file__).resolve().parents[2] / "examples" / "tiny_grpo.yaml").read_text())
+    with prefect_test_harness(server_startup_timeout=300):
+        summary = ppo_job(config=parse_config(config), out_dir=str(tmp_path / "run"))
+    # mean rule score of the last five steps against the first five (a random policy scores ~0.1)
+    assert summary["score_last"] > summary["score_first"] + 0.3, summary
+    assert summary["transitions"] >= 1  # two slots join before step 15: at least that switch
