@@ -186,7 +186,8 @@ class JobConfig(_Frozen):
     verify_transitions: bool = Field(
         default=False,
         description="After every plan switch, check every model's state bitwise against the checkpoint "
-        "taken before it, and the actor's and critic's outputs on a probe batch against plan A's (<= 1e-5).",
+        "taken before it, and the actor's (and critic's) outputs on a probe batch against plan A's "
+        "(<= 1e-5).",
     )
     adapt: bool = Field(
         default=False,

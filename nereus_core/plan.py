@@ -3,6 +3,8 @@
 Boundary: plan topology only, the one owner of
 - the typed model-stage (``ModelStage``: its model, its stage kind, whether it owns
   state or is an inference copy of a train stage);
+- which model-stages a job has (``stages_for``; PPO all six, GRPO no critic) and, for any such
+  set, which own state, which are copies and in what order they load;
 - the plan id (``plan_id``: the same plan gets the same id in ``nereus plan``, a
   run's ``plans/`` and the controller);
 - the default plan (``default_plan``: what the config leaves out);
@@ -220,7 +222,7 @@ def problems(layouts: Mapping[str, Layout], rules: PlanRules) -> list[str]:
 
 
 class GlobalPlan(BaseModel):
-    """Layouts of model-stages (usually all six) and how they share the device slots."""
+    """Layouts of the job's model-stages (``stages_for``) and how they share the device slots."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
