@@ -1,8 +1,9 @@
-"""The PPO job flow: what `nereus run` does, read top to bottom.
+"""The job flow (PPO or GRPO): what `nereus run` does, read top to bottom.
 
     open the run (fresh, or resume its newest checkpoint) -> device pool -> load or rehydrate models
     per step:  scenario event? -> controller -> transition subflow -> commit
                a grow to come? -> the pool prepares its workers in the background
+               the algorithm's step (STEPS): PPO's here, GRPO's in flows/grpo_step.py
                PPO step: actor/generate -> experience (reward, reference, old log-probs, values)
                          -> advantages -> actor/train (+ sync) -> critic/train (+ sync) -> rollout
                record (flows/job_records.py) -> controller -> transition subflow -> commit
@@ -22,16 +23,17 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows import job_start, tracking
+from flows import grpo_step, job_start, tracking
 from flows.job_records import JobRecords, done_line, log_decision
+from flows.sampling import sample_rollout
 from flows.transition import transition_flow
 from nereus_core import job as jb
 from nereus_core import rollout as ro
 from nereus_core.config import NereusConfig
 from nereus_core.controller import TransitionTiming
-from nereus_core.plan import COPIES, ModelStage
+from nereus_core.plan import ModelStage, copies
 from nereus_core.ppo import masked_mean
-from nereus_core.task import make_prompts, rule_score
+from nereus_core.task import make_prompts
 from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
 from tasks.controller import controller_step
@@ -51,24 +53,8 @@ def run_step(
     cfg, plan, pid = state.config, state.layouts, state.plan_id
     b, t_len = cfg.job.batch_size, cfg.job.response_len
     prompts = make_prompts(cfg.job.task_settings, b, cfg.job.seed, step)
-    with records.task_call(step, pid) as call:
-        gen_seed = cfg.job.seed * 7919 + step
-        responses, s = st.generate(
-            pool,
-            plan[ModelStage.ACTOR_GENERATE],
-            prompts,
-            name="actor/generate",
-            max_new_tokens=t_len,
-            temperature=cfg.ppo.temperature,
-            seed=gen_seed,
-            stopping=stopping,
-        )
-        mask = ro.response_mask(responses, stopping.eos_ids)
-        call.add("actor", "generate", int(mask.sum()), s)
-    r = ro.Rollout(prompts=prompts, responses=responses, mask=mask)
+    r = sample_rollout(pool, state, records, step, prompts, stopping)
     n_tok = int(r.attention_mask.sum())
-    with records.plain(step, pid, "task", "rule_score", b):
-        r.rule_score = rule_score(prompts, responses)
     passes = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # actor/train: old log-probs
     with records.task_call(step, pid) as call:
         out, seconds = st.experience(pool, {k: plan[k] for k in passes}, r.ids, r.attention_mask)
@@ -82,7 +68,7 @@ def run_step(
     with records.plain(step, pid, "ppo", "advantages", b * t_len):
         ro.compute_advantages(r, cfg.ppo)
     trained: dict[str, dict[str, float]] = {}
-    for copy, source in COPIES.items():
+    for copy, source in copies(plan).items():
         model, config = source.model, jb.model_config(cfg, source)
         sync = None if copy in state.aliased else (plan[copy], str(copy), config)
         with records.task_call(step, pid) as call:
@@ -113,6 +99,10 @@ def run_step(
         **ro.length_stats(r.mask, t_len),
     }
     return stats, r.lengths.tolist()
+
+
+# The step of each algorithm (``algorithm.name``); the rest of the flow is the same for both.
+STEPS = {"ppo": run_step, "grpo": grpo_step.run_step}
 
 
 def decide_and_switch(
@@ -204,7 +194,8 @@ def _checkpoint(pool: DevicePool, state: jb.JobState, records: JobRecords, step:
 def ppo_job(
     config: NereusConfig | dict[str, Any] | str, out_dir: str | None = None, devices: int | None = None
 ) -> dict[str, Any]:
-    """Run PPO for ``config.job.steps`` steps on the device pool; the run directory is ``out_dir``.
+    """Run PPO or GRPO (``config.algorithm``) for ``config.job.steps`` steps on the device pool; the run
+    directory is ``out_dir``.
 
     If ``out_dir`` holds an unfinished run of the same config (a checkpoint, no completed summary:
     the driver died, or this is a retry of the failed flow run; ``out_dir`` defaults to
@@ -231,7 +222,7 @@ def ppo_job(
                     if ahead and ahead[0] > pool.size:  # the next device event grows: its workers start now
                         pool.prepare(ahead[0], warm=model_ops.warm_device)
                     t = time.perf_counter()
-                    stats, lengths = run_step(pool, state, records, step)
+                    stats, lengths = STEPS[cfg.algorithm.name](pool, state, records, step)
                     records.finish_step(stats, time.perf_counter() - t, cfg.job.steps)
                     if cfg.job.adapt and step + 1 < cfg.job.steps:
                         seen = {"rows": records.step_rows(step), "memory_peaks": job_ops.held_bytes(pool)}

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from nereus_core.algorithm import AlgorithmConfig
 from nereus_core.config_base import (
     ClusterConfig,
     ConfigError,
@@ -30,7 +31,7 @@ from nereus_core.config_data import DataConfig, RewardConfig, ValidationConfig, 
 from nereus_core.config_errors import one_line
 from nereus_core.hf_files import critic_error, imported_section
 from nereus_core.layout import Layout
-from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems
+from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems, stages_for
 from nereus_core.ppo import PPOSettings
 from nereus_core.task import MIN_VOCAB, TaskSettings
 
@@ -213,7 +214,8 @@ class JobConfig(_Frozen):
     verify_transitions: bool = Field(
         default=False,
         description="After every plan switch, check every model's state bitwise against the checkpoint "
-        "taken before it, and the actor's and critic's outputs on a probe batch against plan A's (<= 1e-5).",
+        "taken before it, and the actor's (and critic's) outputs on a probe batch against plan A's "
+        "(<= 1e-5).",
     )
     adapt: bool = Field(
         default=False,
@@ -255,6 +257,7 @@ class NereusConfig(_Frozen):
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     job: JobConfig = JobConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
     ppo: PPOSettings = PPOSettings()
     trainer: TrainerConfig = TrainerConfig()
     plan: dict[ModelStage, Layout] = Field(
@@ -270,6 +273,15 @@ class NereusConfig(_Frozen):
         default=None, description="The reward function (rewards/registry.py)."
     )
     critic: CriticConfig = CriticConfig()
+
+    @property
+    def stages(self) -> tuple[ModelStage, ...]:
+        """The job's model-stages (``plan.stages_for``): every part of the job asks this, not a constant."""
+        return stages_for(
+            critic=self.algorithm.uses_critic,
+            reference=self.algorithm.uses_reference(kl=self.ppo.uses_kl),
+            reward_model=self.algorithm.uses_reward_model,
+        )
 
     def plan_rules(self, devices: int | None = None) -> PlanRules:
         """What every plan of this job must obey (``plan.problems``), on ``devices`` slots (default: the
@@ -295,6 +307,15 @@ class NereusConfig(_Frozen):
             raise ValueError(
                 f"job.batch_size={self.job.batch_size} is not divisible by "
                 f"ppo.mini_batches={self.ppo.mini_batches}; choose a batch size that is a multiple of it"
+            )
+        grouping = self.algorithm.batch_error(self.job.batch_size, self.ppo.mini_batches)
+        if grouping:
+            raise ValueError(grouping)
+        extra = [s for s in self.plan if s not in self.stages]
+        if extra:
+            raise ValueError(
+                f"plan.{extra[0]}: algorithm {self.algorithm.name} with these settings has no "
+                f"{extra[0]} (its model-stages: {', '.join(self.stages)}); remove it from plan"
             )
         found = problems(self.plan, self.plan_rules())
         if found:

@@ -158,7 +158,7 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
         "unknown-section",
         _set("optimizer", {"lr": 1}),
         "optimizer",
-        ("unknown field", "valid fields: name, cluster, model, job, ppo, trainer, plan"),
+        ("unknown field", "valid fields: name, cluster, model, job, algorithm, ppo, trainer, plan"),
     ),
     (
         "unknown-layout-field",
