@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from nereus_core.config import ModelConfig
+from nereus_core.emu import MASTER, MOMENTS, bytes_per_device, partitioned_kinds, shard_map, split_state_name
 from nereus_core.engine.dispatch import per_device_batch
 from nereus_core.engine.optimizer import OptimizerSettings
 from nereus_core.engine.shard import get_shard, load_shard
 from nereus_core.engine.train import train_step
 from nereus_core.layout import Layout
-from nereus_core.model.weights import init_full_state, param_dtype
+from nereus_core.model.weights import init_full_state, param_dtype, param_shapes
 from nereus_core.parallel.device import DeviceContext
 from tests.core.dist_utils import run_world
 
@@ -122,3 +123,23 @@ def test_bf16_training_keeps_fp32_masters_and_tracks_the_fp32_loss() -> None:
             assert loss16 != loss32, f"{key}: the bf16 run computed in fp32"
             for step, (a, b) in enumerate(zip(loss32, loss16, strict=True)):
                 assert abs(a - b) <= LOSS_TOLERANCE, f"{key} step {step}: bf16 loss {b} vs fp32 {a}"
+
+
+def test_bf16_shard_map_adds_fp32_masters_and_counts_their_bytes() -> None:
+    layout = Layout.contiguous(tp=2, dp=2)
+    smap32, smap16 = shard_map(FP32, layout, train=True), shard_map(BF16, layout, train=True)
+    assert partitioned_kinds(FP32) == MOMENTS and partitioned_kinds(BF16) == (MASTER, *MOMENTS)
+    assert set(smap16.names) - set(smap32.names) == {f"{n}:master" for n in param_shapes(BF16)}
+    for spec in smap16.tensors:
+        assert spec.itemsize == (2 if spec.kind == "param" else 4), spec.name
+        if spec.kind == MASTER:  # partitioned exactly as the moments
+            assert spec.pieces == smap16.tensor(f"{spec.param}:exp_avg").pieces
+            assert split_state_name(spec.name) == (spec.param, MASTER)
+    # Per element of a device's shard: 2 bytes of bf16 weight, 2 of bf16 gradient, and over dp=2
+    # (ZeRO-1) half of 4 bytes of master and 8 of moments; plus the 4-byte step count.
+    got32 = bytes_per_device(FP32, layout, train=True)[0]
+    got16 = bytes_per_device(BF16, layout, train=True)[0]
+    numel = got32["params"] // 4
+    assert got16 == {"params": 2 * numel, "grads": 2 * numel, "optimizer": (4 + 8) * numel // 2 + 4}
+    assert got32 == {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel // 2 + 4}
+    assert shard_map(BF16, layout, train=False).names == smap32.names[: len(param_shapes(BF16))]
