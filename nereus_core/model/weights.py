@@ -207,6 +207,7 @@ def hf_config(config: ModelConfig) -> PretrainedConfig:
         "tie_word_embeddings": ties_embeddings(config),
         "num_labels": 1,
         "initializer_range": config.init_std,
+        "dtype": str(param_dtype(config)).removeprefix("torch."),  # what an export's weights are in
         # Nereus models have no tokenizer: no special ids, so HF generate never stops early.
         "bos_token_id": None,
         "eos_token_id": None,
