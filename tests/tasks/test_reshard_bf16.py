@@ -127,10 +127,13 @@ def test_carried_masters_give_the_same_next_step(pool: DevicePool, tmp_path: Pat
         model_ops.train(pool, there, {"ids": BATCHES[2]}, name="move")
         stay = gather_state(pool, here, name="stay", config=CONFIG, train=True)
         move = gather_state(pool, there, name="move", config=CONFIG, train=True)
+        # Weights come back as a dict of bf16 tensors too (Dask's serializer goes through numpy).
+        params = model_ops.full_state(pool, there, name="move", config=CONFIG)
     finally:
         model_ops.unload_model(pool, there, name="move")
         for name in names:
             model_ops.unload_model(pool, here, name=name)
     _check_kinds(stay)
+    assert params and all(t.dtype is torch.bfloat16 and torch.equal(t, move[k]) for k, t in params.items())
     differ = [k for k in stay if not torch.equal(stay[k], move[k])]
     assert not differ, f"the next step differs after the move: {differ[:3]}"
