@@ -88,6 +88,10 @@ def deepspeed_config(
 
 def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettings, backend: str) -> Any:
     """Wrap ``stage`` in a DeepSpeed engine with AdamW; called on every device of the layout."""
+    bf16 = stage.config.dtype == "bf16"
+    if bf16 and settings.zero_stage == 0:
+        # Without ZeRO DeepSpeed trains bf16 through its fp16 optimizer, with dynamic loss scaling.
+        raise ValueError("model.dtype=bf16 needs zero_stage 1 or 2 (stage 0 would scale the loss)")
     # Imported here, not at the top: importing DeepSpeed costs seconds, and only train stages need it.
     import deepspeed
 
@@ -105,7 +109,7 @@ def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettin
         settings,
         micro_batch=1,
         micro_batches=groups.layout.micro_batches,
-        bf16=stage.config.dtype == "bf16",
+        bf16=bf16,
     )
     engine, *_ = deepspeed.initialize(model=stage, optimizer=optimizer, config=config, mpu=LayoutMpu(groups))
     return engine

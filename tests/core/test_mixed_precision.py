@@ -12,7 +12,7 @@ import torch
 from nereus_core.config import ModelConfig
 from nereus_core.emu import MASTER, MOMENTS, bytes_per_device, partitioned_kinds, shard_map, split_state_name
 from nereus_core.engine.dispatch import per_device_batch
-from nereus_core.engine.optimizer import OptimizerSettings
+from nereus_core.engine.optimizer import OptimizerSettings, make_engine
 from nereus_core.engine.shard import get_shard, load_shard
 from nereus_core.engine.train import train_step
 from nereus_core.layout import Layout
@@ -50,6 +50,12 @@ def test_dtype_defaults_to_fp32_and_refuses_fp16_in_one_line() -> None:
     assert param_dtype(BF16) is torch.bfloat16
     with pytest.raises(ValueError, match=r"model\.dtype=fp16 needs loss scaling"):
         ModelConfig(dtype="fp16")
+
+
+def test_bf16_without_zero_is_refused_before_deepspeed_is_touched() -> None:
+    stage = LlamaStage(BF16, layers=range(BF16.num_hidden_layers), first=True, last=True)
+    with pytest.raises(ValueError, match="needs zero_stage 1 or 2"):
+        make_engine(stage, None, ADAMW.model_copy(update={"zero_stage": 0}), "gloo")  # type: ignore[arg-type]
 
 
 def test_bf16_init_is_the_fp32_init_rounded() -> None:
