@@ -84,6 +84,13 @@ class ModelConfig(_Frozen):
             "token from score.weight (LlamaForSequenceClassification with one label; critic, reward)."
         ),
     )
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description=(
+            "Parameters and activations; bf16 trains with fp32 master weights and fp32 AdamW state "
+            "(DeepSpeed's bf16 mode). fp16 is refused: it needs loss scaling."
+        ),
+    )
     init_std: float = Field(default=0.02, gt=0, description="Std of the seeded normal init.")
     seed: int = Field(default=0, ge=0, description="Seed of the weights; every rank builds the same.")
     path: str | None = Field(
@@ -113,6 +120,17 @@ class ModelConfig(_Frozen):
         if not isinstance(data, dict) or (data.get("path") is None and data.get("tokenizer") is None):
             return data
         return imported_section(data, cls)
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, value: str) -> str:
+        if value == "fp16":
+            # fp16 needs dynamic loss scaling, whose scaler state would have to move with every
+            # transition and checkpoint; bf16 has fp32's exponent range and needs none.
+            raise ValueError(
+                "model.dtype=fp16 needs loss scaling, which Nereus does not carry; use bf16 or fp32"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:

@@ -200,6 +200,8 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
         ("cluster.memory_per_device=0", "must be > 0"),
     ),
     ("bad-backend", _set("cluster.backend", "mpi"), "cluster.backend", ("'mpi'", "'gloo'", "'nccl'")),
+    ("dtype-fp16", _set("model.dtype", "fp16"), "model.dtype", ("fp16", "loss scaling", "bf16")),
+    ("dtype-unknown", _set("model.dtype", "int8"), "model.dtype", ("'int8'", "'bf16'")),
     ("devices-not-a-list", _set("plan.actor/train.devices", "0,1"), "plan.actor/train.devices", ("list",)),
     (
         "device-not-an-int",
