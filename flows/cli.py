@@ -130,12 +130,13 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
     if status is not None:
         return status
     flow = getattr(importlib.import_module(module), flow_name)
+    what = what.format(algorithm=cfg.algorithm.name.upper())
     print(f"nereus: {cfg.name}: {what} on {cfg.cluster.devices} device slots -> {out}")
     return _drive(flow, out, args.config, config=cfg)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    what = f"PPO for {args.steps or 'the configured'} steps"
+    what = f"{{algorithm}} for {args.steps or 'the configured'} steps"  # PPO or GRPO, from the config
     return _run_flow(args, "flows.ppo_job", "ppo_job", what, bounded=True)
 
 

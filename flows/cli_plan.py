@@ -28,16 +28,18 @@ def print_plan(cfg: NereusConfig, *, profile: str) -> int:
         memory_per_device=int(cfg.cluster.memory_per_device),
         workload=Workload.from_config(cfg),
     )
-    fresh = ControllerState.initial(cfg.model, hardware)
+    fresh = ControllerState.initial(cfg.model, hardware, stages=cfg.stages)
     decision = decide(obs, fresh)
     print(_plan_header(cfg, hardware.name, obs, fresh.settings.headroom))
     if decision.chosen is None:
         print(f"no plan fits: {decision.reason}")
     else:
         print(_plan_table(decision.chosen))
-    initial = GlobalPlan.of(default_plan(cfg.plan))  # the plan `nereus run` starts on
+    initial = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))  # the plan `nereus run` starts on
     if decision.chosen is not None and initial != decision.chosen.plan:
-        started = ControllerState.initial(cfg.model, hardware, plan=initial, devices=obs.devices)
+        started = ControllerState.initial(
+            cfg.model, hardware, stages=cfg.stages, plan=initial, devices=obs.devices
+        )
         from_config = decide(obs, started)
         current = from_config.current
         where = f"step {current.step_s:.4g} s, {current.memory_peak / 2**30:.3f} GiB/slot" if current else ""

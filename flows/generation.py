@@ -1,6 +1,7 @@
 """Generation on actor/generate from a prompt source: a step's rollout, and validation.
 
-    rollout:    source.batch(step) -> actor/generate (sampled, stop ids, prompt mask) -> response mask
+    rollout:    source.batch(step) (x group_size for GRPO) -> actor/generate (sampled, stop ids,
+                prompt mask) -> response mask
                 -> source.score (the rule: count's on ids, or reward.function on decoded text)
     validate:   every validation batch -> actor/generate (greedy) -> source.score
                 -> mean per data source, under verl's names (val-core/<data_source>/reward/mean@1)
@@ -43,12 +44,20 @@ def _generate(
 
 
 def rollout(
-    pool: DevicePool, state: jb.JobState, records: JobRecords, step: int, source: ps.PromptSource
+    pool: DevicePool,
+    state: jb.JobState,
+    records: JobRecords,
+    step: int,
+    source: ps.PromptSource,
+    *,
+    group: int = 1,
 ) -> tuple[ro.Rollout, ps.Scores]:
-    """Step ``step``'s prompts, their sampled responses and masks, and the rule's scores
-    (``rule_score``; a reward function that raises fails the step here, before any training)."""
+    """Step ``step``'s prompts (each ``group`` times, copies side by side: GRPO's groups), their
+    sampled responses and masks (one generator per replica: every row, copies of one prompt included,
+    draws its own tokens), and the rule's scores (``rule_score``; a reward function that raises fails
+    the step here, before any training)."""
     cfg, pid = state.config, state.plan_id
-    batch, stopping = source.batch(step), source.stopping
+    batch, stopping = source.batch(step).repeated(group), source.stopping
     with records.task_call(step, pid) as call:
         responses, s = _generate(
             pool, state, batch, stopping, temperature=cfg.ppo.temperature, seed=cfg.job.seed * 7919 + step

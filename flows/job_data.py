@@ -39,11 +39,16 @@ class JobData:
 def job_data(cfg: NereusConfig, log: Callable[[str], None] = _LOG.info) -> JobData:
     """The prompt sources of ``cfg`` (see the module docstring); ConfigError in one line."""
     if cfg.data is None:
-        return JobData(ps.CountSource(cfg.job.task_settings, cfg.job.batch_size, cfg.job.seed))
+        return JobData(ps.CountSource(cfg.job.task_settings, prompts_per_step(cfg), cfg.job.seed))
     try:
         return _dataset_sources(cfg, log)
     except (tk.TokenizerError, DatasetError, ValueError) as err:
         raise ConfigError(str(err).splitlines()[0]) from None
+
+
+def prompts_per_step(cfg: NereusConfig) -> int:
+    """Distinct prompts a step samples: the batch, or its groups (GRPO: group_size responses each)."""
+    return cfg.job.batch_size // cfg.algorithm.group_size
 
 
 def _dataset_sources(cfg: NereusConfig, log: Callable[[str], None]) -> JobData:
@@ -86,7 +91,8 @@ def _dataset_sources(cfg: NereusConfig, log: Callable[[str], None]) -> JobData:
         )
 
     train_size = len(splits["train"].examples)
-    train = source("train", Sampler(train_size, cfg.job.batch_size, seed=data.seed, shuffle=data.shuffle))
+    per_step = prompts_per_step(cfg)
+    train = source("train", Sampler(train_size, per_step, seed=data.seed, shuffle=data.shuffle))
     val = None
     if "val" in splits:
         size = len(splits["val"].examples)

@@ -1,7 +1,8 @@
 """How a PPO run starts: its run directory (fresh, or the unfinished run to resume), held by one
 driver, and the models on the pool (fitted and loaded, or rehydrated from the newest checkpoint).
 
-    fresh:   RunDir.create -> plan A -> fit the reward model (cached task) -> load every model-stage
+    fresh:   RunDir.create -> plan A -> fit the reward model (cached task; only a job with a reward
+             model) -> load every model-stage of the job
     resume:  newest checkpoint + interrupted journals -> nereus_core.job.resume_point (finish or roll
              back each) -> the plan for the devices at hand -> rehydrate every model-stage (journaled)
              -> verify the live state against the live digests recorded with the checkpoint
@@ -27,6 +28,7 @@ from flows.transition import rehydrate_all
 from nereus_core import job as jb
 from nereus_core.config import ConfigError, NereusConfig, parse_config
 from nereus_core.config_yaml import parse_yaml
+from nereus_core.plan import ModelStage
 from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.lock import run_lock
 from storage.run_dir import RunDir
@@ -92,10 +94,10 @@ def bring_up(
         return state, {"fit": {}, "resume_verified_bitwise": verified}
     state = jb.start(cfg)
     run.write_plan(state.plan_id, {str(k): v.model_dump(mode="json") for k, v in state.layouts.items()})
-    if not cfg.uses_reward_model:  # a rule on text scores the responses: no reward model to fit
+    reward = state.layouts.get(ModelStage.REWARD_INFER)
+    if reward is None:  # a rule scores the responses (GRPO's, or reward.function on text): nothing to fit
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, None)
         return state, {"fit": {}}
-    reward = state.layouts["reward/infer"]
     cache_dir = reward_fit_cache_dir()
     fit = st.fit_reward_model(pool, reward, cfg, st.reward_fit_key(cfg), cache_dir)
     if not Path(fit["path"]).exists():  # the cache outlived its file: fit again

@@ -1,8 +1,9 @@
-"""The PPO job flow: what `nereus run` does, read top to bottom.
+"""The job flow (PPO or GRPO): what `nereus run` does, read top to bottom.
 
     open the run (fresh, or resume its newest checkpoint) -> device pool -> load or rehydrate models
     per step:  scenario event? -> controller -> transition subflow -> commit
                a grow to come? -> the pool prepares its workers in the background
+               the algorithm's step (STEPS): PPO's here, GRPO's in flows/grpo_step.py
                PPO step: actor/generate -> experience (reward, reference, old log-probs, values)
                          -> advantages -> actor/train (+ sync) -> critic/train (+ sync) -> rollout
                record (flows/job_records.py) -> controller -> transition subflow -> commit
@@ -22,7 +23,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows import generation, job_start, tracking
+from flows import generation, grpo_step, job_start, tracking
 from flows.job_data import job_data
 from flows.job_records import JobRecords, done_line, log_decision
 from flows.transition import transition_flow
@@ -31,7 +32,7 @@ from nereus_core import prompt_source as ps
 from nereus_core import rollout as ro
 from nereus_core.config import NereusConfig
 from nereus_core.controller import TransitionTiming
-from nereus_core.plan import COPIES, ModelStage
+from nereus_core.plan import ModelStage, copies
 from nereus_core.ppo import masked_mean
 from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
@@ -55,8 +56,7 @@ def run_step(
     b, t_len = cfg.job.batch_size, cfg.job.response_len
     r, scores = generation.rollout(pool, state, records, step, prompt_source or job_data(cfg).train)
     n_tok = int(r.attention_mask.sum())
-    # actor/train: the old log-probs; reward/infer only when the score is the reward model's.
-    passes = [k for k in PASSES if k != "reward/infer" or cfg.uses_reward_model]
+    passes = [k for k in PASSES if k in plan]  # reward/infer only when the job scores with a reward model
     with records.task_call(step, pid) as call:
         out, seconds = st.experience(pool, {k: plan[k] for k in passes}, r.ids, r.attention_mask)
         for key in passes:
@@ -69,7 +69,7 @@ def run_step(
     with records.plain(step, pid, "ppo", "advantages", b * t_len):
         ro.compute_advantages(r, cfg.ppo)
     trained: dict[str, dict[str, float]] = {}
-    for copy, source in COPIES.items():
+    for copy, source in copies(plan).items():
         model, config = source.model, jb.model_config(cfg, source)
         sync = None if copy in state.aliased else (plan[copy], str(copy), config)
         with records.task_call(step, pid) as call:
@@ -101,6 +101,10 @@ def run_step(
         **{f"reward_{k}": v for k, v in scores.extras.items()},
     }
     return stats, r.lengths.tolist()
+
+
+# The step of each algorithm (``algorithm.name``); the rest of the flow is the same for both.
+STEPS = {"ppo": run_step, "grpo": grpo_step.run_step}
 
 
 def decide_and_switch(
@@ -192,7 +196,8 @@ def _checkpoint(pool: DevicePool, state: jb.JobState, records: JobRecords, step:
 def ppo_job(
     config: NereusConfig | dict[str, Any] | str, out_dir: str | None = None, devices: int | None = None
 ) -> dict[str, Any]:
-    """Run PPO for ``config.job.steps`` steps on the device pool; the run directory is ``out_dir``.
+    """Run PPO or GRPO (``config.algorithm``) for ``config.job.steps`` steps on the device pool; the run
+    directory is ``out_dir``.
 
     If ``out_dir`` holds an unfinished run of the same config (a checkpoint, no completed summary:
     the driver died, or this is a retry of the failed flow run; ``out_dir`` defaults to
@@ -222,7 +227,7 @@ def ppo_job(
                     if ahead and ahead[0] > pool.size:  # the next device event grows: its workers start now
                         pool.prepare(ahead[0], warm=model_ops.warm_device)
                     t = time.perf_counter()
-                    stats, lengths = run_step(pool, state, records, step, data.train)
+                    stats, lengths = STEPS[cfg.algorithm.name](pool, state, records, step, data.train)
                     wall = time.perf_counter() - t
                     if data.val is not None and generation.validation_due(
                         step, cfg.job.steps, cfg.validation

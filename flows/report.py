@@ -23,6 +23,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from nereus_core.config import parse_config
+from nereus_core.plan import ModelStage
 from storage.errors import RunDirError
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 
@@ -82,12 +84,17 @@ def _mark_events(ax: Any, events: list[tuple[int, str]]) -> None:
         )
 
 
-def scores_figure(summary: dict[str, Any], events: list[tuple[int, str]]) -> Figure:
+def scores_figure(
+    summary: dict[str, Any], events: list[tuple[int, str]], *, reward_model: bool = True
+) -> Figure:
+    """The task's rule score per step and, when the job scored with a reward model (``reward_model``;
+    GRPO trains on the rule score itself), the reward model's score."""
     history = summary.get("history", [])
     steps = [h["step"] for h in history]
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(steps, [h["rule_score"] for h in history], label="rule score (task)")
-    ax.plot(steps, [h["score"] for h in history], label="reward model score")
+    if reward_model:
+        ax.plot(steps, [h["score"] for h in history], label="reward model score")
     _mark_events(ax, events)
     ax.set_xlabel("step (0-based)")
     ax.set_ylabel("mean score")
@@ -196,8 +203,9 @@ def write_report(run_dir: str | os.PathLike[str]) -> list[Path]:
     out = run.root / "plots"
     out.mkdir(exist_ok=True)
     events = scenario_events(run)
+    reward_model = ModelStage.REWARD_INFER in parse_config(run.read_config()).stages
     return [
-        _save(scores_figure(summary, events), out / "scores.png"),
+        _save(scores_figure(summary, events, reward_model=reward_model), out / "scores.png"),
         _save(stage_times_figure(run, events), out / "stage_times.png"),
         _transitions(run, summary, out),
     ]

@@ -17,16 +17,23 @@ def step_table(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> str:
         )
     lines.append(
         f"{'step':<10} {'wall':<11} {wall:>8.3f}   overhead {stats['overhead_s']:.3f} s "
-        f"({stats['overhead_s'] / wall:.1%}) | score {stats['score']:.3f} rule {stats['rule_score']:.3f} "
-        f"| kl {stats['kl']:.4f}"
+        f"({stats['overhead_s'] / wall:.1%}) | score {stats['score']:.3f} rule {stats['rule_score']:.3f}"
+        + (f" | kl {stats['kl']:.4f}" if "kl" in stats else "")  # no reference model: no KL
     )
-    if "actor_loss" in stats:  # the PPO statistics verl logs (pg_clipfrac, ppo_kl, entropy, grad_norm, ...)
-        lines.append(
+    if "actor_loss" in stats:  # the statistics verl logs (pg_clipfrac, ppo_kl, entropy, grad_norm, ...)
+        parts = [
             f"actor loss {stats['actor_loss']:.4f} clip {stats['actor_clip_frac']:.3f} "
             f"kl {stats['actor_approx_kl']:.2e} entropy {stats['actor_entropy']:.3f} "
-            f"grad {stats['actor_grad_norm']:.3f} | critic loss {stats['critic_loss']:.4f} "
-            f"vclip {stats['critic_value_clip_frac']:.3f} grad {stats['critic_grad_norm']:.3f} | "
+            f"grad {stats['actor_grad_norm']:.3f}"
+        ]
+        if "critic_loss" in stats:  # a job with a critic
+            parts.append(
+                f"critic loss {stats['critic_loss']:.4f} vclip {stats['critic_value_clip_frac']:.3f} "
+                f"grad {stats['critic_grad_norm']:.3f}"
+            )
+        parts.append(
             f"response len {stats['response_len_mean']:.1f} max {stats['response_len_max']:.0f} "
             f"at limit {stats['response_clip_frac']:.0%}"
         )
+        lines.append(" | ".join(parts))
     return "\n".join(lines)

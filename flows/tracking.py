@@ -29,7 +29,7 @@ EXTRAS = {"tensorboard": "tracking", "mlflow": "tracking", "wandb": "wandb"}
 # History columns -> verl's metric names (verl/trainer/ppo: dp_actor, dp_critic, metric_utils);
 # the "nereus/" ones have no verl counterpart.
 HISTORY_NAMES = {
-    "score": "critic/score/mean",  # the reward model's score, the one PPO trains on
+    "score": "critic/score/mean",  # the score trained on: PPO's reward model, GRPO's rule
     "rule_score": "critic/rule_score/mean",
     "kl": "actor/reward_kl_penalty",  # mean(old - reference log-prob), as verl's apply_kl_penalty
     "actor_loss": "actor/pg_loss",
@@ -37,6 +37,7 @@ HISTORY_NAMES = {
     "actor_approx_kl": "actor/ppo_kl",
     "actor_entropy": "actor/entropy",
     "actor_grad_norm": "actor/grad_norm",
+    "actor_kl_loss": "actor/kl_loss",  # GRPO's KL loss term
     "critic_loss": "critic/vf_loss",
     "critic_value_clip_frac": "critic/vf_clipfrac",
     "critic_grad_norm": "critic/grad_norm",
@@ -56,6 +57,7 @@ STAGE_NAMES = {
     ("actor", "infer"): "timing_s/old_log_prob",
     ("critic", "infer"): "timing_s/values",
     ("ppo", "advantages"): "timing_s/adv",
+    ("grpo", "advantages"): "timing_s/adv",
     ("actor", "train"): "timing_s/update_actor",
     ("actor", "sync"): "timing_s/update_weights",
     ("critic", "train"): "timing_s/update_critic",

@@ -33,7 +33,7 @@ from nereus_core.gtg import TransitionGraph, TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule, stage_schedule
 from nereus_core.job import model_config, optimizer_settings
 from nereus_core.layout import Layout
-from nereus_core.plan import COPIES, OWN_STATE, ModelStage
+from nereus_core.plan import ModelStage, copies, own_state
 from storage.journal import ABORT, COMMIT, DONE, FAILED, START, Journal
 from storage.run_dir import RunDir
 from tasks import model_ops
@@ -70,10 +70,10 @@ def _rehydrate(
     return {**stats, "bytes_moved": stats.get("bytes_read", 0)}
 
 
-def _relink(pool: DevicePool, cfg: NereusConfig, journal: Journal, plan: Plan, copies: list) -> int:
-    moved = 0
-    for copy in copies:
-        source = COPIES[copy]
+def _relink(pool: DevicePool, cfg: NereusConfig, journal: Journal, plan: Plan, relinked: list) -> int:
+    moved, sources = 0, copies(plan)
+    for copy in relinked:
+        source = sources[copy]
         stats = _run_op(
             journal,
             f"relink:{copy}",
@@ -112,7 +112,7 @@ def rehydrate_all(
                 pid = pool.info()[min(1, pool.size - 1)]["pid"]
                 logger.warning("fault injection: killing device worker pid %d during rehydration", pid)
                 os.kill(pid, signal.SIGKILL)
-            for stage in OWN_STATE:
+            for stage in own_state(plan):
                 op = f"rehydrate:{stage}#{attempt}"
                 read += _run_op(
                     journal, op, _rehydrate, pool, cfg, run_dir, checkpoint_step, stage, plan[stage]
@@ -125,7 +125,7 @@ def rehydrate_all(
             logger.warning("rehydration failed (%s); rebuilding the world and rehydrating again", err)
             _resize(pool, devices)  # a lost worker is replaced; every group is rebuilt
             _drop_all(pool)
-    return read + _relink(pool, cfg, journal, plan, list(COPIES))
+    return read + _relink(pool, cfg, journal, plan, list(copies(plan)))
 
 
 def _drop_all(pool: DevicePool) -> dict[str, Any]:
@@ -147,8 +147,9 @@ def _resize(pool: DevicePool, devices: int) -> dict[str, Any]:
 def _plan_moves(cfg: NereusConfig, old: Plan, new: Plan, capacities: dict[int, int], live: bool) -> tuple:
     """The GTG and the schedule the executor runs; a GTG order that whole units cannot follow safely
     sends every changed stage durable (always safe: plan B alone fits, checked by the GTG)."""
-    models = {s: (model_config(cfg, s), ModelStage(s).trains) for s in OWN_STATE}
-    a, b = {s: old[s] for s in OWN_STATE}, {s: new[s] for s in OWN_STATE}
+    stateful = own_state(new)
+    models = {s: (model_config(cfg, s), ModelStage(s).trains) for s in stateful}
+    a, b = {s: old[s] for s in stateful}, {s: new[s] for s in stateful}
     graph = build_gtg(a, b, models, capacities, allow_live=live)
     try:
         return graph, stage_schedule(graph, capacities), graph.reason
@@ -220,12 +221,12 @@ def transition_flow(
     try:
         if resize:
             moved = rehydrate_all(pool, cfg, run_dir, journal, new, checkpoint_step, target)  # type: ignore[arg-type]
-            units = len(OWN_STATE) + len(COPIES)
+            units = len(new)
         else:
             moved = _run_schedule(
                 pool, cfg, run_dir, journal, graph, schedule, old, new, path, step, checkpoint_step
             )
-            changed = [c for c, s in COPIES.items() if old[c] != new[c] or old[s] != new[s]]
+            changed = [c for c, s in copies(new).items() if old[c] != new[c] or old[s] != new[s]]
             if changed and faults.armed("kill-driver:move"):  # every unit ran in one wave: die before relinks
                 get_run_logger().warning("fault injection: the driver dies with the copies still to relink")
                 os.kill(os.getpid(), signal.SIGKILL)

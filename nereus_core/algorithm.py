@@ -2,9 +2,11 @@
 
 Boundary: names and numbers only, validated when built; the formulas live in ``grpo.py`` and
 ``ppo.py`` and accept exactly the names checked here (their registries are the lists of valid
-names). PPO's shared hyper-parameters (``clip_ratio`` as GRPO's ``epsilon``, ``ppo_epochs``,
-``mini_batches``, learning rates) stay in ``PPOSettings``; this section adds what a critic-free
-algorithm needs. TRL's ``GRPOConfig`` names are given in each description.
+names). The settings both algorithms share have one owner, ``PPOSettings`` (the ``ppo:`` section):
+``clip_ratio`` (GRPO's ``epsilon``), ``ppo_epochs``, ``mini_batches``, the learning rates, the
+temperature, and the KL terms (``kl_coef``/``kl_kind``: a penalty on the reward; ``use_kl_loss``,
+``kl_loss_coef`` (TRL ``beta``), ``kl_loss_kind``: a loss term). This section adds only what a
+critic-free algorithm needs. TRL's ``GRPOConfig`` names are given in each description.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nereus_core.grpo import BASELINES, LOSS_AGGREGATIONS, SCALE_REWARDS
-from nereus_core.ppo import KL_KINDS, known_name
+from nereus_core.ppo import known_name
 
 ALGORITHMS: tuple[str, ...] = ("ppo", "grpo")
 
@@ -55,16 +57,9 @@ class AlgorithmConfig(BaseModel):
         ge=1,
         description="seq-mean-token-sum-norm's constant; None: the generation's maximum response length.",
     )
-    kl_loss_coef: float = Field(
-        default=0.0,
-        ge=0,
-        le=10,
-        description="Weight of the KL-to-reference loss (TRL beta); 0: no reference.",
-    )
-    kl_estimator: str = Field(default="k3", description=f"KL estimator, one of: {', '.join(KL_KINDS)}.")
     kl_ratio_weighted: bool = Field(
         default=False,
-        description="Weight the KL term by pi/pi_old, unbiased off-policy (TRL use_bias_correction_kl).",
+        description="Weight the KL loss term by pi/pi_old, unbiased off-policy (TRL use_bias_correction_kl).",
     )
 
     @field_validator("name")
@@ -87,11 +82,6 @@ class AlgorithmConfig(BaseModel):
     def _check_agg(cls, name: str) -> str:
         return known_name(name, list(LOSS_AGGREGATIONS))
 
-    @field_validator("kl_estimator")
-    @classmethod
-    def _check_kl(cls, name: str) -> str:
-        return known_name(name, KL_KINDS)
-
     @model_validator(mode="after")
     def _check_group(self) -> AlgorithmConfig:
         if self.name == "grpo" and self.group_size < 2:
@@ -99,11 +89,47 @@ class AlgorithmConfig(BaseModel):
                 f"grpo compares the responses to one prompt, so group_size must be at least 2 "
                 f"(got {self.group_size}); 4 to 16 is usual"
             )
+        if self.name == "ppo" and self.group_size != 1:
+            raise ValueError(
+                f"algorithm.group_size={self.group_size} is read by grpo only; "
+                "set algorithm.name: grpo or drop group_size"
+            )
         return self
+
+    def batch_error(self, batch: int, mini_batches: int) -> str | None:
+        """Why ``batch`` sequences per step cannot be sampled as whole groups and trained in
+        ``mini_batches`` of whole groups (None if they can). Whole groups per mini-batch: GRPO's
+        advantages are fixed before training, so this is not needed for correctness, but it keeps a
+        prompt's responses in one optimizer step, as TRL's ``steps_per_generation`` batches do."""
+        group = self.group_size
+        if batch % group:
+            return (
+                f"job.batch_size={batch} is not a multiple of algorithm.group_size={group}: a step samples "
+                f"{group} responses per prompt; choose a batch size that is a multiple of it"
+            )
+        if (batch // group) % mini_batches:
+            return (
+                f"job.batch_size/algorithm.group_size={batch // group} prompts do not split into "
+                f"ppo.mini_batches={mini_batches} of whole groups; choose a batch size that is a multiple "
+                f"of {group * mini_batches}"
+            )
+        return None
 
     @property
     def uses_critic(self) -> bool:
         """PPO trains a critic; GRPO does not."""
+        return self.name == "ppo"
+
+    def uses_reference(self, *, kl: bool) -> bool:
+        """PPO always runs the reference (its step reports the KL to it even without a KL term, and
+        PPO runs have always held it); GRPO only when a KL term is used (``kl``)."""
+        return self.name == "ppo" or kl
+
+    @property
+    def uses_reward_model(self) -> bool:
+        """Where the score comes from. PPO on the count task scores with the reward model fitted to
+        the rule (the reward/infer stage; OpenRLHF-style); GRPO scores with the task's rule itself
+        (verifiable rewards, as DeepSeekMath and TRL's reward functions): no reward model runs."""
         return self.name == "ppo"
 
 

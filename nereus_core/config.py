@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from nereus_core.algorithm import AlgorithmConfig
 from nereus_core.config_base import (
     ClusterConfig,
     ConfigError,
@@ -30,7 +31,7 @@ from nereus_core.config_data import DataConfig, RewardConfig, ValidationConfig, 
 from nereus_core.config_errors import one_line
 from nereus_core.hf_files import critic_error, imported_section
 from nereus_core.layout import Layout
-from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems
+from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems, stages_for
 from nereus_core.ppo import PPOSettings
 from nereus_core.task import MIN_VOCAB, TaskSettings
 
@@ -83,6 +84,13 @@ class ModelConfig(_Frozen):
             "token from score.weight (LlamaForSequenceClassification with one label; critic, reward)."
         ),
     )
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description=(
+            "Parameters and activations; bf16 trains with fp32 master weights and fp32 AdamW state "
+            "(DeepSpeed's bf16 mode). fp16 is refused: it needs loss scaling."
+        ),
+    )
     init_std: float = Field(default=0.02, gt=0, description="Std of the seeded normal init.")
     seed: int = Field(default=0, ge=0, description="Seed of the weights; every rank builds the same.")
     path: str | None = Field(
@@ -112,6 +120,17 @@ class ModelConfig(_Frozen):
         if not isinstance(data, dict) or (data.get("path") is None and data.get("tokenizer") is None):
             return data
         return imported_section(data, cls)
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, value: str) -> str:
+        if value == "fp16":
+            # fp16 needs dynamic loss scaling, whose scaler state would have to move with every
+            # transition and checkpoint; bf16 has fp32's exponent range and needs none.
+            raise ValueError(
+                "model.dtype=fp16 needs loss scaling, which Nereus does not carry; use bf16 or fp32"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -213,7 +232,8 @@ class JobConfig(_Frozen):
     verify_transitions: bool = Field(
         default=False,
         description="After every plan switch, check every model's state bitwise against the checkpoint "
-        "taken before it, and the actor's and critic's outputs on a probe batch against plan A's (<= 1e-5).",
+        "taken before it, and the actor's (and critic's) outputs on a probe batch against plan A's "
+        "(<= 1e-5).",
     )
     adapt: bool = Field(
         default=False,
@@ -255,6 +275,7 @@ class NereusConfig(_Frozen):
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     job: JobConfig = JobConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
     ppo: PPOSettings = PPOSettings()
     trainer: TrainerConfig = TrainerConfig()
     plan: dict[ModelStage, Layout] = Field(
@@ -273,9 +294,20 @@ class NereusConfig(_Frozen):
 
     @property
     def uses_reward_model(self) -> bool:
-        """Whether PPO's score comes from a reward model: the count task's, fitted to its rule (the
-        reward/infer stage); not when ``reward.function`` is a rule on text (verl's rule rewards)."""
-        return self.reward is None or self.reward.inputs == "tokens"
+        """Whether the score comes from a reward model: PPO's on the count task, fitted to its rule
+        (the reward/infer stage); not GRPO (the rule itself), nor a rule ``reward.function`` on text
+        (verl's rule rewards)."""
+        text_rule = self.reward is not None and self.reward.inputs == "text"
+        return self.algorithm.uses_reward_model and not text_rule
+
+    @property
+    def stages(self) -> tuple[ModelStage, ...]:
+        """The job's model-stages (``plan.stages_for``): every part of the job asks this, not a constant."""
+        return stages_for(
+            critic=self.algorithm.uses_critic,
+            reference=self.algorithm.uses_reference(kl=self.ppo.uses_kl),
+            reward_model=self.uses_reward_model,
+        )
 
     def plan_rules(self, devices: int | None = None) -> PlanRules:
         """What every plan of this job must obey (``plan.problems``), on ``devices`` slots (default: the
@@ -324,6 +356,15 @@ class NereusConfig(_Frozen):
             raise ValueError(
                 f"job.batch_size={self.job.batch_size} is not divisible by "
                 f"ppo.mini_batches={self.ppo.mini_batches}; choose a batch size that is a multiple of it"
+            )
+        grouping = self.algorithm.batch_error(self.job.batch_size, self.ppo.mini_batches)
+        if grouping:
+            raise ValueError(grouping)
+        extra = [s for s in self.plan if s not in self.stages]
+        if extra:
+            raise ValueError(
+                f"plan.{extra[0]}: algorithm {self.algorithm.name} with these settings has no "
+                f"{extra[0]} (its model-stages: {', '.join(self.stages)}); remove it from plan"
             )
         found = problems(self.plan, self.plan_rules())
         if found:

@@ -178,7 +178,9 @@ def _candidates(
         buckets=s.memory_buckets,
     )
     wire = state.transition_scales.wire
-    found = Searcher(space, workload, state.models, state.profile, state.scales, wire).run()
+    found = Searcher(
+        space, workload, state.models, state.profile, state.scales, wire, stages=state.stages
+    ).run()
     top = [f.plan for f in found.feasible[: s.top_k]]
     # Plans that ran here are weighed too (by what they measured), wherever the search ranks them.
     ran = ph.measured_plans(state.records, workload, devices, s.workload_margin)

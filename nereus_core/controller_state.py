@@ -134,6 +134,7 @@ class ControllerState(_Frozen):
     """Everything ``decide`` carries from one step to the next."""
 
     models: dict[str, ModelConfig]
+    stages: tuple[ModelStage, ...] = Field(description="The job's model-stages (``plan.stages_for``).")
     profile: HardwareProfile
     settings: ControllerSettings = ControllerSettings()
     plan: GlobalPlan | None = None
@@ -154,12 +155,15 @@ class ControllerState(_Frozen):
         model: ModelConfig,
         profile: HardwareProfile,
         settings: ControllerSettings | None = None,
+        *,
+        stages: tuple[ModelStage, ...],
         plan: GlobalPlan | None = None,
         devices: int | None = None,
     ) -> ControllerState:
         settings = settings or ControllerSettings()
         return cls(
             models=models_for(model),
+            stages=stages,
             profile=profile,
             settings=settings,
             plan=plan,

@@ -2,8 +2,9 @@
 
 An EMU is the state of one data-parallel replica of a model-stage (DESIGN.md). A *shard map*
 describes all of a layout's EMUs at once: for every tensor (parameters by Hugging Face name;
-for train stages also the AdamW moments ``<param>:exp_avg`` / ``<param>:exp_avg_sq`` and the
-step count ``optimizer:step``) its global shape, the dim split under TP, the pipeline stage
+for train stages also the AdamW moments ``<param>:exp_avg`` / ``<param>:exp_avg_sq``, the fp32
+master weights ``<param>:master`` when the parameters are of lower precision, and the step
+count ``optimizer:step``) its global shape, the dim split under TP, the pipeline stage
 holding it, and the boxes (per-dim ``[start, stop)``) each device holds. ``plan_reshard``
 turns two shard maps into the slice transfers that carry the old placement to the new one.
 
@@ -20,6 +21,11 @@ shard's row-major order (a partial row, whole rows, a partial row), listed in fl
 ``Piece.offset`` is where a box starts in the device's flat buffer of that tensor. DeepSpeed
 keeps one flat buffer per param group instead: the executor converts between its partitions
 and this one. The step count (one element) is replicated on every device of a train layout.
+
+Mixed precision (``model.dtype: bf16``): DeepSpeed keeps an fp32 copy of each rank's ZeRO
+partition of the weights (the master weights; the bf16 parameters are it, rounded). It is
+state of its own, partitioned like the moments: rebuilding it from the bf16 weights would lose
+the low bits every step adds to it. Parameters take the model's dtype; the rest is fp32.
 """
 
 from __future__ import annotations
@@ -28,76 +34,19 @@ import math
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
-from operator import sub
 from typing import Literal, NamedTuple
 
+from nereus_core.box import Box, flat_range_boxes, shift
 from nereus_core.config import ModelConfig
 from nereus_core.layout import Coord, Layout
-from nereus_core.model.weights import param_shapes, shard_dim, stage_param_names
+from nereus_core.model.weights import param_dtype, param_shapes, shard_dim, stage_param_names
 
-Kind = Literal["param", "exp_avg", "exp_avg_sq", "step"]
+Kind = Literal["param", "master", "exp_avg", "exp_avg_sq", "step"]
 MOMENTS: tuple[Kind, ...] = ("exp_avg", "exp_avg_sq")
+MASTER: Kind = "master"
+OPTIMIZER_BYTES = 4  # masters, moments and the step count are fp32 whatever the model's dtype
 STEP = "optimizer:step"
 MEMORY_KINDS = ("params", "grads", "optimizer")
-
-
-class Box(NamedTuple):
-    """An N-d region of a tensor: ``start[d] <= i_d < stop[d]`` on every dim (0-d: the one element)."""
-
-    start: tuple[int, ...]
-    stop: tuple[int, ...]
-
-    @classmethod
-    def full(cls, shape: tuple[int, ...]) -> Box:
-        return cls((0,) * len(shape), tuple(shape))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(map(sub, self.stop, self.start))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(map(sub, self.stop, self.start))
-
-    def intersect(self, other: Box) -> Box | None:
-        """The common region, or None if it is empty."""
-        start = tuple(map(max, self.start, other.start))
-        stop = tuple(map(min, self.stop, other.stop))
-        for a, b in zip(start, stop):  # noqa: B905 (same length by construction; hot path)
-            if a >= b:
-                return None
-        return Box(start, stop)
-
-    def contains(self, other: Box) -> bool:
-        pairs = zip(self.start, self.stop, other.start, other.stop, strict=True)
-        return all(a <= c and d <= b for a, b, c, d in pairs)
-
-    def relative_to(self, outer: Box) -> Box:
-        """This box in the coordinates of ``outer`` (which contains it): a local slice."""
-        return Box(
-            tuple(a - o for a, o in zip(self.start, outer.start, strict=True)),
-            tuple(b - o for b, o in zip(self.stop, outer.start, strict=True)),
-        )
-
-    def subtract(self, other: Box) -> list[Box]:
-        """Disjoint boxes covering ``self`` minus ``other`` (at most ``2*ndim``)."""
-        inter = self.intersect(other)
-        if inter is None:
-            return [self]
-        out: list[Box] = []
-        lo, hi = list(self.start), list(self.stop)
-        for d in range(len(lo)):
-            if lo[d] < inter.start[d]:
-                out.append(Box(tuple(lo), (*hi[:d], inter.start[d], *hi[d + 1 :])))
-                lo[d] = inter.start[d]
-            if inter.stop[d] < hi[d]:
-                out.append(Box((*lo[:d], inter.stop[d], *lo[d + 1 :]), tuple(hi)))
-                hi[d] = inter.stop[d]
-        return out
-
-    def slices(self) -> tuple[slice, ...]:
-        """Index a tensor with ``t[box.slices()]``."""
-        return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,37 +137,15 @@ def split_state_name(name: str) -> tuple[str, Kind]:
     param, sep, kind = name.rpartition(":")
     if not sep:
         return name, "param"
-    if kind not in MOMENTS:
-        raise ValueError(f"{name!r}: unknown state kind {kind!r}; expected one of {MOMENTS}")
+    if kind not in (MASTER, *MOMENTS):
+        raise ValueError(f"{name!r}: unknown state kind {kind!r}; expected one of {(MASTER, *MOMENTS)}")
     return param, kind  # type: ignore[return-value]
 
 
-def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
-    """Boxes covering flat elements ``[lo, hi)`` of a row-major ``shape``, in flat order, each contiguous."""
-    if lo >= hi:
-        return []
-    if not shape:
-        return [Box((), ())]
-    inner = math.prod(shape[1:])
-    (r0, c0), (r1, c1) = divmod(lo, inner), divmod(hi, inner)
-
-    def rows(r: int, a: int, b: int) -> list[Box]:
-        return [Box((r, *x.start), (r + 1, *x.stop)) for x in flat_range_boxes(shape[1:], a, b)]
-
-    if r0 == r1:
-        return rows(r0, c0, c1)
-    out = rows(r0, c0, inner) if c0 else []
-    first_full = r0 + 1 if c0 else r0
-    if r1 > first_full:
-        out.append(Box((first_full, *(0,) * (len(shape) - 1)), (r1, *shape[1:])))
-    return out + (rows(r1, 0, c1) if c1 else [])
-
-
-def _shift(box: Box, origin: tuple[int, ...]) -> Box:
-    return Box(
-        tuple(a + o for a, o in zip(box.start, origin, strict=True)),
-        tuple(b + o for b, o in zip(box.stop, origin, strict=True)),
-    )
+def partitioned_kinds(config: ModelConfig) -> tuple[Kind, ...]:
+    """The kinds a train stage holds in ZeRO-1 partitions: the moments, led by the fp32 master
+    weights when the parameters are of lower precision (with fp32 ones they are the weights)."""
+    return MOMENTS if config.dtype == "fp32" else (MASTER, *MOMENTS)
 
 
 def _tp_box(shape: tuple[int, ...], dim: int | None, tp_rank: int, tp: int) -> Box:
@@ -237,7 +164,7 @@ def _zero1_pieces(device: int, coord: Coord, shard: Box, dp: int) -> list[Piece]
     hi = lo + base + (1 if coord.dp < extra else 0)
     pieces, offset = [], 0
     for local in flat_range_boxes(shard.shape, lo, hi):
-        pieces.append(Piece(device, coord, _shift(local, shard.start), offset))
+        pieces.append(Piece(device, coord, shift(local, shard.start), offset))
         offset += local.numel
     return pieces
 
@@ -251,8 +178,13 @@ def _param_stages(config: ModelConfig, layout: Layout) -> dict[str, int]:
     return stage_of
 
 
-def shard_map(config: ModelConfig, layout: Layout, *, train: bool, dtype_bytes: int = 4) -> ShardMap:
-    """The shard map of a model-stage under ``layout``; ``train`` adds AdamW state (ZeRO-1 over dp)."""
+def shard_map(
+    config: ModelConfig, layout: Layout, *, train: bool, dtype_bytes: int | None = None
+) -> ShardMap:
+    """The shard map of a model-stage under ``layout``; ``train`` adds AdamW state (ZeRO-1 over dp).
+
+    Item sizes: the parameters' from ``model.dtype``, fp32 for the optimizer's state;
+    ``dtype_bytes`` sets one size for every tensor instead (a uniform estimate)."""
     for problem in (config.tp_error(layout.tp), config.pp_error(layout.pp)):
         if problem:
             raise ValueError(f"layout {layout.key}: {problem}")
@@ -260,26 +192,29 @@ def shard_map(config: ModelConfig, layout: Layout, *, train: bool, dtype_bytes: 
     coords = [(device, layout.coord(i)) for i, device in enumerate(layout.devices)]
     params: list[TensorSpec] = []
     moments: list[TensorSpec] = []
+    param_bytes = dtype_bytes or param_dtype(config).itemsize
+    state_bytes = dtype_bytes or OPTIMIZER_BYTES
     for name, shape in param_shapes(config).items():
         dim, stage = shard_dim(name), stage_of[name]
         held = [(d, c, _tp_box(shape, dim, c.tp, layout.tp)) for d, c in coords if c.pp == stage]
         pieces = tuple(Piece(d, c, box) for d, c, box in held)
-        params.append(TensorSpec(name, name, "param", shape, dim, stage, dtype_bytes, pieces))
+        params.append(TensorSpec(name, name, "param", shape, dim, stage, param_bytes, pieces))
         if train:
             shares = tuple(p for d, c, box in held for p in _zero1_pieces(d, c, box, layout.dp))
-            for kind in MOMENTS:
-                spec = TensorSpec(state_name(name, kind), name, kind, shape, dim, stage, dtype_bytes, shares)
+            for kind in partitioned_kinds(config):
+                spec = TensorSpec(state_name(name, kind), name, kind, shape, dim, stage, state_bytes, shares)
                 moments.append(spec)
     if train:
         steps = tuple(Piece(d, c, Box((), ())) for d, c in coords)
-        moments.append(TensorSpec(STEP, "", "step", (), None, None, dtype_bytes, steps))
+        moments.append(TensorSpec(STEP, "", "step", (), None, None, state_bytes, steps))
     return ShardMap(config, layout, train, tuple(params + moments))
 
 
 def bytes_per_device(
-    model_config: ModelConfig, layout: Layout, *, train: bool, dtype_bytes: int = 4
+    model_config: ModelConfig, layout: Layout, *, train: bool, dtype_bytes: int | None = None
 ) -> dict[int, dict[str, int]]:
-    """Bytes of ``params``, ``grads`` (train; ZeRO-1 keeps them whole) and ``optimizer`` per device."""
+    """Bytes of ``params``, ``grads`` (train; ZeRO-1 keeps them whole, in the parameters' dtype)
+    and ``optimizer`` (moments, masters if any, step count) per device; sizes as ``shard_map``'s."""
     smap = shard_map(model_config, layout, train=train, dtype_bytes=dtype_bytes)
     out = {d: dict.fromkeys(MEMORY_KINDS, 0) for d in layout.devices}
     for spec in smap.tensors:

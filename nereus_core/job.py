@@ -34,9 +34,9 @@ from nereus_core.engine.optimizer import OptimizerSettings
 from nereus_core.hardware import get_profile
 from nereus_core.layout import Layout
 from nereus_core.plan import (
-    COPIES,
     GlobalPlan,
     ModelStage,
+    copies,
     default_plan,
     models_for,
     plan_id,
@@ -66,7 +66,8 @@ class JobState:
     @property
     def aliased(self) -> frozenset[ModelStage]:
         """Inference copies on exactly their train stage's layout: they share its shards, no sync."""
-        return frozenset(c for c, source in COPIES.items() if self.layouts[c] == self.layouts[source])
+        pairs = copies(self.layouts).items()
+        return frozenset(c for c, source in pairs if self.layouts[c] == self.layouts[source])
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,14 @@ Outcome = Keep | Switch | Fail
 
 def start(config: NereusConfig, layouts: Mapping[str, Layout] | None = None) -> JobState:
     """The state of a job starting on ``layouts`` (default: the config's plan, completed)."""
-    plan = default_plan(config.plan if layouts is None else layouts)
+    plan = default_plan(config.plan if layouts is None else layouts, config.stages)
     devices = config.cluster.devices
     controller = ControllerState.initial(
-        config.model, get_profile(config.job.profile), plan=GlobalPlan.of(plan), devices=devices
+        config.model,
+        get_profile(config.job.profile),
+        stages=config.stages,
+        plan=GlobalPlan.of(plan),
+        devices=devices,
     )
     return JobState(config=config, layouts=plan, devices=devices, controller=controller)
 

@@ -3,6 +3,8 @@
 Boundary: plan topology only, the one owner of
 - the typed model-stage (``ModelStage``: its model, its stage kind, whether it owns
   state or is an inference copy of a train stage);
+- which model-stages a job has (``stages_for``; PPO all six, GRPO no critic) and, for any such
+  set, which own state, which are copies and in what order they load;
 - the plan id (``plan_id``: the same plan gets the same id in ``nereus plan``, a
   run's ``plans/`` and the controller);
 - the default plan (``default_plan``: what the config leaves out);
@@ -19,7 +21,7 @@ the same slots (time-shared), else ``disaggregated``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
@@ -73,12 +75,47 @@ _COPY_SOURCES = {
     ModelStage.ACTOR_GENERATE: ModelStage.ACTOR_TRAIN,
     ModelStage.CRITIC_INFER: ModelStage.CRITIC_TRAIN,
 }
-MODEL_STAGES: tuple[ModelStage, ...] = tuple(ModelStage)
+MODEL_STAGES: tuple[ModelStage, ...] = tuple(ModelStage)  # every model-stage there is
 GENERATE = ModelStage.ACTOR_GENERATE
-OWN_STATE: tuple[ModelStage, ...] = tuple(s for s in ModelStage if s.owns_state)
-COPIES: dict[ModelStage, ModelStage] = dict(_COPY_SOURCES)  # inference copy -> its train stage
-LOAD_ORDER: tuple[ModelStage, ...] = (*OWN_STATE, *COPIES)  # a copy after the stage it follows
-STATE_STAGE: dict[str, ModelStage] = {s.model: s for s in OWN_STATE}  # model -> the stage holding its state
+
+
+def stages_for(*, critic: bool, reference: bool, reward_model: bool) -> tuple[ModelStage, ...]:
+    """The model-stages of a job, in ``MODEL_STAGES`` order: the actor's two always, the critic's
+    two when advantages need values (PPO), the reference when a KL term is used, the reward model
+    when scores come from one (not from a rule). The one place that decides which stages a job has;
+    the config asks it (``NereusConfig.stages``) and every other part asks the config."""
+    wanted = {ModelStage.ACTOR_GENERATE, ModelStage.ACTOR_TRAIN}
+    if critic:
+        wanted |= {ModelStage.CRITIC_INFER, ModelStage.CRITIC_TRAIN}
+    if reference:
+        wanted.add(ModelStage.REFERENCE_INFER)
+    if reward_model:
+        wanted.add(ModelStage.REWARD_INFER)
+    return tuple(s for s in MODEL_STAGES if s in wanted)
+
+
+PPO_STAGES: tuple[ModelStage, ...] = stages_for(critic=True, reference=True, reward_model=True)
+
+
+def own_state(stages: Iterable[str]) -> tuple[ModelStage, ...]:
+    """The stages of ``stages`` that hold a model's state (snapshotted, moved in transitions)."""
+    return tuple(s for s in map(ModelStage, stages) if s.owns_state)
+
+
+def copies(stages: Iterable[str]) -> dict[ModelStage, ModelStage]:
+    """Inference copy -> the train stage it follows, for the copies among ``stages``."""
+    return {s: _COPY_SOURCES[s] for s in map(ModelStage, stages) if s in _COPY_SOURCES}
+
+
+def load_order(stages: Iterable[str]) -> tuple[ModelStage, ...]:
+    """``stages`` in the order they are loaded: a copy after the stage it follows."""
+    stages = tuple(stages)
+    return (*own_state(stages), *copies(stages))
+
+
+def state_stages(stages: Iterable[str]) -> dict[str, ModelStage]:
+    """Model -> the stage of ``stages`` holding its state."""
+    return {s.model: s for s in own_state(stages)}
 
 
 def model_of(stage: str) -> str:
@@ -113,12 +150,11 @@ def plan_id(layouts: Mapping[str, Layout]) -> str:
     return "plan-" + digest.hexdigest()[:12]
 
 
-def default_plan(given: Mapping[str, Layout]) -> dict[ModelStage, Layout]:
-    """``given`` with every model-stage it leaves out on slot 0 as one replica (tp=pp=dp=1)."""
-    plan = {ModelStage(s): layout for s, layout in given.items()}
-    for stage in MODEL_STAGES:
-        plan.setdefault(stage, Layout.contiguous())
-    return plan
+def default_plan(given: Mapping[str, Layout], stages: Iterable[str]) -> dict[ModelStage, Layout]:
+    """The job's ``stages`` with their layouts in ``given``, the ones it leaves out on slot 0 as one
+    replica (tp=pp=dp=1), in ``stages`` order."""
+    given = {ModelStage(s): layout for s, layout in given.items()}
+    return {ModelStage(s): given.get(ModelStage(s), Layout.contiguous()) for s in stages}
 
 
 def infer_placement(layouts: Mapping[str, Layout]) -> Placement:
@@ -186,7 +222,7 @@ def problems(layouts: Mapping[str, Layout], rules: PlanRules) -> list[str]:
 
 
 class GlobalPlan(BaseModel):
-    """Layouts of model-stages (usually all six) and how they share the device slots."""
+    """Layouts of the job's model-stages (``stages_for``) and how they share the device slots."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -40,7 +40,7 @@ from nereus_core.cost_model import Scales, Workload
 from nereus_core.cost_terms import PERSISTENT, contiguous_geometry, model_stats, split_arrays, stage_tables
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
-from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan, Placement, model_of, stage_rows
+from nereus_core.plan import GENERATE, GlobalPlan, ModelStage, Placement, model_of, stage_rows
 from nereus_core.transition_cost import sync_seconds
 
 INF = float("inf")
@@ -119,9 +119,9 @@ class Found:
             for s, i in choice.items()
         }
         # Valid by construction (degrees from the tables, consecutive slots): not re-checked.
-        return GlobalPlan.model_construct(
-            placement=self.placement, layouts={s: layouts[s] for s in MODEL_STAGES}
-        )
+        # The job's stages in their canonical order, as the config's plans list them.
+        order = [s for s in ModelStage if s in layouts]
+        return GlobalPlan.model_construct(placement=self.placement, layouts={s: layouts[s] for s in order})
 
 
 @dataclass
@@ -307,9 +307,11 @@ class Searcher:
         profile: HardwareProfile,
         scales: Scales,
         sync_scale: float = 1.0,
+        *,
+        stages: tuple[ModelStage, ...],
     ) -> None:
         self.space, self.work, self.models, self.profile, self.scales = space, work, models, profile, scales
-        self.sync_scale = sync_scale
+        self.sync_scale, self.stages = sync_scale, stages
         self._tables: dict[tuple[str, int], StageTable] = {}
         self._bases: dict[str, tuple[np.ndarray, ...]] = {}
 
@@ -345,7 +347,7 @@ class Searcher:
     def splits(self) -> list[tuple[Placement, list[Part]]]:
         """Every pool split with the weight sync folded into the stage seconds (see ``sync_seconds``)."""
         out: list[tuple[Placement, list[Part]]] = []
-        rest = tuple(s for s in MODEL_STAGES if s != GENERATE)
+        rest = tuple(s for s in self.stages if s != GENERATE)
         gen, train = self.table(GENERATE, 0), self.table("actor/train", 0)
         actor, n = self.models["actor"], self.space.devices
 
@@ -359,7 +361,7 @@ class Searcher:
         for t, p in zip(pairs // 65536, pairs % 65536, strict=True):
             only = np.where((train.tp == t) & (train.pp == p), train.seconds, INF)
             seconds = {GENERATE: gen.seconds + sync((0, t * p - 1), (t, p)), "actor/train": only}
-            parts = [(MODEL_STAGES, 0, n, seconds)]
+            parts = [(self.stages, 0, n, seconds)]
             out.append(("colocated", parts))
         if not self.space.disaggregated:
             return out

@@ -312,6 +312,11 @@ class PPOSettings(BaseModel):
     def _check_value_loss(cls, name: str) -> str:
         return known_name(name, VALUE_LOSSES)
 
+    @property
+    def uses_kl(self) -> bool:
+        """A KL term is used (a reward penalty or a loss term), so the reference model runs."""
+        return self.kl_coef > 0 or self.use_kl_loss
+
     @model_validator(mode="after")
     def _check_kl_loss(self) -> PPOSettings:
         if self.use_kl_loss and self.kl_loss_coef == 0:

@@ -45,6 +45,14 @@ class PromptBatch:
     prompt_mask: torch.Tensor | None = None
     examples: tuple[Example, ...] = ()
 
+    def repeated(self, group: int) -> PromptBatch:
+        """Each prompt ``group`` times, the copies side by side (GRPO's groups; ``rollout.grouped``)."""
+        if group == 1:
+            return self
+        mask = None if self.prompt_mask is None else ro.grouped(self.prompt_mask, group)
+        examples = tuple(ex for ex in self.examples for _ in range(group))
+        return PromptBatch(ro.grouped(self.prompts, group), mask, examples)
+
 
 @dataclass(frozen=True)
 class Scores:

@@ -1,4 +1,4 @@
-"""The rollout batch of one PPO step: the one data type that moves between stages.
+"""The rollout batch of one PPO or GRPO step: the one data type that moves between stages.
 
 Alignment: a sequence is ``ids = prompt ++ response`` of length ``s = P + T``.
 The lm head gives ``logp[:, j] = log p(ids[:, j+1] | ids[:, :j+1])`` for
@@ -12,6 +12,9 @@ Padding, as verl: prompts are left-padded (``prompt_mask`` 0 on the pads) and re
 right-padded (``mask`` 1 up to and including the stop token, 0 after), so the alignment above
 holds for every row. ``attention_mask`` is both masks side by side; every loss, estimator and
 statistic reads only the tokens ``mask`` marks.
+GRPO's batch is ``prompts * group_size`` rows, the ``group_size`` responses to one prompt next to
+each other (``grouped``); its advantages are one per response (``grpo.group_advantages``) spread over
+the response's tokens, so the rollout keeps one type and the train stage one batch layout.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nereus_core import ppo
+from nereus_core import grpo, ppo
+from nereus_core.algorithm import AlgorithmConfig
 
 
 @dataclass
@@ -141,6 +145,71 @@ def compute_advantages(rollout: Rollout, settings: ppo.PPOSettings) -> None:
     rollout.advantages, rollout.returns = advantages, returns
 
 
+def grouped(prompts_pp: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each prompt ``group_size`` times, the copies next to each other: ``[p * group_size, P]``."""
+    return prompts_pp.repeat_interleave(group_size, dim=0)
+
+
+def compute_group_advantages(rollout: Rollout, algorithm: AlgorithmConfig, settings: ppo.PPOSettings) -> None:
+    """Fill rewards and advantages for GRPO: a response's reward is its score minus, with
+    ``settings.kl_coef`` > 0, the KL penalty summed over its tokens (verl's ``use_kl_in_reward``:
+    token rewards from ``ppo.shaped_rewards``, summed per response); its advantage is
+    ``grpo.group_advantages`` of those rewards, the same on every real token. No returns: no critic."""
+    score_b, mask_bt = rollout.score, rollout.mask
+    if settings.kl_coef > 0:
+        rewards_bt = ppo.shaped_rewards(
+            score_b, rollout.old_logp, rollout.ref_logp, mask_bt, settings.kl_coef, settings.kl_kind
+        )
+    else:
+        rewards_bt = torch.zeros_like(mask_bt).scatter_add(
+            1, ppo.last_token_index(mask_bt).clamp_min(0)[:, None], score_b[:, None].to(mask_bt.dtype)
+        )
+    advantages_b = grpo.group_advantages(
+        rewards_bt.sum(dim=1),
+        algorithm.group_size,
+        scale_rewards=algorithm.scale_rewards,  # type: ignore[arg-type]
+        baseline=algorithm.baseline,  # type: ignore[arg-type]
+    )
+    rollout.rewards, rollout.advantages = rewards_bt, advantages_b[:, None] * mask_bt
+
+
+def grpo_objective(
+    logp_full: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    *,
+    settings: ppo.PPOSettings,
+    algorithm: AlgorithmConfig,
+) -> ppo.LossAndStats:
+    """The actor's GRPO loss on a micro-batch (``grpo.grpo_loss``): the clipped surrogate with
+    ``settings.clip_ratio`` (and DAPO's ``algorithm.clip_ratio_high``), aggregated over tokens as
+    ``algorithm.loss_agg_mode`` says, plus the KL loss term when ``settings.use_kl_loss``. Each
+    micro-batch is aggregated on its own and the engine averages them (as the PPO objective).
+    Statistics as ``actor_objective``'s, plus ``kl_loss`` (the KL estimate) with the KL term."""
+    mask = batch["mask"]
+    logp = response_logp(logp_full, mask.shape[1])
+    kl = settings.use_kl_loss
+    loss, loss_stats = grpo.grpo_loss(
+        logp,
+        batch["old_logp"],
+        batch["advantages"],
+        mask,
+        loss_agg_mode=algorithm.loss_agg_mode,
+        epsilon=settings.clip_ratio,
+        epsilon_high=algorithm.clip_ratio_high,
+        ref_logp_bt=batch["ref_logp"] if kl else None,
+        kl_coef=settings.kl_loss_coef if kl else 0.0,
+        kl_estimator=settings.kl_loss_kind,
+        kl_ratio_weighted=algorithm.kl_ratio_weighted,
+        max_len=algorithm.loss_scale_tokens or mask.shape[1],
+    )
+    stats = {"clip_frac": loss_stats["clip_frac"], "approx_kl": loss_stats["approx_kl"]}
+    if "kl" in loss_stats:
+        stats["kl_loss"] = loss_stats["kl"]
+    if "entropy" in batch:
+        stats["entropy"] = ppo.masked_mean(response_logp(batch["entropy"], mask.shape[1]), mask)
+    return loss, stats
+
+
 def actor_objective(
     logp_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
 ) -> ppo.LossAndStats:
@@ -204,9 +273,16 @@ def length_stats(mask_bt: torch.Tensor, limit: int) -> dict[str, float]:
     }
 
 
-def minibatch_rows(batch: int, mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """A seeded shuffle of the rows split into ``mini_batches`` equal parts."""
-    if batch % mini_batches:
-        raise ValueError(f"batch {batch} is not divisible by mini_batches={mini_batches}")
-    order = torch.randperm(batch, generator=generator)
-    return list(order.view(mini_batches, -1))
+def minibatch_rows(
+    batch: int, mini_batches: int, generator: torch.Generator, group_size: int = 1
+) -> list[torch.Tensor]:
+    """A seeded shuffle of the rows split into ``mini_batches`` equal parts; with ``group_size`` > 1
+    the groups of consecutive rows are shuffled and kept whole (GRPO: a prompt's responses train in
+    one optimizer step). ``group_size`` 1 is a plain shuffle of the rows."""
+    if batch % (group_size * mini_batches):
+        raise ValueError(
+            f"batch {batch} is not divisible into mini_batches={mini_batches} of whole groups of {group_size}"
+        )
+    order = torch.randperm(batch // group_size, generator=generator)
+    rows = (order[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    return list(rows.view(mini_batches, -1))

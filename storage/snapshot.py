@@ -17,7 +17,9 @@ of this run written by that incarnation.
 
 Boundary: files under ``<run_dir>/state`` (storage/FORMAT.md). Slices are described by
 ``nereus_core.emu`` types (``SliceSpec``, ``Box``); which slices a rank needs is the shard
-map's business, not the store's. No pickle: data files are Arrow IPC, manifests JSON.
+map's business, not the store's. No pickle: data files are Arrow IPC, manifests JSON. Every
+tensor is stored as its raw bytes with its torch dtype recorded (Arrow has no bf16), so bf16
+weights and their fp32 masters come back bit for bit.
 """
 
 from __future__ import annotations
@@ -295,9 +297,10 @@ def read_slices(ref: SnapshotRef, wanted: Sequence[tuple[str, Box | None]]) -> l
 def read_full_state(
     run_dir: PathLike, model: str, step: int | None = None, *, optimizer: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters of ``model`` with Hugging Face names, at ``step`` or the latest;
-    ``optimizer=True`` adds what a train stage's snapshot holds besides: ``<param>:exp_avg``,
-    ``<param>:exp_avg_sq`` and the AdamW step count."""
+    """Full (unsharded) parameters of ``model`` with Hugging Face names, at ``step`` or the latest,
+    in the dtype they were written in (bf16 for ``model.dtype: bf16``); ``optimizer=True`` adds what
+    a train stage's snapshot holds besides: ``<param>:exp_avg``, ``<param>:exp_avg_sq``, the fp32
+    master weights ``<param>:master`` of a bf16 model, and the AdamW step count."""
     ref = find_snapshot(run_dir, model, step)
     names = [n for n in ref.names() if optimizer or split_state_name(n)[1] == "param"]
     return dict(zip(names, read_slices(ref, [(n, None) for n in names]), strict=True))

@@ -60,6 +60,29 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
+def _serialize_bf16_tensors() -> None:
+    """Dask serializes a tensor through numpy, which has no bf16 (``model.dtype: bf16``): such a
+    tensor travels as its bytes viewed as int16 and is viewed back on arrival (no copy, bitwise)."""
+    import torch
+    from distributed.protocol import dask_deserialize, dask_serialize
+    from distributed.protocol import torch as dask_torch  # Dask's own tensor serializer, wrapped
+
+    @dask_serialize.register(torch.Tensor)
+    def dumps(t: torch.Tensor) -> tuple[dict[str, Any], list[Any]]:
+        if t.dtype != torch.bfloat16:
+            return dask_torch.serialize_torch_Tensor(t)
+        header, frames = dask_torch.serialize_torch_Tensor(t.detach().view(torch.int16))
+        return {**header, "nereus-bf16": True}, frames
+
+    @dask_deserialize.register(torch.Tensor)
+    def loads(header: dict[str, Any], frames: list[Any]) -> torch.Tensor:
+        t = dask_torch.deserialize_torch_Tensor(header, frames)
+        return t.view(torch.bfloat16) if header.get("nereus-bf16") else t
+
+
+_serialize_bf16_tensors()
+
 LOOPBACK = "127.0.0.1"
 
 # Nereus's top-level packages: each must resolve on a worker as it does on the driver.

@@ -31,7 +31,7 @@ from nereus_core.engine.hf_load import hf_source
 from nereus_core.engine.memory import held_bytes as device_held_bytes
 from nereus_core.job import JobState, model_config, optimizer_settings
 from nereus_core.layout import Layout
-from nereus_core.plan import COPIES, LOAD_ORDER, STATE_STAGE, ModelStage
+from nereus_core.plan import ModelStage, copies, load_order, state_stages
 from nereus_core.task import make_prompts
 from storage.run_dir import RunDir
 from tasks import model_ops
@@ -39,7 +39,8 @@ from tasks.device_pool import DevicePool
 from tasks.reshard import gather_state
 from tasks.snapshots import snapshot_model
 
-PROBED = (ModelStage.ACTOR_TRAIN, ModelStage.CRITIC_TRAIN)  # the actor's log-probs, the critic's values
+# The actor's log-probs and, where the job has a critic, its values.
+PROBED = (ModelStage.ACTOR_TRAIN, ModelStage.CRITIC_TRAIN)
 
 
 def load_models(
@@ -53,10 +54,11 @@ def load_models(
     (``engine.hf_load.hf_source``: each device reads its own slices), else own state from the seed (the
     reward model and the critic from the fitted reward model, as OpenRLHF starts the critic); copies
     sharing their source, or loaded as it is."""
-    for stage in LOAD_ORDER:
+    sources = copies(layouts)
+    for stage in load_order(layouts):
         layout = layouts[stage]
         if stage in aliased:
-            model_ops.alias_model(pool, layout, name=stage, target=COPIES[stage])
+            model_ops.alias_model(pool, layout, name=stage, target=sources[stage])
             continue
         source = hf_source(config, stage.model)
         if source is not None:
@@ -88,7 +90,7 @@ def live_state(
         model: gather_state(
             pool, layouts[stage], name=stage, config=model_config(config, stage), train=stage.trains
         )
-        for model, stage in STATE_STAGE.items()
+        for model, stage in state_stages(layouts).items()
     }
 
 
@@ -143,7 +145,7 @@ def disk_filled_if_armed(run_dir: str) -> Iterator[None]:
 def _checkpoint(pool: DevicePool, run_dir: str, state: JobState, step: int, *, digests: bool) -> float:
     run, start = RunDir(run_dir), time.perf_counter()
     incarnation = run.identity().incarnation  # a partial checkpoint of a dead driver is never reused
-    for model, stage in STATE_STAGE.items():
+    for model, stage in state_stages(state.layouts).items():
         snapshot_model.fn(
             pool,
             run_dir,
@@ -175,12 +177,12 @@ def held_bytes(pool: DevicePool) -> dict[int, int]:
 def probe(
     pool: DevicePool, config: NereusConfig, layouts: Mapping[ModelStage, Layout]
 ) -> dict[str, torch.Tensor]:
-    """The actor's log-probs and the critic's values on a fixed batch (the verification's inputs)."""
+    """The ``PROBED`` stages' outputs on a fixed batch, for those the plan has (the verification's inputs)."""
     prompts = make_prompts(config.job.task_settings, 8, seed=12345, step=0)
     gen = torch.Generator().manual_seed(12345)
     responses = torch.randint(1, config.model.vocab_size, (8, config.job.response_len), generator=gen)
     ids = torch.cat([prompts, responses], dim=1)
-    return {s: model_ops.forward(pool, layouts[s], ids, name=s) for s in PROBED}
+    return {s: model_ops.forward(pool, layouts[s], ids, name=s) for s in PROBED if s in layouts}
 
 
 @task(cache_policy=NO_CACHE)
@@ -202,7 +204,7 @@ def verify_live_state(
     out: dict[str, Any] = {"verified_bitwise": True}
     if probe_before is not None:
         after = probe(pool, config, layouts)
-        diff = max((after[s] - probe_before[s]).abs().max().item() for s in PROBED)
+        diff = max((after[s] - probe_before[s]).abs().max().item() for s in after)
         if diff > 1e-5:
             raise RuntimeError(f"{what}: the probe's outputs moved by {diff:.2e} > 1e-5")
         out["verified_max_diff"] = diff

@@ -35,7 +35,7 @@ from tasks.reshard import sync_copy
 Timed = tuple[Any, float]
 
 
-def _timed(fn: Any, *args: Any, **kwargs: Any) -> Timed:
+def timed(fn: Any, *args: Any, **kwargs: Any) -> Timed:
     start = time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - start
@@ -118,7 +118,7 @@ def generate(
     stopping: ro.Stopping = ro.NO_STOP,
 ) -> Timed:
     """actor/generate: sample responses with the KV cache, each stopping at an EOS id or the limit."""
-    return _timed(
+    return timed(
         model_ops.sample,
         pool,
         layout,
@@ -146,7 +146,7 @@ def experience(
     of the demo's models ~50 ms (OpenRLHF groups the same passes as ``make_experience``)."""
     outputs, seconds = {}, {}
     for name, layout in layouts.items():
-        outputs[name], seconds[name] = _timed(
+        outputs[name], seconds[name] = timed(
             model_ops.forward, pool, layout, ids, name=name, attention_mask=attention_mask
         )
     return outputs, seconds
@@ -154,17 +154,47 @@ def experience(
 
 def timed_rule_score(prompts: torch.Tensor, responses: torch.Tensor) -> Timed:
     """The task's verifiable score (logged beside the reward model's)."""
-    return _timed(rule_score, prompts, responses)
+    return timed(rule_score, prompts, responses)
 
 
 def advantages(rollout: ro.Rollout, settings: PPOSettings) -> Timed:
     """KL-shaped rewards, GAE and whitening: ~2 ms of tensor math in the driver, a plain call."""
-    return _timed(ro.compute_advantages, rollout, settings)
+    return timed(ro.compute_advantages, rollout, settings)
 
 
 # What train returns for each model: the loss and the statistics verl logs per PPO step.
 ACTOR_STATS = ("loss", "clip_frac", "approx_kl", "entropy", "grad_norm")
 CRITIC_STATS = ("loss", "value_clip_frac", "grad_norm")
+
+
+def train_epochs(
+    pool: DevicePool,
+    layout: Layout,
+    rollout: ro.Rollout,
+    *,
+    name: str,
+    objective: Any,
+    keys: tuple[str, ...],
+    settings: PPOSettings,
+    seed: int,
+    with_entropy: bool,
+    group_size: int = 1,
+) -> dict[str, float]:
+    """``settings.ppo_epochs`` passes of optimizer steps over ``settings.mini_batches`` seeded
+    mini-batches (of whole groups of ``group_size`` rows) with the loss ``objective``; returns the
+    statistics ``keys``: each the mean over optimizer steps (mini-batches x epochs) of each step's
+    mean over micro-batches and replicas (grad_norm is one value per optimizer step)."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = []
+    for _ in range(settings.ppo_epochs):
+        for rows in ro.minibatch_rows(rollout.prompts.shape[0], settings.mini_batches, gen, group_size):
+            batch = rollout.train_batch(rows)
+            steps.append(
+                model_ops.train_stats(
+                    pool, layout, batch, name=name, loss_fn=objective, with_entropy=with_entropy
+                )
+            )
+    return {key: sum(step[key] for step in steps) / len(steps) for key in keys if key in steps[0]}
 
 
 def _train_epochs(
@@ -178,20 +208,18 @@ def _train_epochs(
     seed: int,
 ) -> dict[str, float]:
     objective = functools.partial(ro.critic_objective if critic else ro.actor_objective, settings=settings)
-    gen = torch.Generator().manual_seed(seed)
-    steps = []
-    for _ in range(settings.ppo_epochs):
-        for rows in ro.minibatch_rows(rollout.prompts.shape[0], settings.mini_batches, gen):
-            batch = rollout.train_batch(rows)
-            steps.append(
-                model_ops.train_stats(
-                    pool, layout, batch, name=name, loss_fn=objective, with_entropy=not critic
-                )
-            )
-    # Every statistic as the loss: the mean over optimizer steps (mini-batches x epochs) of each
-    # step's mean over micro-batches and replicas; grad_norm is one value per optimizer step.
     keys = CRITIC_STATS if critic else ACTOR_STATS
-    return {key: sum(step[key] for step in steps) / len(steps) for key in keys}
+    return train_epochs(
+        pool,
+        layout,
+        rollout,
+        name=name,
+        objective=objective,
+        keys=keys,
+        settings=settings,
+        seed=seed,
+        with_entropy=not critic,
+    )
 
 
 @task(cache_policy=NO_CACHE)
@@ -210,17 +238,19 @@ def train(
     inference copy's layout, name and config) the new weights into the inference layout. Returns
     ``(stats, timings)``: the mean loss and statistics over the optimizer steps (``ACTOR_STATS`` or
     ``CRITIC_STATS``), and the seconds of ``train`` and ``sync``, each timed on its own."""
-    stats, seconds = _timed(
+    stats, seconds = timed(
         _train_epochs, pool, layout, rollout, name=name, critic=critic, settings=settings, seed=seed
     )
     timings = {"train": seconds}
     if sync is not None:
         dst, dst_name, config = sync
-        _, timings["sync"] = _timed(_sync, pool, layout, dst, src_name=name, dst_name=dst_name, config=config)
+        _, timings["sync"] = timed(
+            sync_inference_copy, pool, layout, dst, src_name=name, dst_name=dst_name, config=config
+        )
     return stats, timings
 
 
-def _sync(
+def sync_inference_copy(
     pool: DevicePool, src: Layout, dst: Layout, *, src_name: str, dst_name: str, config: ModelConfig
 ) -> None:
     """The inference copy takes the trained parameters device to device (the EMU reshard plan of

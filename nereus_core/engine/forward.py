@@ -62,7 +62,7 @@ def stage_forward(
     *,
     cache: object | None = None,
     attention_mask: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Receive this stage's input (or take the ids), run the stage, send the output on.
 
@@ -74,7 +74,7 @@ def stage_forward(
         x = ids
     else:
         shape = (ids.shape[0], ids.shape[1], shard.config.hidden_size)
-        x = p2p.recv(shape, dtype, groups.prev_rank, ids.device)
+        x = p2p.recv(shape, dtype or shard.dtype, groups.prev_rank, ids.device)
         x.requires_grad_(torch.is_grad_enabled())
     if attention_mask is not None:
         out = shard.module(x, positions, cache, attention_mask=attention_mask)

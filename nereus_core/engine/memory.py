@@ -2,9 +2,12 @@
 
 Boundary: a device-side reading over one ``DeviceContext``. It counts every distinct tensor storage
 reachable from the device's model-stages: parameters and gradients of each shard, and the
-optimizer's buffers (DeepSpeed's flat fp32 partitions, AdamW's moments). Aliased model-stages share
-storages and count once. Activations and KV caches live only inside a stage's call and are not
-resident between steps, so they are not in this reading (the cost model's transient terms cover them).
+optimizer's buffers (DeepSpeed's flat fp32 partitions, AdamW's moments). Storages are counted
+at their own size, so with ``model.dtype: bf16`` weights and gradients count 2 bytes an element
+and the fp32 master partitions and moments 4 (``emu.bytes_per_device`` is the matching model).
+Aliased model-stages share storages and count once. Activations and KV caches live only inside
+a stage's call and are not resident between steps, so they are not in this reading (the cost
+model's transient terms cover them).
 """
 
 from __future__ import annotations

@@ -6,6 +6,15 @@ pipeline schedules (``engine.train`` drives the engine it returns). The layout's
 group reaches DeepSpeed as ``mpu``, the interface DeepSpeed asks of Megatron.
 Gradient clipping is off unless asked for: DeepSpeed's default would silently
 change the update.
+
+Mixed precision (``model.dtype: bf16``) is DeepSpeed's bf16 mode under ZeRO-1/2
+(``deepspeed/runtime/zero/stage_1_and_2.py``): the parameters and their gradients are
+bf16, and each DP rank keeps its partition of the weights in fp32
+(``single_partition_of_fp32_groups``, the master weights) with AdamW's moments beside
+it; the step updates the fp32 partition and copies it, rounded, into the bf16
+parameters. Gradients accumulate over micro-batches in bf16 (``grad_accum_dtype`` left
+at the model's dtype): asking for fp32 accumulation would make DeepSpeed switch to its
+``BF16_Optimizer``, whose state layout ``engine.state`` does not convert.
 """
 
 from __future__ import annotations
@@ -62,8 +71,11 @@ class LayoutMpu:
     get_tensor_model_parallel_rank = get_model_parallel_rank
 
 
-def deepspeed_config(settings: OptimizerSettings, micro_batch: int, micro_batches: int) -> dict[str, Any]:
+def deepspeed_config(
+    settings: OptimizerSettings, micro_batch: int, micro_batches: int, *, bf16: bool = False
+) -> dict[str, Any]:
     return {
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": micro_batches,
         "zero_optimization": {"stage": settings.zero_stage},
@@ -76,6 +88,10 @@ def deepspeed_config(settings: OptimizerSettings, micro_batch: int, micro_batche
 
 def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettings, backend: str) -> Any:
     """Wrap ``stage`` in a DeepSpeed engine with AdamW; called on every device of the layout."""
+    bf16 = stage.config.dtype == "bf16"
+    if bf16 and settings.zero_stage == 0:
+        # Without ZeRO DeepSpeed trains bf16 through its fp16 optimizer, with dynamic loss scaling.
+        raise ValueError("model.dtype=bf16 needs zero_stage 1 or 2 (stage 0 would scale the loss)")
     # Imported here, not at the top: importing DeepSpeed costs seconds, and only train stages need it.
     import deepspeed
 
@@ -89,6 +105,11 @@ def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettin
         weight_decay=settings.weight_decay,
     )
     # The micro-batch size is only bookkeeping for DeepSpeed; batches are sized by the caller.
-    config = deepspeed_config(settings, micro_batch=1, micro_batches=groups.layout.micro_batches)
+    config = deepspeed_config(
+        settings,
+        micro_batch=1,
+        micro_batches=groups.layout.micro_batches,
+        bf16=bf16,
+    )
     engine, *_ = deepspeed.initialize(model=stage, optimizer=optimizer, config=config, mpu=LayoutMpu(groups))
     return engine

@@ -18,7 +18,7 @@ from nereus_core.config import ModelConfig
 from nereus_core.engine.optimizer import OptimizerSettings, make_engine
 from nereus_core.layout import Layout
 from nereus_core.model.llama import LlamaStage
-from nereus_core.model.weights import init_full_state
+from nereus_core.model.weights import init_full_state, param_dtype
 from nereus_core.parallel.device import DeviceContext, RankGroups
 
 
@@ -37,6 +37,11 @@ class ModelShard:
         return self.groups.layout
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights and of the activations between stages (``model.dtype``)."""
+        return param_dtype(self.config)
+
+    @property
     def module(self) -> Any:
         """What to call forward on: the DeepSpeed engine when training, else the stage."""
         return self.engine if self.engine is not None else self.stage
@@ -46,7 +51,8 @@ class ModelShard:
 
 
 def new_stage(config: ModelConfig, groups: RankGroups, device: torch.device) -> LlamaStage:
-    """This rank's pipeline stage with placeholder weights, for the caller to fill (e.g. a reshard)."""
+    """This rank's pipeline stage with placeholder weights in ``model.dtype``, for the caller to fill
+    (e.g. a reshard)."""
     layout, coord = groups.layout, groups.coord
     stage = LlamaStage(
         config,
@@ -57,7 +63,7 @@ def new_stage(config: ModelConfig, groups: RankGroups, device: torch.device) -> 
         tp_size=layout.tp,
         tp_group=groups.tp_group if layout.tp_enabled else None,
     )
-    return stage.to(device)
+    return stage.to(device=device, dtype=param_dtype(config))
 
 
 def build_stage(

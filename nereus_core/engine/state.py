@@ -1,7 +1,8 @@
 """One device's EMU pieces of a model-stage: read out of a ``ModelShard``, put into a new one.
 
 The pieces are those of ``ShardMap.pieces_on(device)`` (nereus_core/emu.py): parameter
-shards, the AdamW moments in Nereus's canonical ZeRO-1 partition, the step count. Keys are
+shards, the AdamW moments (and, with bf16 parameters, the fp32 master weights) in Nereus's
+canonical ZeRO-1 partition, the step count. Keys are
 ``(tensor name, global box)``; parameters are views of the live weights (no copy).
 
 DeepSpeed's ZeRO-1/2 optimizer (``deepspeed/runtime/zero/stage_1_and_2.py``) keeps, per param
@@ -15,8 +16,10 @@ inside the DP group: ``zero1_segments`` cuts every parameter's canonical ranges 
 partition boundaries, and each segment moves between its two holders (``engine.exchange``);
 a share inside its own rank's partition is a view of it instead (no copy). A new shard's
 engine is built first (``new_shard``), so weights and own-partition moments are written
-straight into its buffers; ``install_state`` then moves the other moments into place, sets
-the step count and refreshes ZeRO's fp32 master partition from the written weights.
+straight into its buffers; ``install_state`` then moves the other moments into place and sets
+the step count. The fp32 master partition is itself a partitioned piece kind when the weights
+are bf16, moved like the moments and installed as read; with fp32 weights it equals them, and
+``install_state`` refreshes it from the written weights.
 
 Boundary: one device's tensors and its DP group's exchange; where the pieces come from or go
 to (another device, the store) is ``nereus_core.engine.reshard``'s business.
@@ -32,7 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from nereus_core.emu import MOMENTS, STEP, Box, ShardMap
+from nereus_core.emu import MASTER, MOMENTS, STEP, Box, Kind, ShardMap, partitioned_kinds
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, exchange
 from nereus_core.engine.optimizer import make_engine
 from nereus_core.engine.shard import ModelShard, OptimizerSettings, get_shard, new_stage
@@ -131,6 +134,16 @@ def _zero1_groups(shard: ModelShard) -> list[_Zero1Group]:
     return out
 
 
+def _with_master(
+    shard: ModelShard, group: _Zero1Group, flats: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``flats`` plus, when the master weights are a piece kind of their own, ZeRO's fp32 partition
+    itself under ``MASTER`` (read and written in place: never rebuilt from the rounded weights)."""
+    if MASTER in partitioned_kinds(shard.config):
+        return {**flats, MASTER: group.partition.detach()}
+    return flats
+
+
 View = tuple[torch.Tensor | None, torch.Tensor | None, int, int]  # source view, destination view, src, dst
 
 
@@ -141,17 +154,18 @@ def _moment_views(
     flats: dict[str, torch.Tensor],
     moments: dict[tuple[str, str], torch.Tensor],
     *,
+    kinds: tuple[Kind, ...],
     to_canonical: bool,
 ) -> list[View]:
     """Every segment of ``group`` that touches ``rank``, as views of the partition and canonical buffers.
 
-    All ranks of the DP group list the segments in the same order (both moments, parameter by
+    All ranks of the DP group list the segments in the same order (kind by kind, parameter by
     parameter), so a pair's sends and receives line up in ``exchange``.
     """
     dp = groups.layout.dp
     segments = zero1_segments(group.numels, group.offsets, group.partition_size, dp)
     out: list[View] = []
-    for kind in MOMENTS:
+    for kind in kinds:
         for seg in segments:
             part_rank, dp_rank = group.part_ranks[seg.part], groups.dp_ranks[seg.dp]
             if rank not in (part_rank, dp_rank):
@@ -184,8 +198,11 @@ def _convert_moments(
     or back: locally where one rank holds both ends, else over one exchange inside the DP group."""
     outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)
     incoming: dict[int, list[torch.Tensor]] = defaultdict(list)
+    kinds = partitioned_kinds(shard.config)
     for group, flats in zip(_zero1_groups(shard), partitions, strict=True):
-        views = _moment_views(ctx.rank, group, shard.groups, flats, moments, to_canonical=to_canonical)
+        views = _moment_views(
+            ctx.rank, group, shard.groups, flats, moments, kinds=kinds, to_canonical=to_canonical
+        )
         for src_view, dst_view, src, dst in views:
             if src == dst:
                 if dst_view.data_ptr() != src_view.data_ptr():  # type: ignore[union-attr]
@@ -207,13 +224,14 @@ def _own_views(
     Reading or filling these needs no copy (``_convert_moments`` skips a copy onto itself).
     """
     dp, me_dp = shard.layout.dp, shard.groups.coord.dp
+    kinds = partitioned_kinds(shard.config)
     out: dict[tuple[str, str], torch.Tensor] = {}
     for group, flats in zip(_zero1_groups(shard), partitions, strict=True):
         start = group.part_ranks.index(rank) * group.partition_size
         for name, numel, offset in zip(group.names, group.numels, group.offsets, strict=True):
             lo, hi = canonical_range(numel, dp, me_dp)
             if start <= offset + lo and offset + hi <= start + group.partition_size:
-                for kind in MOMENTS:
+                for kind in kinds:
                     out[(name, kind)] = flats[kind][offset + lo - start : offset + hi - start]
     return out
 
@@ -248,7 +266,8 @@ def empty_state(
             if flat is None:
                 weight = local[spec.param]
                 lo, hi = canonical_range(weight.numel(), smap.layout.dp, piece.coord.dp)
-                flat = torch.empty(hi - lo, dtype=weight.dtype, device=weight.device)
+                # ZeRO's partitions (masters and moments) are fp32 whatever the weights' dtype.
+                flat = torch.empty(hi - lo, dtype=torch.float32, device=weight.device)
                 state.moments[(spec.param, spec.kind)] = flat
             state.pieces[key] = flat[piece.offset : piece.offset + piece.box.numel].view(piece.box.shape)
     return state
@@ -272,7 +291,7 @@ def extract_state(
     for group in _zero1_groups(shard):
         held = base.get(group.partition, {})  # empty before the first step: zero moments, step 0
         zero = torch.zeros_like(group.partition)
-        partitions.append({kind: held.get(kind, zero) for kind in MOMENTS})
+        partitions.append(_with_master(shard, group, {kind: held.get(kind, zero) for kind in MOMENTS}))
         step = held.get("step", step)
     state = empty_state(shard.stage, smap, ctx.rank, _own_views(ctx.rank, shard, partitions))
     if step is not None:
@@ -305,7 +324,7 @@ def new_shard(
         # torch's AdamW keeps a 0-d float32 ``step`` per param (here: per partition); a state that
         # exists is used as is by the next step, exactly as if this engine had taken the steps.
         base[group.partition] = {"step": torch.zeros((), dtype=torch.float32), **held}
-        partitions.append(held)
+        partitions.append(_with_master(shard, group, held))
     return shard, empty_state(stage, smap, ctx.rank, _own_views(ctx.rank, shard, partitions))
 
 
@@ -313,8 +332,8 @@ def install_state(
     ctx: DeviceContext, shard: ModelShard, state: DeviceState, *, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> ModelShard:
     """Make ``shard`` (from ``new_shard``, its pieces filled) resident; for a train stage first put
-    the rest of the moments into ZeRO's partitions (collective over the DP group), the step count
-    into the optimizer, and the weights into ZeRO's fp32 master partition."""
+    the rest of the moments (and masters) into ZeRO's partitions (collective over the DP group) and
+    the step count into the optimizer; with fp32 weights, the weights into ZeRO's master partition."""
     if shard.engine is None:
         shard.stage.eval()
         shard.stage.requires_grad_(False)
@@ -324,13 +343,15 @@ def install_state(
             raise ValueError(f"{shard.name}: a train stage needs the step count among its pieces")
         opt = shard.engine.optimizer
         base = opt.optimizer.state
-        partitions = [base[group.partition] for group in _zero1_groups(shard)]
+        zero1 = _zero1_groups(shard)
+        partitions = [_with_master(shard, group, base[group.partition]) for group in zero1]
         _convert_moments(ctx, shard, state.moments, partitions, to_canonical=False, timeout_s=timeout_s)
         for i, held in enumerate(partitions):
             held["step"].copy_(step)
-            # The weights were written after the engine cloned its master copy: refresh it.
-            own = opt.parallel_partitioned_bit16_groups[i][dist.get_rank(opt.real_dp_process_group[i])]
-            opt.single_partition_of_fp32_groups[i].data.copy_(own)
+            if MASTER not in held:
+                # fp32 weights are their masters, written after the engine cloned its copy: refresh it.
+                own = opt.parallel_partitioned_bit16_groups[i][dist.get_rank(opt.real_dp_process_group[i])]
+                opt.single_partition_of_fp32_groups[i].data.copy_(own)
         shard.engine.global_steps = int(step.item())
     ctx.resident[shard.name] = shard
     return shard

@@ -86,16 +86,26 @@ def is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
+PARAM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def param_dtype(config: ModelConfig) -> torch.dtype:
+    """The torch dtype of the model's parameters and activations (``model.dtype``)."""
+    return PARAM_DTYPES[config.dtype]
+
+
 def init_full_state(config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Seeded fp32 weights with HF names: normal(0, init_std) matrices and biases, norms 1.0; same on
-    every process."""
+    """Seeded weights with HF names in ``param_dtype(config)``: normal(0, init_std) matrices and
+    biases, norms 1.0; same on every process. Drawn in fp32 and rounded, so every dtype starts
+    from the same numbers."""
     generator = torch.Generator(device="cpu").manual_seed(config.seed)
+    dtype = param_dtype(config)
     state: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(config).items():
         if is_norm(name):
-            state[name] = torch.ones(shape)
+            state[name] = torch.ones(shape, dtype=dtype)
         else:
-            state[name] = torch.empty(shape).normal_(0.0, config.init_std, generator=generator)
+            state[name] = torch.empty(shape).normal_(0.0, config.init_std, generator=generator).to(dtype)
     return state
 
 
@@ -197,6 +207,7 @@ def hf_config(config: ModelConfig) -> PretrainedConfig:
         "tie_word_embeddings": ties_embeddings(config),
         "num_labels": 1,
         "initializer_range": config.init_std,
+        "dtype": str(param_dtype(config)).removeprefix("torch."),  # what an export's weights are in
         # Nereus models have no tokenizer: no special ids, so HF generate never stops early.
         "bos_token_id": None,
         "eos_token_id": None,

@@ -117,7 +117,7 @@ class VerlStrategy(FixedStrategy):
         )
         candidates: dict[str, GlobalPlan] = {}
         for work in sorted(picks, key=lambda w: w.response_mean):
-            found = Searcher(space, work, world.models, world.profile, Scales()).run()
+            found = Searcher(space, work, world.models, world.profile, Scales(), stages=MODEL_STAGES).run()
             for f in found.feasible[:3]:
                 for plan in self._rollout_variants(world, f.plan, n, work.batch):
                     candidates.setdefault(plan.plan_id, plan)

@@ -32,7 +32,7 @@ from nereus_core.controller import (
 from nereus_core.cost_model import Workload
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
-from nereus_core.plan import GlobalPlan
+from nereus_core.plan import PPO_STAGES, GlobalPlan  # the simulator runs PPO jobs
 from nereus_core.plan_estimate import step_seconds
 from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.engine import Move, Prepared, SimError, StepRun
@@ -80,7 +80,7 @@ class NereusStrategy:
 
     def begin(self, world: World) -> Move:
         tr = world.trace
-        self.state = ControllerState.initial(self.model, self.profile, self.settings)
+        self.state = ControllerState.initial(self.model, self.profile, self.settings, stages=PPO_STAGES)
         obs = Observation(
             step=0,
             remaining_steps=tr.steps,
@@ -247,7 +247,7 @@ class StaticStrategy(FixedStrategy):
             memory_per_device=tr.memory_bytes(0),
             workload=tr.workloads[0],
         )
-        d = decide(obs, ControllerState.initial(self.model, self.profile, self.settings))
+        d = decide(obs, ControllerState.initial(self.model, self.profile, self.settings, stages=PPO_STAGES))
         if d.plan is None:
             raise SimError(f"trace {tr.name}: no plan fits at step 0: {d.reason}")
         return d.plan

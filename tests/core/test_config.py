@@ -158,7 +158,7 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
         "unknown-section",
         _set("optimizer", {"lr": 1}),
         "optimizer",
-        ("unknown field", "valid fields: name, cluster, model, job, ppo, trainer, plan"),
+        ("unknown field", "valid fields: name, cluster, model, job, algorithm, ppo, trainer, plan"),
     ),
     (
         "unknown-layout-field",
@@ -200,6 +200,8 @@ BAD: list[tuple[str, Edit, str, tuple[str, ...]]] = [
         ("cluster.memory_per_device=0", "must be > 0"),
     ),
     ("bad-backend", _set("cluster.backend", "mpi"), "cluster.backend", ("'mpi'", "'gloo'", "'nccl'")),
+    ("dtype-fp16", _set("model.dtype", "fp16"), "model.dtype", ("fp16", "loss scaling", "bf16")),
+    ("dtype-unknown", _set("model.dtype", "int8"), "model.dtype", ("'int8'", "'bf16'")),
     ("devices-not-a-list", _set("plan.actor/train.devices", "0,1"), "plan.actor/train.devices", ("list",)),
     (
         "device-not-an-int",

@@ -22,7 +22,7 @@ from nereus_core.controller import (
 from nereus_core.cost_model import Workload, estimate
 from nereus_core.hardware import CPU_WORKERS, H100_SXM
 from nereus_core.layout import Layout
-from nereus_core.plan import MODEL_STAGES, GlobalPlan, PlanRules, model_of, problems
+from nereus_core.plan import MODEL_STAGES, PPO_STAGES, GlobalPlan, PlanRules, model_of, problems
 from nereus_core.plan_estimate import memory_per_device
 
 TINY = ModelConfig()
@@ -50,7 +50,7 @@ def observe(devices: int, capacity: int, w: Workload, remaining: int = 100, **kw
 
 
 def fresh(model: ModelConfig = MID, profile=H100_SXM, **settings_kw) -> ControllerState:
-    return ControllerState.initial(model, profile, ControllerSettings(**settings_kw))
+    return ControllerState.initial(model, profile, ControllerSettings(**settings_kw), stages=PPO_STAGES)
 
 
 def best_step(model: ModelConfig, profile, devices: int, capacity: int, w: Workload) -> float:
@@ -313,7 +313,7 @@ def _flip_world(steps: int, slow_after: int) -> list[str]:
     at its prediction, then measures 1.5x slower from ``slow_after`` (a noisy, shared machine). The
     workload never changes. Returns the plan ids switched to, in order."""
     start = GlobalPlan(placement="colocated", layouts=dict.fromkeys(MODEL_STAGES, Layout.contiguous(dp=8)))
-    state = ControllerState.initial(MID, H100_SXM, plan=start, devices=8)
+    state = ControllerState.initial(MID, H100_SXM, stages=PPO_STAGES, plan=start, devices=8)
     w, path = work(batch=64, prompt=256, mean=512, high=1024), []
     for k in range(steps):
         own = start.plan_id == state.plan.plan_id

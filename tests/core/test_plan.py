@@ -11,16 +11,17 @@ from nereus_core.config import ModelConfig, parse_config
 from nereus_core.cost_model import MemoryEstimate
 from nereus_core.layout import Layout
 from nereus_core.plan import (
-    COPIES,
     MODEL_STAGES,
-    OWN_STATE,
+    PPO_STAGES,
     GlobalPlan,
     ModelStage,
     PlanRules,
+    copies,
     default_plan,
     infer_placement,
     model_of,
     models_for,
+    own_state,
     plan_id,
     problems,
 )
@@ -52,11 +53,11 @@ def test_placement_from_the_config_plan() -> None:
     import yaml
 
     cfg = parse_config(yaml.safe_load(EXAMPLE.read_text()))
-    plan = GlobalPlan.of(default_plan(cfg.plan))
+    plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))
     # the example puts the reference on slot 0 only, the rest on slots 0 and 1
     assert plan.placement == "disaggregated" and plan.devices == (0, 1)
     # model-stages the config leaves out start on slot 0 as one replica
-    assert default_plan(parse_config({}).plan) == dict.fromkeys(MODEL_STAGES, Layout.contiguous())
+    assert default_plan({}, PPO_STAGES) == dict.fromkeys(MODEL_STAGES, Layout.contiguous())
     assert infer_placement(colocated().layouts) == "colocated"
     with pytest.raises(ValueError, match="at least one model-stage"):
         GlobalPlan(placement="colocated", layouts={})
@@ -111,8 +112,8 @@ def test_one_plan_id_for_the_same_layouts_whatever_the_placement_or_key_type() -
 def test_model_stage_knows_its_model_kind_and_state_owner() -> None:
     assert ModelStage("critic/infer").model == "critic" and ModelStage("critic/infer").kind == "infer"
     assert ModelStage.ACTOR_GENERATE.copy_of == ModelStage.ACTOR_TRAIN
-    assert OWN_STATE == ("actor/train", "critic/train", "reference/infer", "reward/infer")
-    assert {str(c): str(s) for c, s in COPIES.items()} == {
+    assert own_state(PPO_STAGES) == ("actor/train", "critic/train", "reference/infer", "reward/infer")
+    assert {str(c): str(s) for c, s in copies(PPO_STAGES).items()} == {
         "actor/generate": "actor/train",
         "critic/infer": "critic/train",
     }

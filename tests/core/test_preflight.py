@@ -117,7 +117,7 @@ def test_one_byte_per_device_is_refused_with_or_without_adapt(adapt: bool) -> No
 
 def _controller_says_fits(cfg: NereusConfig) -> bool:
     """What ``nereus plan`` reports for the config's initial plan: the controller's estimate of it."""
-    plan = GlobalPlan.of(default_plan(cfg.plan))
+    plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))
     obs = Observation(
         step=0,
         remaining_steps=cfg.job.steps,
@@ -125,7 +125,9 @@ def _controller_says_fits(cfg: NereusConfig) -> bool:
         memory_per_device=int(cfg.cluster.memory_per_device),
         workload=Workload.from_config(cfg),
     )
-    state = ControllerState.initial(cfg.model, get_profile(cfg.job.profile), plan=plan, devices=obs.devices)
+    state = ControllerState.initial(
+        cfg.model, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan, devices=obs.devices
+    )
     current = decide(obs, state).current
     assert current is not None
     return current.fits
@@ -194,8 +196,8 @@ def test_a_plan_beyond_the_machine_s_memory_is_refused_on_a_local_cluster_only()
 def test_the_host_check_sums_the_memory_model_over_the_plan_s_slots() -> None:
     """The bound is the cost model's per-slot memory added over the slots, not a guess."""
     cfg = _llama_8b()
-    plan = GlobalPlan.of(default_plan(cfg.plan))
-    state = ControllerState.initial(cfg.model, get_profile(cfg.job.profile), plan=plan)
+    plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))
+    state = ControllerState.initial(cfg.model, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan)
     estimate = evaluate_plan(plan, Workload.from_config(cfg), state, int(cfg.cluster.memory_per_device))
     need = sum(memory_per_device(plan, {s: e.memory for s, e in estimate.stages.items()}).values())
     assert host_memory_problem(cfg, Machine(cpus=64, available_memory=need)) is None

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nereus_core.config import ModelConfig
-from nereus_core.emu import MOMENTS, STEP, Box, shard_map
+from nereus_core.emu import MASTER, MOMENTS, STEP, Box, partitioned_kinds, shard_map
 from nereus_core.engine.dispatch import per_device_batch
 from nereus_core.engine.exchange import DIRECT_BYTES, ExchangeError, exchange
 from nereus_core.engine.shard import OptimizerSettings, get_shard, load_shard
@@ -179,14 +179,16 @@ def test_exchange_with_a_silent_peer_raises_within_its_timeout() -> None:
 
 
 def _ds_full_moments(shard: Any) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
-    """The full local moments of every parameter, all-gathered from DeepSpeed's partitions."""
+    """The full local moments (and fp32 masters) of every parameter, all-gathered from DeepSpeed's
+    partitions."""
     opt = shard.engine.optimizer
     part = opt.single_partition_of_fp32_groups[0]
-    state = opt.optimizer.state[part]
+    state = {**opt.optimizer.state[part], MASTER: part.detach()}
     group = opt.real_dp_process_group[0]
     names = {id(p): n for n, p in shard.stage.named_parameters()}
-    out: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in MOMENTS}
-    for kind in MOMENTS:
+    kinds = partitioned_kinds(shard.config)
+    out: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in kinds}
+    for kind in kinds:
         chunks = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
         dist.all_gather(chunks, state[kind], group=group)
         flat = torch.cat(chunks)
@@ -195,19 +197,19 @@ def _ds_full_moments(shard: Any) -> tuple[dict[str, dict[str, torch.Tensor]], to
     return out, state["step"].clone()
 
 
-def _zero_world(rank: int, world: int, adamw: OptimizerSettings) -> dict[str, Any]:
+def _zero_world(rank: int, world: int, adamw: OptimizerSettings, config: ModelConfig) -> dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # DeepSpeed reads them; the world exists
     ctx = DeviceContext(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"))
     layout = Layout.contiguous(dp=world)
     ctx.build_groups(layout)
-    load_shard(ctx, name="old", layout=layout, config=ZERO_CONFIG, optimizer=adamw)
+    load_shard(ctx, name="old", layout=layout, config=config, optimizer=adamw)
     gen = torch.Generator().manual_seed(5)
-    batches = [{"ids": torch.randint(0, ZERO_CONFIG.vocab_size, (3, 6), generator=gen)} for _ in range(3)]
+    batches = [{"ids": torch.randint(0, config.vocab_size, (3, 6), generator=gen)} for _ in range(3)]
     for batch in batches[:2]:
         train_step(ctx, per_device_batch(layout, batch)[rank], name="old")
     old = get_shard(ctx, "old")
-    smap = shard_map(ZERO_CONFIG, layout, train=True)
+    smap = shard_map(config, layout, train=True)
     state = extract_state(ctx, old, smap)
     pieces = [(rank, n, box, t.clone()) for (n, box), t in state.pieces.items()]  # views of live state
     expected, step = _ds_full_moments(old)
@@ -228,25 +230,32 @@ def _zero_world(rank: int, world: int, adamw: OptimizerSettings) -> dict[str, An
     for name in ("old", "new"):
         train_step(ctx, per_device_batch(layout, batches[2])[rank], name=name)
     pairs = zip(old.local_state().values(), new.local_state().values(), strict=True)
-    stepped = all(torch.equal(a, b) for a, b in pairs)
+    stepped = all(torch.equal(a, b) for a, b in pairs) and torch.equal(old_part, new_part)
     return {"pieces": pieces, "expected": expected, "step": step, "same": same, "stepped": stepped}
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("zero_stage", [1, 2])
-def test_zero_moments_round_trip_through_the_canonical_partition(zero_stage: int) -> None:
+@pytest.mark.parametrize(("zero_stage", "dtype"), [(1, "fp32"), (2, "fp32"), (1, "bf16"), (2, "bf16")])
+def test_zero_moments_round_trip_through_the_canonical_partition(zero_stage: int, dtype: str) -> None:
+    # bf16: the fp32 masters are a partitioned kind too; installed as read, the whole ZeRO partition
+    # (masters included) must equal the original's, and so must the next step.
     world = 3
+    config = ZERO_CONFIG.model_copy(update={"dtype": dtype})
     adamw = ADAMW.model_copy(update={"zero_stage": zero_stage})
-    results = run_world(world, _zero_world, adamw, timeout_s=200)
-    smap = shard_map(ZERO_CONFIG, Layout.contiguous(dp=world), train=True)
+    results = run_world(world, _zero_world, adamw, config, timeout_s=200)
+    smap = shard_map(config, Layout.contiguous(dp=world), train=True)
     full = assemble_state(smap, [p for r in results for p in r["pieces"]])
-    for kind in MOMENTS:
+    for kind in partitioned_kinds(config):
         for param, tensor in results[0]["expected"][kind].items():
             assert torch.equal(full[f"{param}:{kind}"], tensor), f"{param}:{kind}"
     assert full[STEP].item() == 2.0 and torch.equal(full[STEP], results[0]["step"])
     assert any(t.abs().max() > 0 for t in results[0]["expected"]["exp_avg"].values())
+    if dtype == "bf16":  # the masters hold bits the weights do not: rebuilding them would show
+        assert any(
+            not torch.equal(full[f"{p}:master"], full[p].float()) for p in results[0]["expected"][MASTER]
+        )
     assert all(r["same"] for r in results), "the installed ZeRO state differs from the original"
-    assert all(r["stepped"] for r in results), "one more step differs after the round trip"
+    assert all(r["stepped"] for r in results), "one more step (weights, masters) differs after the round trip"
 
 
 def test_piece_keys_include_the_step_box() -> None:

@@ -11,7 +11,7 @@ from nereus_core.config import parse_config
 from nereus_core.engine.train import lm_loss, score_mse_loss
 from nereus_core.layout import Layout
 from nereus_core.model.weights import init_full_state
-from nereus_core.plan import OWN_STATE
+from nereus_core.plan import PPO_STAGES, own_state
 from storage.journal import Journal
 from tasks import job_ops, model_ops
 from tasks.device_pool import DevicePool
@@ -34,7 +34,7 @@ def _state(pool: DevicePool, cfg, plan: dict[str, Layout]) -> dict[str, dict[str
         stage: gather_state(
             pool, plan[stage], name=stage, config=jb.model_config(cfg, stage), train=stage.trains
         )
-        for stage in OWN_STATE
+        for stage in own_state(PPO_STAGES)
     }
 
 
@@ -64,7 +64,7 @@ def test_transition_moves_all_state_bitwise_and_training_goes_on(tmp_path) -> No
         )
     assert Journal(tmp_path, "t-test").status() == "committed"
     assert stats["bytes_moved"] > 0
-    for stage in OWN_STATE:
+    for stage in own_state(PPO_STAGES):
         assert before[stage].keys() == after[stage].keys(), stage
         for name, tensor in before[stage].items():
             assert torch.equal(tensor, after[stage][name]), f"{stage} {name} changed in the transition"

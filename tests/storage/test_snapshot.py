@@ -251,3 +251,44 @@ def test_a_damaged_manifest_is_refused_naming_it(tmp_path: Path) -> None:
     (ref.path / "manifest.json").write_text('{"format": "nereus-emu-snapshot", "model": "actor"}')
     with pytest.raises(CorruptSnapshotError, match=r"step=0/manifest\.json: not a valid manifest"):
         list_snapshots(tmp_path, "actor")
+
+
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Every bit pattern is possible (NaN payloads, infinities, subnormals, signed zeros)."""
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    info = torch.iinfo(bits)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(info.min, info.max, shape, dtype=bits, generator=gen).view(dtype)
+
+
+def test_a_bf16_train_stage_snapshot_keeps_weights_and_fp32_masters_bitwise(tmp_path: Path) -> None:
+    config = TINY.model_copy(update={"dtype": "bf16"})
+    layout = Layout(tp=2, pp=1, dp=2, devices=(2, 0, 3, 1))
+    smap = shard_map(config, layout, train=True)
+    full = {}
+    for i, spec in enumerate(smap.tensors):
+        full[spec.name] = _random_bits(
+            spec.shape, torch.bfloat16 if spec.kind == "param" else torch.float32, i
+        )
+    shards: dict[int, list] = {d: [] for d in layout.devices}
+    for spec in smap.tensors:
+        for piece in spec.pieces:
+            tensor = full[spec.name][piece.box.slices()].clone()
+            shards[piece.device].append((spec.name, tensor, spec.slice_spec(piece)))
+    ref = write_snapshot(tmp_path, "actor-train", 4, shards, layout=layout)
+    stored = {s.name: s.dtype for f in ref.manifest.files for s in f.slices}
+    assert stored["model.norm.weight"] == "bfloat16" and stored["model.norm.weight:master"] == "float32"
+    got = read_full_state(tmp_path, "actor-train", optimizer=True)
+    assert set(got) == set(full) and any(n.endswith(":master") for n in got)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        bits = torch.int16 if b.dtype == torch.bfloat16 else torch.int32
+        return a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+    assert all(same(got[name], tensor) for name, tensor in full.items())
+    # A device of another layout reads exactly its boxes, masters among them.
+    new = shard_map(config, Layout.contiguous(pp=2, dp=2), train=True)
+    wanted = new.wanted(3)
+    assert any(name.endswith(":master") for name, _ in wanted)
+    for (name, box), tensor in zip(wanted, read_slices(ref, wanted), strict=True):
+        assert same(tensor, full[name][box.slices()]), name

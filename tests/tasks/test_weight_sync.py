@@ -113,7 +113,7 @@ def test_the_step_sync_never_gathers_the_state_to_the_driver(
         model_ops.train(pool, train, {"ids": IDS}, name=TRAIN)
         for name in ("full_state", "push_weights", "load_model"):
             monkeypatch.setattr(model_ops, name, refuse)
-        ppo_stages._sync(pool, train, copy, src_name=TRAIN, dst_name=COPY, config=CONFIG)
+        ppo_stages.sync_inference_copy(pool, train, copy, src_name=TRAIN, dst_name=COPY, config=CONFIG)
         monkeypatch.undo()
         assert not _differing(_params(pool, train, TRAIN), _params(pool, copy, COPY))
     finally:

@@ -1,0 +1,47 @@
+"""tasks/grpo_stages.train_actor: GRPO's loss over epochs of whole-group mini-batches, statistics
+averaged over optimizer steps as PPO's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from nereus_core import rollout as ro
+from nereus_core.algorithm import AlgorithmConfig
+from nereus_core.layout import Layout
+from nereus_core.ppo import PPOSettings
+from tasks import grpo_stages, model_ops
+
+
+def test_train_actor_keeps_groups_whole_and_averages_statistics(monkeypatch: Any) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def fake_train_stats(pool: Any, layout: Layout, batch: dict[str, torch.Tensor], **kw: Any) -> dict:
+        calls.append({"prompts": batch["ids"][:, :2], **kw})
+        i = float(len(calls))
+        return {"loss": 10 * i, "clip_frac": i, "approx_kl": i, "entropy": i, "grad_norm": i}
+
+    monkeypatch.setattr(model_ops, "train_stats", fake_train_stats)
+    prompts = ro.grouped(torch.arange(8).view(4, 2), 4)  # four prompts, four copies each
+    rollout = ro.Rollout(
+        prompts=prompts, responses=torch.ones(16, 3, dtype=torch.long), mask=torch.ones(16, 3)
+    )
+    algorithm = AlgorithmConfig(name="grpo", group_size=4)
+    stats, timings = grpo_stages.train_actor.fn(
+        None,
+        Layout.contiguous(),
+        rollout,
+        name="actor/train",
+        settings=PPOSettings(ppo_epochs=2, mini_batches=2),
+        algorithm=algorithm,
+        seed=0,
+    )
+    assert len(calls) == 4 and all(c["with_entropy"] for c in calls)
+    for c in calls:
+        rows = [tuple(p.tolist()) for p in c["prompts"]]
+        assert len(rows) == 8 and all(rows.count(p) == 4 for p in set(rows))  # two whole groups
+        assert c["loss_fn"].func is ro.grpo_objective and c["loss_fn"].keywords["algorithm"] is algorithm
+    assert stats["loss"] == pytest.approx(25.0) and stats["grad_norm"] == pytest.approx(2.5)
+    assert "kl_loss" not in stats and set(timings) == {"train"}  # no KL term, no sync asked
