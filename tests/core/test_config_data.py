@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from nereus_core.config import ConfigError, parse_config
+from nereus_core.plan import ModelStage
 
 BIG_MODEL = {"max_position_embeddings": 2048}
 
@@ -106,8 +107,9 @@ def test_the_job_lengths_follow_the_data_section(tmp_path: Path) -> None:
     train, _ = files(tmp_path)
     cfg = load(data={"train_files": train, "max_prompt_length": 300, "max_response_length": 40})
     assert (cfg.job.prompt_len, cfg.job.response_len) == (300, 40)
-    assert not cfg.uses_reward_model  # a rule on text: no reward model
-    assert load().uses_reward_model  # the count task's fitted one
+    assert not cfg.uses_reward_model  # a rule on text: no reward model, no reward/infer stage
+    assert ModelStage.REWARD_INFER not in cfg.stages and ModelStage.CRITIC_TRAIN in cfg.stages
+    assert load().uses_reward_model and ModelStage.REWARD_INFER in load().stages  # count's fitted one
     line = one_line_error(data={"train_files": train}, job={"response_len": 8})
     assert line.startswith("job.response_len=8 differs from data.max_response_length=512")
 
