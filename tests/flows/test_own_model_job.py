@@ -5,7 +5,8 @@
 The run completes; its rollouts hold the sampler's prompts rendered by the chat template and
 left-padded, the responses decoded and scored by the reward; the old log-probs it stored equal
 transformers' on the actor exported at that step; validation is logged under verl's names; the
-tables carry the response lengths. The slow variants add a live and a durable switch, each verified
+tables carry the response lengths. A reward function that raises fails the step with its message,
+the last checkpoint intact. The slow variants add a live and a durable switch, each verified
 bitwise, and a resume after the driver is killed, with the same checks after them.
 """
 
@@ -27,6 +28,7 @@ from nereus_core import tokenizer as tk
 from nereus_core.config import parse_config
 from nereus_core.dataset.sampler import Sampler
 from nereus_core.engine.forward import position_ids
+from storage import read_full_state
 from storage.datasets import read_examples
 from storage.export import export_hf
 from storage.run_dir import STEPS_TABLE, RunDir
@@ -155,6 +157,41 @@ def test_own_qwen2_on_gsm8k_with_the_gsm8k_reward(files: dict[str, Path], tmp_pa
     assert summary["status"] == "completed" and summary["steps"] == 2
     check_tables(out, 2)
     check_rollout(files, out, 1, tmp_path)
+
+
+RAISES_ON_STEP_1 = """
+calls = {"n": 0}
+
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    calls["n"] += 1
+    if calls["n"] > 8:  # step 0 scores 8 rows; step 1's first one raises
+        raise KeyError("no answer field")
+    return 0.0
+"""
+
+
+def test_a_reward_function_that_raises_fails_the_step_and_keeps_the_checkpoint(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    (tmp_path / "my_reward.py").write_text(RAISES_ON_STEP_1)
+    cfg = config(files)
+    cfg["reward"] = {"function": f"{tmp_path / 'my_reward.py'}:score"}
+    cfg["validation"] = {"every": 0}
+    out = tmp_path / "run"
+    with prefect_test_harness(server_startup_timeout=300), pytest.raises(rewards.RewardError) as err:
+        ppo_job(config=parse_config(cfg), out_dir=str(out))
+    assert (
+        str(err.value)
+        == f"reward function {tmp_path / 'my_reward.py'}:score raised KeyError: 'no answer field'"
+    )
+    run = RunDir(out)
+    assert run.latest_checkpoint()["step"] == 1  # the state after step 0: the resume point, intact
+    assert read_full_state(out, "actor", step=1)
+    assert (out / "rollouts" / "step=0.parquet").exists() and not (
+        out / "rollouts" / "step=1.parquet"
+    ).exists()
+    assert not (out / "summary.json").exists()
 
 
 # 44 MiB per slot (39.6 usable) fits the first plan at 16-token responses (30 MiB by the cost model)
