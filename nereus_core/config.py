@@ -27,7 +27,13 @@ from nereus_core.config_base import (
     name_error,
     shown,
 )
-from nereus_core.config_data import DataConfig, RewardConfig, ValidationConfig, sections_problem
+from nereus_core.config_data import (
+    DataConfig,
+    RewardConfig,
+    ValidationConfig,
+    job_lengths_from_data,
+    sections_problem,
+)
 from nereus_core.config_errors import one_line
 from nereus_core.hf_files import critic_error, imported_section
 from nereus_core.layout import Layout
@@ -322,25 +328,7 @@ class NereusConfig(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _lengths_from_data(cls, data: Any) -> Any:
-        """With a ``data`` section its lengths are the job's (one owner): job.prompt_len and
-        job.response_len follow data.max_prompt_length and data.max_response_length; given beside
-        them they must be equal."""
-        section = data.get("data") if isinstance(data, dict) else None
-        if not isinstance(section, dict):
-            return data
-        job = dict(data.get("job") or {}) if isinstance(data.get("job") or {}, dict) else data.get("job")
-        if not isinstance(job, dict):
-            return data
-        fields = DataConfig.model_fields
-        for ours, theirs in (("prompt_len", "max_prompt_length"), ("response_len", "max_response_length")):
-            value = section.get(theirs, fields[theirs].default)
-            if ours in job and job[ours] != value:
-                raise ValueError(
-                    f"job.{ours}={job[ours]} differs from data.{theirs}={value}; with a data section "
-                    f"set only data.{theirs}"
-                )
-            job[ours] = value
-        return {**data, "job": job}
+        return job_lengths_from_data(data)  # with a data section, its lengths are the job's
 
     @field_validator("name")
     @classmethod

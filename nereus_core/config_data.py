@@ -131,6 +131,26 @@ class RewardConfig(_Frozen):
         return registry.resolve(self.function)
 
 
+def job_lengths_from_data(raw: Any) -> Any:
+    """The whole config mapping ``raw`` with job.prompt_len and job.response_len following
+    data.max_prompt_length and data.max_response_length (one owner: the data section); given beside
+    a data section they must be equal (ValueError in one line)."""
+    section = raw.get("data") if isinstance(raw, dict) else None
+    job = raw.get("job") or {} if isinstance(section, dict) else None
+    if not isinstance(job, dict):
+        return raw
+    job, fields = dict(job), DataConfig.model_fields
+    for ours, theirs in (("prompt_len", "max_prompt_length"), ("response_len", "max_response_length")):
+        value = section.get(theirs, fields[theirs].default)  # type: ignore[union-attr]
+        if ours in job and job[ours] != value:
+            raise ValueError(
+                f"job.{ours}={job[ours]} differs from data.{theirs}={value}; with a data section "
+                f"set only data.{theirs}"
+            )
+        job[ours] = value
+    return {**raw, "job": job}
+
+
 def sections_problem(
     data: DataConfig | None,
     validation: ValidationConfig | None,
@@ -167,4 +187,4 @@ def sections_problem(
     return None
 
 
-__all__ = ["DataConfig", "RewardConfig", "ValidationConfig", "sections_problem"]
+__all__ = ["DataConfig", "RewardConfig", "ValidationConfig", "job_lengths_from_data", "sections_problem"]
