@@ -5,8 +5,9 @@
                       -> train/val files (storage/datasets.py: columns, rows, max_prompt_length policy,
                          one log line per split) -> chat prompts rendered once -> DatasetSource each
 
-A problem (a tokenizer missing or too large for the model, a bad file or row, a split the length
-policy empties or that holds fewer prompts than one batch) is one ``ConfigError`` line.
+A problem found here (a tokenizer that does not load or has more ids than the model, a bad file or
+row, a split the length policy empties or that holds fewer prompts than one batch) is one
+``ConfigError`` line; a missing tokenizer or chat template is refused at config load already.
 
 Boundary: reading and loading only; what a source does with its prompts is nereus_core's.
 """
@@ -53,12 +54,7 @@ def prompts_per_step(cfg: NereusConfig) -> int:
 
 def _dataset_sources(cfg: NereusConfig, log: Callable[[str], None]) -> JobData:
     data, where = cfg.data, cfg.model.tokenizer_dir
-    assert data is not None
-    if where is None:
-        raise ConfigError("data needs a tokenizer: set model.path (a model directory) or model.tokenizer")
-    problem = tk.chat_template_error(where)
-    if problem:
-        raise ConfigError(problem)
+    assert data is not None and where is not None  # the config refuses data without a tokenizer
     tokenizer = tk.load_tokenizer(where)
     problem = tk.vocab_problem(tokenizer, cfg.model.vocab_size)
     if problem:

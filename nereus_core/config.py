@@ -374,6 +374,7 @@ class NereusConfig(_Frozen):
             self.validation,
             self.reward,
             max_position_embeddings=self.model.max_position_embeddings,
+            tokenizer_dir=self.model.tokenizer_dir,
         )
         if problem:
             raise ValueError(problem)

@@ -19,6 +19,7 @@ from pydantic import Field, field_validator
 
 from nereus_core.config_base import _Frozen, shown
 from nereus_core.rewards import registry
+from nereus_core.tokenizer import chat_template_error
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
 
@@ -157,12 +158,19 @@ def sections_problem(
     reward: RewardConfig | None,
     *,
     max_position_embeddings: int,
+    tokenizer_dir: str | None = None,
 ) -> str | None:
-    """What the three sections get wrong together (or with the model), as one line; None if nothing."""
+    """What the three sections get wrong together (or with the model: its length limit, its
+    tokenizer directory, which chat prompts need with a chat template), as one line; None if nothing."""
     wants_val = validation is not None and (validation.every or validation.before_train)
     if wants_val and (data is None or not data.val_files):
         return "validation is on but data.val_files is empty; give validation prompt files"
     if data is not None:
+        if tokenizer_dir is None:
+            return "data needs a tokenizer: set model.path (a model directory) or model.tokenizer"
+        problem = chat_template_error(tokenizer_dir)  # reads files only; the job loads it
+        if problem:
+            return problem
         total = data.max_prompt_length + data.max_response_length
         if total > max_position_embeddings:
             return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,23 @@ def files(tmp_path: Path) -> tuple[str, str]:
     return str(train), str(val)
 
 
+def tokenizer_dir() -> str:
+    """A directory with what a tokenizer with a chat template leaves (the config reads file names)."""
+    root = Path(tempfile.mkdtemp(prefix="tok-"))
+    (root / "tokenizer.json").write_text("{}")
+    (root / "chat_template.jinja").write_text("{{ messages }}")
+    return str(root)
+
+
+TOKENIZER = tokenizer_dir()
+
+
 def load(**sections: Any) -> Any:
-    if "data" in sections and "reward" not in sections:  # data is scored by a text reward
-        sections["reward"] = {"function": "gsm8k"}
-    return parse_config({"model": BIG_MODEL, **sections})
+    model = dict(BIG_MODEL)
+    if "data" in sections:  # chat prompts need a tokenizer with a template, and a text reward
+        sections.setdefault("reward", {"function": "gsm8k"})
+        model["tokenizer"] = TOKENIZER
+    return parse_config({"model": model, **sections})
 
 
 def one_line_error(**sections: Any) -> str:
@@ -112,6 +126,20 @@ def test_the_job_lengths_follow_the_data_section(tmp_path: Path) -> None:
     assert load().uses_reward_model and ModelStage.REWARD_INFER in load().stages  # count's fitted one
     line = one_line_error(data={"train_files": train}, job={"response_len": 8})
     assert line.startswith("job.response_len=8 differs from data.max_response_length=512")
+
+
+def test_data_needs_a_tokenizer_with_a_chat_template(tmp_path: Path) -> None:
+    train, _ = files(tmp_path)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "tokenizer.json").write_text("{}")
+    sections = {"data": {"train_files": train}, "reward": {"function": "gsm8k"}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(sections)
+    assert str(err.value) == "data needs a tokenizer: set model.path (a model directory) or model.tokenizer"
+    with pytest.raises(ConfigError) as err:
+        parse_config({**sections, "model": {"tokenizer": str(plain)}})
+    assert "has no chat template" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_reward_model_path_is_a_directory(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from nereus_core.config import parse_config
 from nereus_core.config_yaml import parse_yaml
-from tests.hf_models import write_model
+from tests.hf_models import write_model, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "qwen2.5-0.5b-gsm8k.yaml"
@@ -25,7 +25,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_example_validates_with_nereus_plan(tmp_path: Path) -> None:
-    write_model("qwen2", tmp_path / "qwen2", max_position_embeddings=1024)
+    write_model("qwen2", tmp_path / "qwen2", vocab_size=320, max_position_embeddings=1024)
+    write_tokenizer(tmp_path / "qwen2")  # the tokenizer with its chat template, beside the weights
     assert _cli("data", "gsm8k", "--out", str(tmp_path / "gsm8k")).returncode == 0
     sets = [
         f"model.path={tmp_path / 'qwen2'}",
