@@ -127,3 +127,13 @@ def test_a_source_refuses_mismatched_rows_and_token_rewards() -> None:
         ps.DatasetSource(
             good.examples, good.prompt_ids, good.sampler, registry.resolve("count"), decode, good.stopping
         )
+
+
+def test_a_repeated_batch_keeps_each_prompts_copies_side_by_side() -> None:
+    batch = dataset_source(shuffle=False).batch(1)  # examples 2 and 3, of 2 and 4 tokens
+    twice = batch.repeated(2)
+    assert [ex.index for ex in twice.examples] == [2, 2, 3, 3]
+    assert torch.equal(twice.prompts, batch.prompts.repeat_interleave(2, dim=0))
+    assert twice.prompt_mask is not None and batch.prompt_mask is not None
+    assert twice.prompt_mask.sum(1).tolist() == [2, 2, 4, 4]
+    assert batch.repeated(1) is batch
