@@ -22,10 +22,12 @@ Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
   all-reduce of the device's gradients over dp (Rajbhandari et al. 2020).
 - ``optimizer``: the Adam step, memory-bound over the device's state shard.
 - ``overhead``: a fixed cost per decoder-layer pass of each micro-batch (kernel launches;
-  Python on CPU) and one per decode iteration (``decode_step_s``: scheduler, sampling).
-- ``dispatch``: a fixed cost per stage call plus one per device reached, plus the stage's
-  fixed cost per call (``generate_call_s``, ``infer_call_s``, ``train_call_s``: engine
-  wake-up and weight load, data movement; fitted to verl's logs, see hardware.py).
+  Python on CPU); for generation also one per decode iteration (``decode_step_s``:
+  scheduler, sampling) and the engine's per call (``generate_call_s``: wake-up, weights
+  into the engine, KV cache; fitted to verl's logs, see hardware.py).
+- ``dispatch``: a fixed cost per stage call plus one per device reached, plus an infer or
+  train pass's fixed cost per call (``infer_call_s``, ``train_call_s``; same fit). Kept
+  apart from generation's so calibration can scale the engine's and the passes' apart.
 
 Memory (bytes on the busiest device): weights, gradients, ZeRO-1 optimizer state
 sharded over dp, activations (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per

@@ -101,13 +101,12 @@ def stage_tables(
         _generate(raw, mem, geo, work, stats, profile)
     else:
         _forward_backward(raw, mem, kind == "train", geo, work, stats, profile)
-    # One dispatch per stage call, plus one per device it reaches (tasks/device_pool.py), plus the
-    # stage's fixed cost per call (hardware.py: what a call costs beyond its arithmetic).
+    # One dispatch per stage call, plus one per device it reaches (tasks/device_pool.py), plus a pass's
+    # fixed cost per call (hardware.py). Generation's per-call cost is the engine's and sits with its
+    # other engine costs in ``overhead`` (``_generate``), so calibration scales the two apart.
     world = geo.tp * geo.pp * geo.dp
-    call = {"generate": profile.generate_call_s, "infer": profile.infer_call_s, "train": profile.train_call_s}
-    raw[TERMS.index("dispatch")] = (
-        profile.call_overhead_s + world * profile.dispatch_per_device_s + call[kind]
-    )
+    call = {"generate": 0.0, "infer": profile.infer_call_s, "train": profile.train_call_s}[kind]
+    raw[TERMS.index("dispatch")] = profile.call_overhead_s + world * profile.dispatch_per_device_s + call
     for term, scale in profile.term_scales.items():
         raw[TERMS.index(term)] *= scale
     mem[MEMORY_PARTS.index("weights")] = geo.device_params * profile.weight_bytes
@@ -146,6 +145,7 @@ def _generate(
     replica runs (m - 1) * mean + longest iterations. Each iteration reads the weights
     and pays ``decode_step_s`` (scheduler, sampling, launches); the KV read and the
     FLOPs follow the tokens actually generated (b * mean), whatever the schedule.
+    The engine's fixed cost per call (``generate_call_s``) is in ``overhead`` too.
     """
     tp, pp = geo.tp, geo.pp
     slow = _slowdown(profile, geo.per_node / pp)  # one pipeline stage per replica works at a time
@@ -179,7 +179,9 @@ def _generate(
         decode=(iters * weight_read + waves * bw_ * resp * kv_read) * slow / profile.hbm,
         tp_comm=(tp > 1) * (tp_latency + tp_bytes),
         pp_comm=pp_comm,
-        overhead=passes * layers * profile.layer_overhead_s * slow + iters * profile.decode_step_s,
+        overhead=passes * layers * profile.layer_overhead_s * slow
+        + iters * profile.decode_step_s
+        + profile.generate_call_s,
     )
     seq_high = prompt + work.response_high
     share = geo.stage_layers / layers

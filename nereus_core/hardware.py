@@ -123,6 +123,14 @@ class HardwareProfile(BaseModel):
     transition_op_overhead_s: float = Field(
         default=0.01, ge=0, description="Fixed cost of one transition operation (one transfer), s."
     )
+    group_setup_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Fixed cost of creating the process groups of a plan's changed layouts (in parallel), s.",
+    )
+    engine_rebuild_s: float = Field(
+        default=0.0, ge=0, description="Fixed cost of rebuilding the generation engine on a new layout, s."
+    )
     term_scales: dict[str, float] = Field(
         default_factory=dict,
         description="Per-term multipliers fitted once for this machine (cost_model term -> scale); "
@@ -217,6 +225,13 @@ H100_SXM = HardwareProfile(
     max_generate_waves=64,  # vLLM admits as many sequences as the KV cache holds
     gradient_bucket_bytes=2 * 10**9,
     transition_op_overhead_s=1e-3,
+    # A plan change brings up new NCCL communicators: 8 of 8 ranks took 16.3 s (NVIDIA/nccl#534), so
+    # about 2 s for the groups created in parallel (more at scale; calibration on the job's measured
+    # transitions corrects it). A changed generation layout rebuilds the vLLM engine: "init engine
+    # (profile, create kv cache, warmup model) took 34.11 s" plus 7.51 s of Dynamo bytecode transform
+    # with a warm compile cache (vllm-project/vllm#20264).
+    group_setup_s=2.0,
+    engine_rebuild_s=34.11 + 7.51,
 )
 
 # The CPU runtime (tasks/device_pool.py: one Dask worker process per slot, gloo, fp32,

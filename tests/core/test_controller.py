@@ -49,10 +49,18 @@ def observe(devices: int, capacity: int, w: Workload, remaining: int = 100, **kw
     )
 
 
-# The H100 profile without the software stack's per-call fixed costs (hardware.py: ~14 s a generation
-# call): these tests run small batches, whose steps those costs would dominate, so no switch would pay.
+# The H100 profile without the software stack's fixed costs per stage call and per plan change
+# (hardware.py: ~14 s a generation call, ~44 s an engine rebuild): these tests run small batches, whose
+# steps those costs would dominate, so no switch would pay.
 H100 = H100_SXM.model_copy(
-    update={"generate_call_s": 0.0, "infer_call_s": 0.0, "train_call_s": 0.0, "decode_step_s": 0.0}
+    update={
+        "generate_call_s": 0.0,
+        "infer_call_s": 0.0,
+        "train_call_s": 0.0,
+        "decode_step_s": 0.0,
+        "group_setup_s": 0.0,
+        "engine_rebuild_s": 0.0,
+    }
 )
 
 

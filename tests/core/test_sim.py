@@ -60,6 +60,10 @@ def test_shipped_traces_parse_and_grow_to_1024_gpus() -> None:
     assert fixed.steps == 100 and set(fixed.devices.tolist()) == {64}
     w = fixed.workloads[0]
     assert w.batch == 8192 and w.response_high >= w.response_mean and w.prompt_len > 40
+    # generation waits for the step's longest response, which the trace gives (issue 17)
+    assert w.response_max == max(int(fixed.response_max[0]), w.response_high)
+    e = fixed.expected(9, 5)
+    assert e.response_max == max(int(fixed.response_max[5:10].max()), e.response_high)
 
 
 @pytest.mark.parametrize(
