@@ -9,8 +9,9 @@ conservative bound).
 Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
 - ``compute``: FLOPs / effective throughput; 2*params per token forward and 6*params
   train, plus attention 4*L*h*s forward / 12*L*h*s train (hardware.md, "Training FLOPs").
-- ``decode``: memory-bound decode, per token step (weights/tp + KV read) / HBM
-  bandwidth (hardware.md, "Decode is memory-bound").
+- ``decode``: memory-bound decode, per decode iteration (weights/tp + KV read) / HBM
+  bandwidth (hardware.md, "Decode is memory-bound"); a replica iterates until its longest
+  sequence ends and the stage waits for the slowest replica (``Workload.response_max``).
 - ``tp_comm``: per layer 2 all-reduces forward (+2 backward) of b*s*h values, plus
   Megatron's vocab-parallel embedding/head collectives; a ring all-reduce moves
   2(t-1)/t of the buffer and pays 2(t-1) hops of latency (hardware.md, "TP
@@ -20,13 +21,19 @@ Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
 - ``dp_comm``: ZeRO-1 gradient reduce-scatter + parameter all-gather = one ring
   all-reduce of the device's gradients over dp (Rajbhandari et al. 2020).
 - ``optimizer``: the Adam step, memory-bound over the device's state shard.
-- ``overhead``: a fixed cost per decoder-layer pass (kernel launches; Python on CPU).
-- ``dispatch``: a fixed cost per stage call plus one per device reached.
+- ``overhead``: a fixed cost per decoder-layer pass of each micro-batch (kernel launches;
+  Python on CPU); for generation also one per decode iteration (``decode_step_s``:
+  scheduler, sampling) and the engine's per call (``generate_call_s``: wake-up, weights
+  into the engine, KV cache; fitted to verl's logs, see hardware.py).
+- ``dispatch``: a fixed cost per stage call plus one per device reached, plus an infer or
+  train pass's fixed cost per call (``infer_call_s``, ``train_call_s``; same fit). Kept
+  apart from generation's so calibration can scale the engine's and the passes' apart.
 
 Memory (bytes on the busiest device): weights, gradients, ZeRO-1 optimizer state
 sharded over dp, activations (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per
 layer in 16-bit, divided by t under TP+SP), KV cache for generation (2*L*kv*d*bytes
-per token). Time uses the mean response length, memory the high quantile.
+per token). Time uses the mean response length and the longest one (generation's
+stragglers), memory the high quantile.
 
 The formulas themselves, vectorized over candidate layouts, are in ``cost_terms``.
 """
@@ -76,6 +83,12 @@ class Workload(_Frozen):
     prompt_len: int = Field(ge=1, description="Prompt tokens per sequence.")
     response_mean: float = Field(gt=0, description="Mean response tokens; latency uses it.")
     response_high: int = Field(ge=1, description="High quantile (or max) of response tokens; memory uses it.")
+    response_max: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest response of the step: generation runs until it ends (the slowest replica "
+        "holds it); None takes response_high.",
+    )
     ppo_epochs: int = Field(default=1, ge=1, description="Passes of the train stages over the batch.")
     mini_batches: int = Field(
         default=1,
@@ -90,7 +103,17 @@ class Workload(_Frozen):
                 f"response_high={self.response_high} is below response_mean={self.response_mean}; "
                 "the high quantile must be at least the mean"
             )
+        if self.response_max is not None and self.response_max < self.response_high:
+            raise ValueError(
+                f"response_max={self.response_max} is below response_high={self.response_high}; "
+                "the longest response must be at least the high quantile"
+            )
         return self
+
+    @property
+    def response_longest(self) -> int:
+        """The longest response generation waits for: ``response_max``, else ``response_high``."""
+        return self.response_high if self.response_max is None else self.response_max
 
     @classmethod
     def from_config(
@@ -107,6 +130,7 @@ class Workload(_Frozen):
             prompt_len=job.prompt_len,
             response_mean=mean,
             response_high=high,
+            response_max=max(max(lengths), high) if len(lengths) else None,
             ppo_epochs=ppo.ppo_epochs,
             mini_batches=ppo.mini_batches,
         )
@@ -119,7 +143,13 @@ class Workload(_Frozen):
         if not lengths:
             raise ValueError("lengths is empty; give the observed response lengths")
         mean, high = _mean_and_high(lengths, quantile)
-        return cls(batch=batch, prompt_len=prompt_len, response_mean=mean, response_high=high)
+        return cls(
+            batch=batch,
+            prompt_len=prompt_len,
+            response_mean=mean,
+            response_high=high,
+            response_max=max(max(lengths), high),
+        )
 
 
 def _mean_and_high(lengths: Sequence[int], quantile: float) -> tuple[float, int]:

@@ -9,23 +9,44 @@ The formulas and their sources are listed in ``cost_model``'s docstring.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
-from nereus_core.config import ModelConfig
+from nereus_core.cost_geometry import (  # re-exported: callers read the geometry through this module
+    Geometry,
+    ModelStats,
+    Num,
+    contiguous_geometry,
+    is_contiguous,
+    layout_geometry,
+    model_stats,
+    pipeline_split,
+    slots,
+    split_arrays,
+)
 from nereus_core.hardware import COST_TERMS, HardwareProfile
-from nereus_core.layout import Layout
-from nereus_core.model.weights import param_shapes
 
 TERMS = COST_TERMS
 MEMORY_PARTS: tuple[str, ...] = ("weights", "gradients", "optimizer", "activations", "kv_cache")
 PERSISTENT = np.array([p in ("weights", "optimizer") for p in MEMORY_PARTS])  # the rest is transient
 StageKind = Literal["generate", "infer", "train"]
-Num = np.ndarray | float  # a scalar, or one value per candidate layout
+__all__ = [
+    "MEMORY_PARTS",
+    "PERSISTENT",
+    "TERMS",
+    "Geometry",
+    "ModelStats",
+    "Num",
+    "contiguous_geometry",
+    "is_contiguous",
+    "layout_geometry",
+    "model_stats",
+    "pipeline_split",
+    "slots",
+    "split_arrays",
+    "stage_tables",
+]
 
 
 class WorkloadLike(Protocol):
@@ -43,178 +64,9 @@ class WorkloadLike(Protocol):
     @property
     def response_high(self) -> int: ...
     @property
-    def ppo_epochs(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class ModelStats:
-    """Counts derived once from a ``ModelConfig``."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    logit_width: int  # vocab for an lm head, 1 for a value head
-    layer_params: int
-    embed_params: int
-    head_params: int  # lm_head (or the tied embedding's reuse) / value head
-    norm_params: int
-    total_params: int
-
+    def response_longest(self) -> int: ...
     @property
-    def flop_params(self) -> int:
-        """Parameters in matmuls (the 2*params rule; the embedding lookup is not a matmul)."""
-        return self.layers * self.layer_params + self.head_params
-
-    def kv_bytes_per_token(self, bytes_per_value: int) -> int:
-        """2 * layers * kv_heads * head_dim * bytes (hardware.md, "KV cache bytes/token")."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
-
-
-@lru_cache(maxsize=64)
-def model_stats(model: ModelConfig) -> ModelStats:
-    shapes = param_shapes(model)
-    numel = {name: math.prod(shape) for name, shape in shapes.items()}
-    per_layer = sum(v for k, v in numel.items() if k.startswith("model.layers.0."))
-    value_head = getattr(model, "head", "lm") == "value"
-    head = model.hidden_size if value_head else model.vocab_size * model.hidden_size
-    return ModelStats(
-        layers=model.num_hidden_layers,
-        hidden=model.hidden_size,
-        heads=model.num_attention_heads,
-        kv_heads=model.num_key_value_heads,
-        head_dim=model.head_dim,
-        logit_width=1 if value_head else model.vocab_size,
-        layer_params=per_layer,
-        embed_params=model.vocab_size * model.hidden_size,
-        head_params=head,
-        norm_params=model.hidden_size * (2 * model.num_hidden_layers + 1),
-        total_params=sum(numel.values()),
-    )
-
-
-@lru_cache(maxsize=4096)
-def pipeline_split(stats: ModelStats, pp: int, tp: int) -> tuple[int, int, float]:
-    """(layers, matmul params, weight params per device) of the busiest pipeline stage.
-
-    Earlier stages get the extra layers (``Layout.stage_layers``); the first holds the
-    embedding, the last the final norm and head. Norms are replicated under TP.
-    """
-    base, extra = divmod(stats.layers, pp)
-    norm_layer = 2 * stats.hidden
-    tied = stats.total_params < stats.layers * stats.layer_params + stats.embed_params + stats.head_params
-    best = (0, 0, 0.0)
-    for rank in range(pp):
-        n = base + (1 if rank < extra else 0)
-        flops = n * stats.layer_params + (stats.head_params if rank == pp - 1 else 0)
-        sharded = n * (stats.layer_params - norm_layer)
-        replicated = n * norm_layer
-        if rank == 0:
-            sharded += stats.embed_params
-        if rank == pp - 1:
-            replicated += stats.hidden
-            if stats.logit_width == 1:
-                replicated += stats.head_params
-            elif not tied:
-                sharded += stats.head_params
-        weights = sharded / tp + replicated
-        best = (max(best[0], n), max(best[1], flops), max(best[2], weights))
-    return best
-
-
-class Geometry(NamedTuple):
-    """Candidate layouts as arrays (one entry each): degrees, busiest-stage sizes, links."""
-
-    tp: np.ndarray
-    pp: np.ndarray
-    dp: np.ndarray
-    m: np.ndarray
-    stage_layers: np.ndarray
-    stage_flop_params: np.ndarray
-    device_params: np.ndarray
-    tp_bw: np.ndarray
-    pp_bw: np.ndarray
-    dp_bw: np.ndarray
-    per_node: np.ndarray  # slots of the layout on its busiest node
-
-
-def split_arrays(stats: ModelStats, tp: np.ndarray, pp: np.ndarray) -> tuple[np.ndarray, ...]:
-    keys, inverse = np.unique(pp * 65536 + tp, return_inverse=True)
-    rows = np.array([pipeline_split(stats, int(k // 65536), int(k % 65536)) for k in keys], dtype=float)
-    rows = rows[inverse.reshape(-1)]
-    return rows[:, 0], rows[:, 1], rows[:, 2]
-
-
-def _within(first: np.ndarray, block: np.ndarray, count: np.ndarray, per_node: int) -> np.ndarray:
-    """Whether every one of ``count`` contiguous blocks of ``block`` slots from ``first`` is inside a node."""
-    offset = first % per_node
-    return (offset + block * count <= per_node) | ((first % block == 0) & (per_node % block == 0))
-
-
-def contiguous_geometry(
-    stats: ModelStats,
-    profile: HardwareProfile,
-    tp: Num,
-    pp: Num,
-    dp: Num,
-    m: Num,
-    first: int = 0,
-    split: tuple[np.ndarray, ...] | None = None,
-) -> Geometry:
-    """Geometry of layouts on consecutive slots from ``first`` (how the controller places them);
-    ``split`` is ``pipeline_split`` over the candidates when the caller already has it."""
-    tp, pp, dp, m = (np.atleast_1d(np.asarray(x, dtype=np.int64)) for x in (tp, pp, dp, m))
-    first_a = np.full_like(tp, first)
-    world = tp * pp * dp
-    dpn = profile.devices_per_node
-    tp_in = _within(first_a, tp, pp * dp, dpn)
-    pp_in = _within(first_a, tp * pp, dp, dpn)
-    dp_in = _within(first_a, world, np.ones_like(world), dpn)
-    layers, flops, weights = split if split is not None else split_arrays(stats, tp, pp)
-    per_node = np.minimum(world, dpn - first % dpn)
-    bw = {True: profile.intra_bw, False: profile.inter_bw}
-    return Geometry(
-        tp, pp, dp, m, layers, flops, weights,
-        np.where(tp_in, bw[True], bw[False]),
-        np.where(pp_in, bw[True], bw[False]),
-        np.where(dp_in, bw[True], bw[False]),
-        per_node.astype(float),
-    )  # fmt: skip
-
-
-def is_contiguous(layout: Layout) -> bool:
-    """Whether the layout's slots are ``first, first + 1, ...`` in order."""
-    first = layout.devices[0]
-    return layout.devices == tuple(range(first, first + len(layout.devices)))
-
-
-def slots(layout: Layout) -> np.ndarray:
-    """The layout's slots as an array (an arange when consecutive: converting 1,024 ints is slow)."""
-    if is_contiguous(layout):
-        return np.arange(layout.devices[0], layout.devices[0] + len(layout.devices))
-    return np.fromiter(layout.devices, dtype=np.int64, count=len(layout.devices))
-
-
-def layout_geometry(stats: ModelStats, profile: HardwareProfile, layout: Layout) -> Geometry:
-    """Geometry of one concrete layout: links from the nodes its groups actually span."""
-    nodes = (slots(layout) // profile.devices_per_node).reshape(layout.dp, layout.pp, layout.tp)
-
-    def bw(axis: int) -> float:
-        spans = bool((nodes.max(axis=axis) != nodes.min(axis=axis)).any())
-        return profile.inter_bw if spans else profile.intra_bw
-
-    per_node = int(np.bincount(nodes.ravel()).max())
-    layers, flops, weights = pipeline_split(stats, layout.pp, layout.tp)
-
-    def one(x: float) -> np.ndarray:
-        return np.array([x], dtype=float)
-
-    return Geometry(
-        one(layout.tp), one(layout.pp), one(layout.dp), one(layout.micro_batches),
-        one(layers), one(flops), one(weights), one(bw(2)), one(bw(1)), one(bw(0)),
-        one(per_node),
-    )  # fmt: skip
+    def ppo_epochs(self) -> int: ...
 
 
 def ring_bytes(nbytes: Num, n: Num) -> Num:
@@ -249,9 +101,12 @@ def stage_tables(
         _generate(raw, mem, geo, work, stats, profile)
     else:
         _forward_backward(raw, mem, kind == "train", geo, work, stats, profile)
-    # One dispatch per stage call, plus one per device it reaches (tasks/device_pool.py).
+    # One dispatch per stage call, plus one per device it reaches (tasks/device_pool.py), plus a pass's
+    # fixed cost per call (hardware.py). Generation's per-call cost is the engine's and sits with its
+    # other engine costs in ``overhead`` (``_generate``), so calibration scales the two apart.
     world = geo.tp * geo.pp * geo.dp
-    raw[TERMS.index("dispatch")] = profile.call_overhead_s + world * profile.dispatch_per_device_s
+    call = {"generate": 0.0, "infer": profile.infer_call_s, "train": profile.train_call_s}[kind]
+    raw[TERMS.index("dispatch")] = profile.call_overhead_s + world * profile.dispatch_per_device_s + call
     for term, scale in profile.term_scales.items():
         raw[TERMS.index(term)] *= scale
     mem[MEMORY_PARTS.index("weights")] = geo.device_params * profile.weight_bytes
@@ -279,11 +134,18 @@ def _generate(
     stats: ModelStats,
     profile: HardwareProfile,
 ) -> None:
-    """Prefill, then one decode step per response token through every pipeline stage, per wave.
+    """Prefill, then decode iterations through every pipeline stage until the slowest sequence ends.
 
     A replica's batch runs in ``m`` waves of b/m sequences (m = 1 on the CPU runtime),
     each wave holding its own KV cache. Pipeline stages run one after another for
     every token, so compute and weight reads cover the whole model, split over tp only.
+    Stragglers (issue 17): a replica decodes until its longest sequence ends, and the
+    stage ends with the slowest replica, the one holding the step's longest response;
+    with continuous batching the waves before the last refill at the mean pace, so a
+    replica runs (m - 1) * mean + longest iterations. Each iteration reads the weights
+    and pays ``decode_step_s`` (scheduler, sampling, launches); the KV read and the
+    FLOPs follow the tokens actually generated (b * mean), whatever the schedule.
+    The engine's fixed cost per call (``generate_call_s``) is in ``overhead`` too.
     """
     tp, pp = geo.tp, geo.pp
     slow = _slowdown(profile, geo.per_node / pp)  # one pipeline stage per replica works at a time
@@ -300,8 +162,9 @@ def _generate(
     kv_token = stats.kv_bytes_per_token(profile.kv_bytes)
     tp_kv = np.minimum(tp, stats.kv_heads)
     # hardware.md "Decode is memory-bound": (weight bytes / tp + KV bytes read) / HBM bandwidth.
-    step_bytes = stats.total_params * profile.weight_bytes / tp + bw_ * ctx * kv_token / tp_kv
-    passes = waves * (resp + 1.0)  # one prefill and resp decode steps per wave
+    weight_read, kv_read = stats.total_params * profile.weight_bytes / tp, ctx * kv_token / tp_kv
+    iters = (waves - 1.0) * resp + work.response_longest  # decode iterations of the slowest replica
+    passes = waves + iters  # one prefill per wave and the decode iterations
     alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
     act = profile.activation_bytes
     # Per pass: 2 all-reduces per layer, 1 for the vocab-parallel embedding, 2 gathers to sample.
@@ -313,10 +176,12 @@ def _generate(
         raw,
         TERMS,
         compute=(prefill + decode_flops) / flops,
-        decode=waves * resp * step_bytes * slow / profile.hbm,
+        decode=(iters * weight_read + waves * bw_ * resp * kv_read) * slow / profile.hbm,
         tp_comm=(tp > 1) * (tp_latency + tp_bytes),
         pp_comm=pp_comm,
-        overhead=passes * layers * profile.layer_overhead_s * slow,
+        overhead=passes * layers * profile.layer_overhead_s * slow
+        + iters * profile.decode_step_s
+        + profile.generate_call_s,
     )
     seq_high = prompt + work.response_high
     share = geo.stage_layers / layers

@@ -29,9 +29,20 @@ from nereus_core.plan_estimate import memory_per_device
 LOCAL_SLOTS_PER_CPU = 4
 
 # Columns the driver holds per token of a step's rollout (nereus_core/rollout.py, ``Rollout``):
-# the token ids over prompt + response, and seven response-aligned columns. Counted at 8 bytes a
-# value over the whole sequence, an upper bound of the tensors (int64 ids, float32 values).
-ROLLOUT_TOKEN_COLUMNS = ("ids", "mask", "old_logp", "ref_logp", "values", "rewards", "advantages", "returns")
+# the token ids over prompt + response, the prompt's padding mask and seven response-aligned columns.
+# Counted at 8 bytes a value over the whole sequence, an upper bound of the tensors (int64 ids,
+# float32 values).
+ROLLOUT_TOKEN_COLUMNS = (
+    "ids",
+    "prompt_mask",
+    "mask",
+    "old_logp",
+    "ref_logp",
+    "values",
+    "rewards",
+    "advantages",
+    "returns",
+)
 BYTES_PER_VALUE = 8
 # The rollout's tensors may take at most this share of the memory available to the driver: it also
 # holds their copies on the way to Parquet and the batches it hands to the stages.

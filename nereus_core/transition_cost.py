@@ -188,6 +188,22 @@ def durable_seconds(
     return costs.world_rebuild_s + engines * costs.engine_build_s + read / costs.store_read_bandwidth
 
 
+def setup_seconds(old: dict[str, Layout], new: dict[str, Layout], profile: HardwareProfile) -> float:
+    """Fixed cost of bringing up the layouts of ``new`` whose degrees or devices differ from ``old``
+    (issue 17): their process groups, created in parallel (one ``group_setup_s``), and the
+    generation engine rebuilt when generation's layout changed (``engine_rebuild_s``)."""
+    changed = [
+        s
+        for s, v in new.items()
+        if s not in old
+        or old[s].model_copy(update={"micro_batches": 1}) != v.model_copy(update={"micro_batches": 1})
+    ]
+    if not changed:
+        return 0.0
+    engine = profile.engine_rebuild_s if any(stage_kind(s) == "generate" for s in changed) else 0.0
+    return profile.group_setup_s + engine
+
+
 def analytic_transition_cost(
     old: dict[str, Layout],
     new: dict[str, Layout],
@@ -218,7 +234,7 @@ def analytic_transition_cost(
         inter = inter or profile.spans_nodes((*layout.devices, *(before.devices if before else ())))
     bw = profile.inter_bw if inter else profile.intra_bw
     wire = total / bw + (profile.collective_latency_s if changed else 0.0)
-    ops_s = changed * profile.transition_op_overhead_s
+    ops_s = changed * profile.transition_op_overhead_s + setup_seconds(old, new, profile)
     return TransitionEstimate.of(wire, ops_s, scales, critical_bytes=total, transfers=changed, analytic=True)
 
 

@@ -70,6 +70,9 @@ class Trace:
                 prompt_len=int(self.prompt_len[k]),
                 response_mean=float(self.response_mean[k]),
                 response_high=max(int(self.response_p90[k]), int(np.ceil(self.response_mean[k]))),
+                response_max=max(
+                    int(self.response_max[k]), int(self.response_p90[k]), int(np.ceil(self.response_mean[k]))
+                ),
                 ppo_epochs=self.ppo_epochs,
             )
             for k in range(self.steps)
@@ -89,6 +92,7 @@ class Trace:
             prompt_len=round(float(self.prompt_len[lo : k + 1].mean())),
             response_mean=mean,
             response_high=high,
+            response_max=max(int(self.response_max[lo : k + 1].max()), high),
             ppo_epochs=self.ppo_epochs,
         )
 

@@ -49,7 +49,22 @@ def observe(devices: int, capacity: int, w: Workload, remaining: int = 100, **kw
     )
 
 
-def fresh(model: ModelConfig = MID, profile=H100_SXM, **settings_kw) -> ControllerState:
+# The H100 profile without the software stack's fixed costs per stage call and per plan change
+# (hardware.py: ~14 s a generation call, ~44 s an engine rebuild): these tests run small batches, whose
+# steps those costs would dominate, so no switch would pay.
+H100 = H100_SXM.model_copy(
+    update={
+        "generate_call_s": 0.0,
+        "infer_call_s": 0.0,
+        "train_call_s": 0.0,
+        "decode_step_s": 0.0,
+        "group_setup_s": 0.0,
+        "engine_rebuild_s": 0.0,
+    }
+)
+
+
+def fresh(model: ModelConfig = MID, profile=H100, **settings_kw) -> ControllerState:
     return ControllerState.initial(model, profile, ControllerSettings(**settings_kw), stages=PPO_STAGES)
 
 
@@ -313,14 +328,14 @@ def _flip_world(steps: int, slow_after: int) -> list[str]:
     at its prediction, then measures 1.5x slower from ``slow_after`` (a noisy, shared machine). The
     workload never changes. Returns the plan ids switched to, in order."""
     start = GlobalPlan(placement="colocated", layouts=dict.fromkeys(MODEL_STAGES, Layout.contiguous(dp=8)))
-    state = ControllerState.initial(MID, H100_SXM, stages=PPO_STAGES, plan=start, devices=8)
+    state = ControllerState.initial(MID, H100, stages=PPO_STAGES, plan=start, devices=8)
     w, path = work(batch=64, prompt=256, mean=512, high=1024), []
     for k in range(steps):
         own = start.plan_id == state.plan.plan_id
         f = (1.5 if k >= slow_after else 1.0) if own else 1.6
         timings = tuple(
             StageTiming(
-                stage=s, layout=v, seconds=f * estimate(s, v, w, state.models[model_of(s)], H100_SXM).seconds
+                stage=s, layout=v, seconds=f * estimate(s, v, w, state.models[model_of(s)], H100).seconds
             )
             for s, v in state.plan.layouts.items()
         )
@@ -345,7 +360,8 @@ def test_a_switch_that_measures_slower_is_undone_once_and_not_retried(monkeypatc
     never tries B again, even when A's later steps measure slower than B once did."""
     path = _flip_world(40, slow_after=10)
     a, b = path[0], path[1]
-    assert path == [a, b, a]
+    assert path[:3] == [a, b, a]
+    assert b not in path[2:]  # other plans may be tried once A slows, B never again
     # Without the verdict "B was slower", the noisy A steps send it back to B: A -> B -> A -> B.
     from nereus_core import controller as ctl
 

@@ -209,6 +209,13 @@ def test_a_durable_switch_costs_its_fixed_costs_even_when_no_layout_changes() ->
     assert slower.terms == est.terms == (0.0, est.ops_s, est.durable_s)  # what calibration fits
 
 
+# The H100 profile without its per-call fixed costs: at 13.8 s a call they would swamp the small
+# synthetic stages below, and a term that is nowhere large cannot be pinned down by any fit.
+NO_CALL_COSTS = H100_SXM.model_copy(
+    update={"generate_call_s": 0.0, "infer_call_s": 0.0, "train_call_s": 0.0, "decode_step_s": 0.0}
+)
+
+
 def _synthetic(hidden: np.ndarray, noise: float, rng: np.random.Generator) -> tuple[list, list]:
     """Samples from many layouts and workloads of a mid-size model on the H100 profile."""
     model = ModelConfig(
@@ -229,7 +236,7 @@ def _synthetic(hidden: np.ndarray, noise: float, rng: np.random.Generator) -> tu
             for batch, mean in ((64, 128), (128, 512)):
                 w = work(batch=batch, prompt=256, mean=mean)
                 lay = Layout.contiguous(tp=t, pp=p, dp=d, micro_batches=4 if p > 1 else 1)
-                raw = np.array(list(estimate(stage, lay, w, model, H100_SXM).raw.values()))
+                raw = np.array(list(estimate(stage, lay, w, model, NO_CALL_COSTS).raw.values()))
                 y = float(raw @ hidden) * float(np.exp(rng.normal(0, noise)))
                 (held_out if i % 4 == 0 else samples).append(Sample(tuple(raw), y))
     return samples, held_out
@@ -276,3 +283,70 @@ def test_estimate_many_matches_estimate_and_profiles_validate_their_scales() -> 
     assert estimate("actor/train", layouts[0], work(), LLAMA_8B, scaled).raw["compute"] == pytest.approx(
         2 * base
     )
+
+
+# ------------------------------------------------------------------ what the world shows matters (issue 17)
+
+
+def test_generation_waits_for_the_longest_response() -> None:
+    """Same mean, a longer tail: the slowest replica decodes until the step's longest response ends,
+    each extra iteration reading the weights once more."""
+    layout = Layout.contiguous(tp=2, dp=4)
+    short = Workload(batch=512, prompt_len=512, response_mean=1000, response_high=2000, response_max=2000)
+    tail = short.model_copy(update={"response_max": 8000})
+    a, b = (estimate("actor/generate", layout, w, LLAMA_8B, H100_SXM) for w in (short, tail))
+    weight_read = 16.06e9 / 2 / H100_SXM.hbm  # Llama-3-8B bf16 weights over tp=2, per iteration
+    assert b.raw["decode"] - a.raw["decode"] == pytest.approx(6000 * weight_read, rel=0.01)
+    assert b.raw["compute"] == a.raw["compute"]  # the tokens generated are the same
+    assert b.seconds > a.seconds + 6000 * weight_read
+    # Without a max, the high quantile stands in for it.
+    assert short.model_copy(update={"response_max": None}).response_longest == 2000
+
+
+def test_each_stage_call_pays_its_fixed_cost() -> None:
+    w = Workload(batch=256, prompt_len=256, response_mean=256, response_high=512)
+    bare = H100_SXM.model_copy(
+        update={"generate_call_s": 0.0, "infer_call_s": 0.0, "train_call_s": 0.0, "decode_step_s": 0.0}
+    )
+    layout = Layout.contiguous(dp=8)
+    for stage, field, term in (
+        ("actor/generate", "generate_call_s", "overhead"),  # the engine's, scaled apart from passes'
+        ("critic/infer", "infer_call_s", "dispatch"),
+        ("actor/train", "train_call_s", "dispatch"),
+    ):
+        with_costs = estimate(stage, layout, w, LLAMA_8B, H100_SXM).raw
+        without = estimate(stage, layout, w, LLAMA_8B, bare).raw
+        assert getattr(H100_SXM, field) > 1
+        assert with_costs[term] - without[term] == pytest.approx(getattr(H100_SXM, field))
+        assert sum(with_costs.values()) - sum(without.values()) == pytest.approx(getattr(H100_SXM, field))
+    stepped = bare.model_copy(update={"decode_step_s": 0.01})
+    gen = estimate("actor/generate", layout, w, LLAMA_8B, stepped).raw["overhead"]
+    assert gen - estimate("actor/generate", layout, w, LLAMA_8B, bare).raw["overhead"] == pytest.approx(5.12)
+    # The CPU runtime's profile has none of these: its own calibration stands.
+    assert CPU_WORKERS.generate_call_s == CPU_WORKERS.infer_call_s == CPU_WORKERS.train_call_s == 0
+
+
+def test_workload_keeps_the_longest_response() -> None:
+    w = Workload.from_lengths(batch=4, prompt_len=8, lengths=[10, 20, 30, 400])
+    assert w.response_max == 400 and w.response_longest == 400 and w.response_high < 400
+    with pytest.raises(ValueError, match="response_max=5 is below response_high=9"):
+        Workload(batch=1, prompt_len=1, response_mean=4, response_high=9, response_max=5)
+
+
+def test_a_plan_change_pays_group_setup_and_an_engine_rebuild() -> None:
+    """Issue 17: moves were priced at bytes over links plus 1 ms per op (0.002-0.9 s), while bringing
+    up new process groups and a new generation engine takes tens of seconds."""
+    from nereus_core.transition_cost import setup_seconds
+
+    models = dict.fromkeys(("actor", "critic", "reference", "reward"), LLAMA_8B)
+    old = {s: Layout.contiguous(tp=2, dp=4) for s in MODEL_STAGES}
+    retuned = {**old, "actor/train": old["actor/train"].model_copy(update={"micro_batches": 4})}
+    train_moved = {**old, "actor/train": Layout.contiguous(tp=4, dp=2)}
+    gen_moved = {**old, "actor/generate": Layout.contiguous(tp=8)}
+    assert setup_seconds(old, retuned, H100_SXM) == 0  # no state moves: nothing to bring up
+    assert setup_seconds(old, train_moved, H100_SXM) == H100_SXM.group_setup_s > 0
+    assert setup_seconds(old, gen_moved, H100_SXM) == H100_SXM.group_setup_s + H100_SXM.engine_rebuild_s
+    est = analytic_transition_cost(old, gen_moved, models, H100_SXM)
+    assert est.ops_s == pytest.approx(H100_SXM.transition_op_overhead_s + 2.0 + 41.62)
+    assert est.seconds > 40 and est.terms[1] == est.ops_s  # calibration scales it with the ops
+    assert CPU_WORKERS.group_setup_s == CPU_WORKERS.engine_rebuild_s == 0  # the CPU runtime's own fit

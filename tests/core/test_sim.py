@@ -60,6 +60,10 @@ def test_shipped_traces_parse_and_grow_to_1024_gpus() -> None:
     assert fixed.steps == 100 and set(fixed.devices.tolist()) == {64}
     w = fixed.workloads[0]
     assert w.batch == 8192 and w.response_high >= w.response_mean and w.prompt_len > 40
+    # generation waits for the step's longest response, which the trace gives (issue 17)
+    assert w.response_max == max(int(fixed.response_max[0]), w.response_high)
+    e = fixed.expected(9, 5)
+    assert e.response_max == max(int(fixed.response_max[5:10].max()), e.response_high)
 
 
 @pytest.mark.parametrize(
@@ -115,9 +119,11 @@ def test_calibration_learns_a_world_that_is_not_the_cost_model() -> None:
     strategy = make_strategy(cfg, "nereus")
     records, _ = simulate(world, strategy, trace="t", seed=0)
     summary = summarize_run(records)
-    assert summary["prediction_error_first5"] > 0.05  # the prior is off: the truth is another model
-    # Calibration helps, but scales on the cost model's terms cannot express every cost the world has
-    # (e.g. per-step fixed costs): the error falls (18 % -> 10 % here), it does not vanish.
+    # The prior has the world's per-call fixed costs and stragglers (issue 17), so it starts close,
+    # but the truth is another model: never exact (3.8 % here).
+    assert 0.01 < summary["prediction_error_first5"] < 0.25
+    # Calibration helps; scales on the cost model's terms cannot express every cost the world has,
+    # so the error falls (3.8 % -> 1.9 % here), it does not vanish.
     assert summary["prediction_error_45_55"] < 0.7 * summary["prediction_error_first5"]
     # The prediction is the controller's own estimate with its calibrated scales.
     work = tr.workloads[-1]
