@@ -41,7 +41,7 @@ def test_the_example_validates_with_nereus_plan(tmp_path: Path) -> None:
     assert raw["job"]["batch_size"] == 256 and raw["ppo"]["mini_batches"] == 4  # mini-batch 64
     assert raw["data"]["max_prompt_length"] == raw["data"]["max_response_length"] == 512
     assert (raw["ppo"]["actor_lr"], raw["ppo"]["critic_lr"], raw["ppo"]["kl_coef"]) == (1e-6, 1e-5, 0.001)
-    assert "dtype" not in raw["model"]  # not with model.path yet (the example says so)
+    assert raw["model"]["dtype"] == "bf16"
 
 
 def test_without_the_model_directory_the_example_is_refused_in_one_line() -> None:
