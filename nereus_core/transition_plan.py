@@ -47,9 +47,9 @@ class TransitionCosts(_Frozen):
     """Per-operation and fixed costs of running a transition on a device pool, before calibration."""
 
     call_s: float = Field(
-        default=0.012, ge=0, description="One device call: a wave of moves, an unload, a load, a relink, s."
+        default=0.02, ge=0, description="One device call: a wave of moves, an unload, a load, a relink, s."
     )
-    groups_s: float = Field(default=0.006, ge=0, description="A layout's process groups built, s.")
+    groups_s: float = Field(default=0.01, ge=0, description="A layout's process groups built, s.")
     engine_s: float = Field(
         default=0.07, ge=0, description="A train stage's DeepSpeed engine built on its new devices, s."
     )
@@ -68,12 +68,13 @@ class TransitionCosts(_Frozen):
     )
 
 
-# The CPU runtime, from the demo's journals (2-core machine, 2 and 4 slots; journal/<id>.jsonl
-# seconds per unit): a wave moving two train stages 0.20-0.22 s, a train stage rehydrated
-# 0.08-0.09 s and an inference one 0.01-0.02 s, a relink 0.01-0.025 s, a prepared 2 -> 4 world
-# 0.06 s. Starting and warming workers: the pool's own start-up (README: DeepSpeed's first engine
-# ~8 s). GPU figures are not measured here: the H100 profile takes NCCL's world and engine
-# costs from the same defaults scaled by nothing but calibration.
+# The CPU runtime, from the demo's journals (journal/<id>.jsonl: seconds per unit; four runs on a
+# 2-core machine shared with other work, 2 and 4 slots): a wave moving two train stages 0.20-0.22 s,
+# one train and two inference stages 0.11 s, two inference stages 0.03 s; a train stage rehydrated
+# 0.05-0.09 s, an inference one 0.01-0.025 s; a relink (a call, maybe groups) 0.01-0.045 s; a
+# prepared 2 -> 4 world 0.055-0.06 s. Starting and warming workers: the pool's own start-up
+# (README: DeepSpeed's first engine ~8 s). The H100 figures are not measured here (placeholders of
+# the right order: NCCL communicators and engines cost seconds); calibration scales them.
 COSTS: dict[str, TransitionCosts] = {
     "cpu-workers": TransitionCosts(),
     "h100-sxm": TransitionCosts(call_s=0.005, engine_s=1.0, world_rebuild_s=5.0, store_read_bandwidth=2e9),
