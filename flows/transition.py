@@ -12,6 +12,7 @@
         model-stage under plan B from the checkpoint (a device lost meanwhile: rebuild, again)
       -> inference copies of trained models (actor/generate, critic/infer): relink
       -> journal: commit (the plan switch); the job continues on plan B
+      -> workers a shrink let go retire (``DevicePool.retire_left``): plan B no longer uses them
 Every unit writes a ``start`` line before it runs and a ``done`` line after, so after a crash the
 journal says how far it got; ``nereus resume`` then finishes the switch from the checkpoint
 (plan B) or rolls it back (plan A): nereus_core.job.resume_point.
