@@ -204,16 +204,21 @@ def bench_paths(
     return out
 
 
-def bench_thp(
-    pool: DevicePool, devices: int, expected: dict[str, torch.Tensor], repeats: int
+def bench_env(
+    pool: DevicePool, devices: int, expected: dict[str, torch.Tensor], repeats: int, env: dict[str, str]
 ) -> dict[str, Any]:
-    """Live parameter-only reshards on ``pool`` and on a pool with THP_MEM_ALLOC_ENABLE=1 workers,
-    interleaved round trip by round trip; the medians of each (``live_plain``, ``live_thp``)."""
-    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # inherited by the second pool's worker processes
+    """Live parameter-only reshards on ``pool`` and on a pool whose workers get ``env``, interleaved
+    round trip by round trip; the medians of each (``live_plain``, ``live_thp``: the other pool)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # inherited by the second pool's worker processes
     try:
         thp = DevicePool(devices)
     finally:
-        del os.environ["THP_MEM_ALLOC_ENABLE"]
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     out: dict[str, Any] = {}
     try:
         warm_up(thp)
@@ -300,6 +305,13 @@ def main() -> None:
         action="store_true",
         help="also run the parameter-only live reshards on a pool with THP workers, interleaved",
     )
+    parser.add_argument(
+        "--compare-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="as --compare-thp, the second pool's workers with these environment variables instead",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     if args.thp:
@@ -336,8 +348,10 @@ def main() -> None:
             row = bench_paths(pool, old, new, expected, train=True, repeats=args.repeats)
             report["scenarios"]["tp2_to_tp4_train"] = row
             row["transfer_floor_s"] = transfer_floor(pool, old, new, train=True)
-        if args.compare_thp:
-            for key, rows in bench_thp(pool, args.devices, expected, args.repeats).items():
+        if args.compare_thp or args.compare_env:
+            env = dict(e.split("=", 1) for e in args.compare_env) or {"THP_MEM_ALLOC_ENABLE": "1"}
+            report["machine"]["compared_env"] = env
+            for key, rows in bench_env(pool, args.devices, expected, args.repeats, env).items():
                 report["scenarios"][key]["live"] = rows["live_plain"]
                 report["scenarios"][key]["live_thp"] = rows["live_thp"]
         for key, (old, new) in SCENARIOS.items() if args.baseline else ():
