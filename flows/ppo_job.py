@@ -23,7 +23,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows import generation, grpo_step, job_start, tracking
+from flows import generation, grpo_step, job_growth, job_start, tracking
 from flows.job_data import job_data
 from flows.job_records import JobRecords, done_line, log_decision
 from flows.transition import transition_flow
@@ -112,7 +112,7 @@ def decide_and_switch(
 ) -> jb.JobState:
     """Ask the controller after ``step`` (``seen``: the step's rows and measured lengths); carry out
     the switch it admits or forces; return the state in force next."""
-    obs = jb.observation(state, step=step, **seen)
+    obs = jb.observation(state, step=step, ready_devices=pool.ready_devices, **seen)
     outcome, decision, state = controller_step(state, obs)
     log_decision(decision, step)
     if isinstance(outcome, jb.Fail):
@@ -211,7 +211,11 @@ def ppo_job(
     start = time.perf_counter()
     data = job_data(cfg, logger.info)  # prompts, tokenizer and reward: a problem stops the run here
     with job_start.opened(cfg, out_dir, devices) as (run, cfg, point):
+        cfg, point, grow_to = job_growth.resume_start(cfg, point)  # resume on more devices: grow later
+        growing = job_growth.Growing(target=grow_to)
         with DevicePool.for_cluster(cfg.cluster) as pool:
+            if grow_to:
+                pool.prepare(grow_to, warm=model_ops.warm_device)
             state, started = job_start.bring_up(pool, run, cfg, point)
             records = JobRecords(run, first_step=point.step if point else 0, config=cfg)
             if point is None and data.val is not None and cfg.validation and cfg.validation.before_train:
@@ -219,13 +223,12 @@ def ppo_job(
             with job_start.quiet_task_logs(), records.tracking():
                 for step in range(point.step if point else 0, cfg.job.steps):
                     events = [e for e in state.config.job.scenario if e.step == step]
-                    state, what = jb.apply_event(state, events[0] if events else None)
+                    event = events[0] if events else growing.event(pool, state, step)  # workers warm: grow
+                    state, what = jb.apply_event(state, event)
                     if what:
-                        logger.info("scenario before step %d: %s", step, ", ".join(what))
+                        source = "scenario" if events else "workers ready"
+                        logger.info("%s before step %d: %s", source, step, ", ".join(what))
                         state = decide_and_switch(pool, state, records, step - 1, why=f" ({', '.join(what)})")
-                    ahead = [e.devices for e in state.config.job.scenario if e.step > step and e.devices]
-                    if ahead and ahead[0] > pool.size:  # the next device event grows: its workers start now
-                        pool.prepare(ahead[0], warm=model_ops.warm_device)
                     t = time.perf_counter()
                     stats, lengths = STEPS[cfg.algorithm.name](pool, state, records, step, data.train)
                     wall = time.perf_counter() - t
