@@ -1,9 +1,9 @@
 """The admission rules: given the weighed candidates, keep the plan in force or switch, and say why.
 
 Boundary: pure rules over options the controller has already evaluated (each a
-plan's calibrated estimate, the cost of moving to it, and its expected step time:
-measured on this workload when it ran, else predicted). Nothing here searches,
-calibrates or remembers; ``controller.decide`` does that and builds the Decision.
+plan's calibrated estimate, the cost of moving to it, and its measured/predicted
+step-time ratio when it ran on this workload). Nothing here searches, calibrates or
+remembers; ``controller.decide`` does that and builds the Decision.
 
 Like with like (issue 17). Every plan's expected step time is its calibrated
 prediction on the next workload times a measured/predicted ratio: its own, when it ran
@@ -74,6 +74,10 @@ class Basis(NamedTuple):
 
     ratio: float = 1.0
     spread: float | None = None
+
+    def gain(self, current: PlanEstimate, o: Option) -> float:
+        """``T_now - T_new`` per step, both on this basis."""
+        return current.step_s * self.ratio - o.step_s(self.ratio)
 
     def need(self, settings: ControllerSettings) -> float:
         """The smallest relative gain admitted: the fixed floor, or the noise, whichever is larger."""
@@ -224,12 +228,12 @@ def admit(
     if not others:
         alts += memory_rejections(rejected, current.step_s, usable)
         return Verdict("keep", "the current plan is the fastest that fits", None, alts, False)
-    best = max(others, key=lambda o: (now - o.step_s(r)) * h - factor * o.move.seconds)
-    gain = now - best.step_s(r)
+    best = max(others, key=lambda o: basis.gain(current, o) * h - factor * o.move.seconds)
+    gain = basis.gain(current, best)
     pays = gain > 0 and gain >= need * now and gain * h >= factor * best.move.seconds
     alts += memory_rejections(rejected, min(current.step_s, best.est.step_s), usable)
     for o in others:
-        g = now - o.step_s(r)
+        g = basis.gain(current, o)
         if g <= 0:
             alts.append(
                 alternative(o.est, "slower", f"{-g:+.3g} s per step vs the current plan ({_basis(o)})")

@@ -301,8 +301,7 @@ def _finish(
             "records": records,
         }
     )
-    r = basis.ratio
-    gain = current.step_s * r - chosen.step_s(r) if (current is not None and chosen) else 0.0
+    gain = basis.gain(current, chosen) if (current is not None and chosen) else 0.0
     return Decision(
         action=action,
         forced=verdict.forced,
