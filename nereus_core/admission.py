@@ -1,13 +1,28 @@
 """The admission rules: given the weighed candidates, keep the plan in force or switch, and say why.
 
 Boundary: pure rules over options the controller has already evaluated (each a
-plan's calibrated estimate, the cost of moving to it, and its expected step time:
-measured on this workload when it ran, else predicted). Nothing here searches,
-calibrates or remembers; ``controller.decide`` does that and builds the Decision.
+plan's calibrated estimate, the cost of moving to it, and its measured/predicted
+step-time ratio when it ran on this workload). Nothing here searches, calibrates or
+remembers; ``controller.decide`` does that and builds the Decision.
 
-Unforced (DESIGN.md, issue 17): switch iff, with ``g = T_now - T_new``,
-``g * H >= (1 + margin) * C`` and ``g >= min_gain * T_now``, with H the remaining
-steps capped by ``horizon`` and at least ``dwell`` steps since the last switch.
+Like with like (issue 17). Every plan's expected step time is its calibrated
+prediction on the next workload times a measured/predicted ratio: its own, when it ran
+here (``plan_history.ratio``), else the plan in force's. Comparing the plan in force's
+*measured* time (a median of a few noisy steps, on slightly different workloads) with
+the candidates' *predictions* let the noise pick moves between plans predicted within
+0.5 % of each other; on a common basis the gain of a plan that never ran is the
+prediction's own relative gain, and a measurement only scales it.
+
+Unforced: switch iff, with ``g = T_now - T_new``,
+
+- ``g >= need * T_now``, ``need = max(min_gain, noise_z * spread)``: ``spread`` is the
+  relative standard deviation of the plan in force's measured/predicted ratios, its
+  step-to-step noise; a smaller gain could not be told from that noise by the steps
+  that judge the new plan after the move (and send it back if it measures slower);
+- ``g * H >= (1 + margin) * C``: the saving over H, the remaining steps capped by
+  ``horizon``, pays the predicted move with margin;
+- at least ``dwell`` steps since the last switch.
+
 Among the fastest ``top_k`` plans the one with the largest net gain
 ``g * H - (1 + margin) * C`` is taken, so a slightly slower plan much cheaper to
 reach can win. A plan left for one that measured faster is not a candidate while
@@ -42,9 +57,32 @@ class Option(NamedTuple):
 
     est: PlanEstimate
     move: TransitionEstimate
-    step_s: float  # expected: its measured step time on this workload if it ran, else est.step_s
-    measured: bool
+    ratio: float | None  # its measured/predicted step time on this workload if it ran here
     left_for: str | None  # set: it was left for that plan, which measured faster (not a candidate)
+
+    @property
+    def measured(self) -> bool:
+        return self.ratio is not None
+
+    def step_s(self, basis: float) -> float:
+        """Expected step time: the prediction times its own ratio, else ``basis`` (module docstring)."""
+        return self.est.step_s * (basis if self.ratio is None else self.ratio)
+
+
+class Basis(NamedTuple):
+    """The plan in force's measured/predicted ratio here (1 when it has none) and its spread."""
+
+    ratio: float = 1.0
+    spread: float | None = None
+
+    def gain(self, current: PlanEstimate, o: Option) -> float:
+        """``T_now - T_new`` per step, both on this basis."""
+        return current.step_s * self.ratio - o.step_s(self.ratio)
+
+    def need(self, settings: ControllerSettings) -> float:
+        """The smallest relative gain admitted: the fixed floor, or the noise, whichever is larger."""
+        noise = settings.noise_z * self.spread if self.spread is not None else 0.0
+        return max(settings.min_gain, noise)
 
 
 class Verdict(NamedTuple):
@@ -120,8 +158,9 @@ def with_variants(
     return out
 
 
-def _left(o: Option) -> Alternative:
-    return alternative(o.est, "slower", f"measured {o.step_s:.3g} s here; left for {o.left_for}, faster")
+def _left(o: Option, basis: float) -> Alternative:
+    detail = f"measured {o.step_s(basis):.3g} s here; left for {o.left_for}, faster"
+    return alternative(o.est, "slower", detail)
 
 
 def _basis(o: Option) -> str:
@@ -134,6 +173,7 @@ def forced(
     rejected: list,
     *,
     current: PlanEstimate | None,
+    basis: Basis,
     horizon: int,
     usable: int,
 ) -> Verdict:
@@ -141,22 +181,31 @@ def forced(
     if not options:
         alts = memory_rejections(rejected, float("inf"), usable)
         return Verdict("none", f"{reason}; no plan fits in memory", None, alts, True)
-    h = max(horizon, 1)
+    h, r = max(horizon, 1), basis.ratio
     allowed = [o for o in options if o.left_for is None] or list(options)
-    best = min(allowed, key=lambda o: o.step_s * h + o.move.seconds)
-    alts = memory_rejections(rejected, best.step_s, usable)
-    mine = best.step_s * h + best.move.seconds
+    best = min(allowed, key=lambda o: o.step_s(r) * h + o.move.seconds)
+    alts = memory_rejections(rejected, best.est.step_s, usable)
+    mine = best.step_s(r) * h + best.move.seconds
     for o in options:
         if o.est.plan == best.est.plan or (current is not None and o.est.plan == current.plan):
             continue
         if o.left_for is not None and o not in allowed:
-            alts.append(_left(o))
+            alts.append(_left(o, r))
             continue
-        total = o.step_s * h + o.move.seconds
+        total = o.step_s(r) * h + o.move.seconds
         alts.append(alternative(o.est, "slower", f"{total:.3g} s over {h} steps incl. move vs {mine:.3g} s"))
     if current is not None and best.est.plan == current.plan:
         return Verdict("keep", f"{reason}; the current plan is still the best", best, alts, True)
     return Verdict("switch", reason, best, alts, True)
+
+
+def _refusal(o: Option, g: float, h: int, need: float, now: float, factor: float) -> str:
+    c = o.move.seconds
+    if g < need * now:
+        return f"gain {g:.3g} s/step < {need:.1%} of the {now:.3g} s step ({_basis(o)})"
+    if g * h < factor * c:
+        return f"gain {g:.3g} s/step x {h} steps = {g * h:.3g} s < {factor:g} x move {c:.3g} s"
+    return f"pays ({g * h:.3g} s >= {factor:g} x {c:.3g} s) but nets less than the chosen"
 
 
 def admit(
@@ -164,48 +213,44 @@ def admit(
     rejected: list,
     *,
     current: PlanEstimate,
-    current_s: float,
+    basis: Basis,
     horizon: int,
     settings: ControllerSettings,
     steps_since_switch: int,
 ) -> Verdict:
     """Keep, or switch to the option with the largest net gain if it pays (module docstring)."""
-    h, usable = horizon, current.usable
-    factor = 1.0 + settings.margin
+    h, usable, r = horizon, current.usable, basis.ratio
+    now = current.step_s * r
+    factor, need = 1.0 + settings.margin, basis.need(settings)
     others = [o for o in options if o.est.plan != current.plan]
-    alts = [_left(o) for o in others if o.left_for is not None]
+    alts = [_left(o, r) for o in others if o.left_for is not None]
     others = [o for o in others if o.left_for is None]
     if not others:
-        alts += memory_rejections(rejected, current_s, usable)
+        alts += memory_rejections(rejected, current.step_s, usable)
         return Verdict("keep", "the current plan is the fastest that fits", None, alts, False)
-    best = max(others, key=lambda o: (current_s - o.step_s) * h - factor * o.move.seconds)
-    gain, floor = current_s - best.step_s, settings.min_gain * current_s
-    pays = gain > 0 and gain >= floor and gain * h >= factor * best.move.seconds
-    alts += memory_rejections(rejected, min(current_s, best.step_s), usable)
+    best = max(others, key=lambda o: basis.gain(current, o) * h - factor * o.move.seconds)
+    gain = basis.gain(current, best)
+    pays = gain > 0 and gain >= need * now and gain * h >= factor * best.move.seconds
+    alts += memory_rejections(rejected, min(current.step_s, best.est.step_s), usable)
     for o in others:
-        g = current_s - o.step_s
+        g = basis.gain(current, o)
         if g <= 0:
             alts.append(
                 alternative(o.est, "slower", f"{-g:+.3g} s per step vs the current plan ({_basis(o)})")
             )
         elif o is not best or not pays:
-            c = o.move.seconds
-            detail = f"gain {g:.3g} s/step x {h} steps = {g * h:.3g} s < {factor:g} x move {c:.3g} s"
-            if g < floor:
-                detail = f"gain {g:.3g} s/step < {settings.min_gain:.0%} of the {current_s:.3g} s step"
-            elif g * h >= factor * c:
-                detail = f"pays ({g * h:.3g} s >= {factor:g} x {c:.3g} s) but nets less than the chosen"
-            alts.append(alternative(o.est, "not_worth_it", detail))
+            alts.append(alternative(o.est, "not_worth_it", _refusal(o, g, h, need, now, factor)))
     if pays and steps_since_switch < settings.dwell:
         alts.append(alternative(best.est, "dwell", f"{steps_since_switch} steps since the last switch"))
         msg = f"dwell: {steps_since_switch} < {settings.dwell} steps since the last switch"
         return Verdict("keep", msg, best, alts, False)
     if not pays:
         msg = "no faster plan pays for its move"
-        if 0 < gain < floor:
-            msg = f"the best gain ({gain:.3g} s/step) is below {settings.min_gain:.0%} of the step"
+        if 0 < gain < need * now:
+            msg = f"the best gain ({gain:.3g} s/step) is below {need:.1%} of the step"
         return Verdict("keep", msg, best, alts, False)
     msg = (
         f"gain {gain:.3g} s/step ({_basis(best)}) x {h} steps >= {factor:g} x move {best.move.seconds:.3g} s"
+        f"; {gain / now:.1%} of the step >= {need:.1%}"
     )
     return Verdict("switch", msg, best, alts, False)

@@ -8,10 +8,12 @@ memory-feasible plans (``plan_search``) and lets the admission rules
 transition it asks for and reports back in the next observation.
 
 Issue 17 (a controller that does not thrash):
-- a plan's expected step time is what it measured on this workload when it ran, the
-  calibrated prediction otherwise; a plan left for one that measured faster is not
-  chosen again until the workload or the devices change;
-- an unforced gain must be at least ``min_gain`` of the step as well as pay for the move;
+- plans are compared like with like: each plan's calibrated prediction on the next
+  workload, times its own measured/predicted ratio when it ran here, else the plan in
+  force's (``admission``); a plan left for one that measured faster is not chosen again
+  until the workload or the devices change;
+- an unforced gain must exceed ``min_gain`` of the step and the plan in force's
+  step-to-step noise, as well as pay for the move over the horizon;
 - a new plan must fit the forecast high response length with ``choose_headroom`` of
   the usable memory to spare; the plan in force is checked against today's workload
   and the plain headroom, so small growth does not force a move every few steps.
@@ -130,22 +132,24 @@ def calibrated_on(state: ControllerState, transitions: Sequence[TransitionTiming
 
 
 def _remember(
-    observation: Observation, state: ControllerState, current: PlanEstimate | None
+    observation: Observation, state: ControllerState, current: PlanEstimate | None, usable: int
 ) -> ControllerState:
-    """The state with what the plan in force measured in this observation's timings."""
+    """The state with what the plan in force measured in this observation's timings, beside the
+    calibrated prediction for the workload those timings ran."""
     if state.plan is None or current is None or state.devices is None:
         return state
     s = state.settings
-    got = ph.step_measurement(state.plan, current, observation.timings, overlap=s.overlap_disaggregated)
-    if got is None:
+    work = ph.measured_workload(state.plan, observation.timings) or observation.workload
+    at = current if work == observation.workload else evaluate_plan(state.plan, work, state, usable)
+    seconds = ph.step_measurement(state.plan, at, observation.timings, overlap=s.overlap_disaggregated)
+    if seconds is None:
         return state
-    seconds, work = got
     records = ph.remember(
         state.records,
         state.plan,
         seconds=seconds,
-        predicted_s=current.step_s,
-        workload=work or observation.workload,
+        predicted=_pricing(state).terms(at),
+        workload=work,
         devices=state.devices,
         step=observation.step,
         margin=s.workload_margin,
@@ -221,28 +225,30 @@ def _option(
     state: ControllerState,
     planner: TransferPlanner | None,
 ) -> adm.Option:
-    """A candidate as admission weighs it: its measured step time here if it ran, and whether it
-    was left for a plan that measured faster."""
+    """A candidate as admission weighs it: its measured/predicted ratio here if it ran, and whether
+    it was left for a plan that measured faster."""
     margin = state.settings.workload_margin
     record = ph.find(state.records, e.plan.plan_id, observation.workload, observation.devices, margin)
-    seen = ph.measured(record)
     durable = state.plan is not None and state.devices not in (None, observation.devices)  # a new world
     return adm.Option(
         est=e,
         move=_transition(state.plan, e.plan, state, planner, durable=durable, observation=observation),
-        step_s=e.step_s if seen is None else seen,
-        measured=seen is not None,
+        ratio=ph.ratio(record, _pricing(state)),
         left_for=record.left_for if record is not None else None,
     )
 
 
-def _measured_here(observation: Observation, state: ControllerState) -> float | None:
-    """The plan in force's measured step time on this workload and these devices, if it has one."""
+def _pricing(state: ControllerState) -> ph.Pricing:
+    s = state.settings
+    return ph.Pricing(state.scales, state.transition_scales.wire, s.overlap_disaggregated)
+
+
+def _record_here(observation: Observation, state: ControllerState) -> PlanRecord | None:
+    """The plan in force's record on this workload and these devices, if it has one."""
     if state.plan is None:
         return None
     margin = state.settings.workload_margin
-    found = ph.find(state.records, state.plan.plan_id, observation.workload, observation.devices, margin)
-    return ph.measured(found)
+    return ph.find(state.records, state.plan.plan_id, observation.workload, observation.devices, margin)
 
 
 def decide(
@@ -256,10 +262,11 @@ def decide(
     current, cache = None, {}
     if state.plan is not None and state.plan.devices[-1] < observation.devices:
         current = evaluate_plan(state.plan, observation.workload, state, usable, cache)
-    state = _remember(observation, state, current)
+    state = _remember(observation, state, current, usable)
     forced = adm.forced_reason(observation, state.plan, state.devices, current)
-    current_measured = _measured_here(observation, state)
-    current_s = current_measured if current_measured is not None else (current.step_s if current else 0.0)
+    here = _record_here(observation, state)
+    pricing = _pricing(state)
+    basis = adm.Basis(ph.ratio(here, pricing) or 1.0, ph.spread(here, pricing))
     choosing = ph.forecast(observation.workload, state.highs, s.forecast_steps)
     cache_choose = cache if choosing == observation.workload else {}
     budget = int(usable * (1.0 - s.choose_headroom))
@@ -274,21 +281,21 @@ def decide(
     horizon = min(observation.remaining_steps, s.horizon)
     options = [_option(e, observation, state, transfers) for e in exact]
     if forced:
-        verdict = adm.forced(forced, options, rejected, current=current, horizon=horizon, usable=usable)
+        verdict = adm.forced(
+            forced, options, rejected, current=current, basis=basis, horizon=horizon, usable=usable
+        )
     else:
         assert current is not None
         verdict = adm.admit(
             options,
             rejected,
             current=current,
-            current_s=current_s,
+            basis=basis,
             horizon=horizon,
             settings=s,
             steps_since_switch=state.steps_since_switch,
         )
-    return _finish(
-        verdict, observation, state, current, current_s, current_measured, horizon, variants, started
-    )
+    return _finish(verdict, observation, state, current, basis, ph.measured(here), horizon, variants, started)
 
 
 def _finish(
@@ -296,7 +303,7 @@ def _finish(
     observation: Observation,
     state: ControllerState,
     current: PlanEstimate | None,
-    current_s: float,
+    basis: adm.Basis,
     current_measured: float | None,
     horizon: int,
     variants: list,
@@ -317,7 +324,7 @@ def _finish(
             "records": records,
         }
     )
-    gain = current_s - chosen.step_s if (current is not None and chosen) else 0.0
+    gain = basis.gain(current, chosen) if (current is not None and chosen) else 0.0
     return Decision(
         action=action,
         forced=verdict.forced,

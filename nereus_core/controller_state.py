@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nereus_core.calibration import CalibrationSettings, Sample
 from nereus_core.config import ModelConfig
@@ -35,8 +35,15 @@ class ControllerSettings(_Frozen):
         default=0.03,
         ge=0,
         le=1,
-        description="Smallest unforced gain per step, as a share of the current plan's step time "
-        "(issue 17: gains of 1e-4 s on 20 s steps were admitted).",
+        description="Smallest unforced gain per step, as a share of the current plan's step time, "
+        "whatever the noise (issue 17: gains of 1e-4 s on 20 s steps were admitted).",
+    )
+    noise_z: float = Field(
+        default=2.0,
+        ge=0,
+        le=100,
+        description="An unforced gain must also be at least this many times the relative standard "
+        "deviation of the current plan's measured/predicted step times (its step-to-step noise).",
     )
     horizon: int = Field(default=50, ge=1, le=1_000_000, description="Most future steps a gain is credited.")
     dwell: int = Field(default=3, ge=0, le=1_000_000, description="Fewest steps between unforced switches.")
@@ -124,6 +131,15 @@ class Observation(_Frozen):
     )
 
 
+class StepTerms(_Frozen):
+    """A measured step's prediction, unscaled, so that later calibrations re-price it."""
+
+    raw: dict[str, tuple[float, ...]] = Field(
+        description="Per model-stage, the cost model's unscaled term seconds (``cost_model.TERMS`` order)."
+    )
+    sync_raw: float = Field(ge=0, description="Unscaled weight-sync seconds.")
+
+
 class PlanRecord(_Frozen):
     """What one plan measured when it ran (its stage times combined as the cost model combines them),
     under which workload and devices, and whether it was left for a plan that measured faster."""
@@ -134,11 +150,22 @@ class PlanRecord(_Frozen):
     prompt_len: int = Field(ge=1)
     response_mean: float = Field(gt=0)
     measured_s: tuple[float, ...] = Field(description="Recent measured step seconds, oldest first.")
-    predicted_s: float = Field(ge=0, description="The calibrated prediction at the last measurement.")
+    predicted: tuple[StepTerms, ...] = Field(
+        description="The prediction of each of those steps, on the workload it ran, unscaled."
+    )
     step: int = Field(ge=0, description="Step of the last measurement.")
     left_for: str | None = Field(
         default=None, description="Plan id it was left for after both were measured (it was slower)."
     )
+
+    @model_validator(mode="after")
+    def _paired(self) -> PlanRecord:
+        if len(self.measured_s) != len(self.predicted):
+            raise ValueError(
+                f"{len(self.measured_s)} measured_s but {len(self.predicted)} predicted; "
+                "each measurement needs its prediction"
+            )
+        return self
 
     @property
     def plan_id(self) -> str:
@@ -209,8 +236,8 @@ class Decision(_Frozen):
     current: PlanEstimate | None
     chosen: PlanEstimate | None = Field(description="The best candidate weighed (the new plan on a switch).")
     gain_per_step_s: float = Field(
-        description="Expected step time of the current plan minus the chosen one's; each is its "
-        "measured time on this workload when it has one, else the calibrated prediction."
+        description="Expected step time of the current plan minus the chosen one's: each plan's "
+        "calibrated prediction times its measured/predicted ratio here, else the current plan's."
     )
     current_measured_s: float | None = Field(
         default=None, description="The current plan's measured step time on this workload, if any."

@@ -3,13 +3,17 @@
 Boundary: pure functions over ``PlanRecord`` tuples and (step, length) pairs; the
 controller asks them and stores their answers in its state. Two memories (issue 17):
 
-- **Measured step times.** After a step, the stage times the plan in force measured
-  are combined as the cost model combines its predictions (``step_seconds``: the same
-  placement rule and weight sync), so measurement and prediction are comparable. A
-  plan's measured time holds while the workload stays within ``workload_margin`` of
-  the mean response length it was measured at, on the same devices; within that the
-  controller prefers it to any prediction, and a plan left for one that measured
-  faster is not chosen again (no A -> B -> A -> B).
+- **Measured step times, as ratios to their predictions.** After a step, the stage
+  times the plan in force measured are combined as the cost model combines its
+  predictions (``step_seconds``: the same placement rule and weight sync) and kept
+  beside the prediction for that same step's workload, unscaled (``StepTerms``), so
+  it is re-priced with the scales of the day. Their ratio (the plan's residual) is
+  what admission uses: it carries a measurement to the next workload without mixing
+  in the length drift between steps or the calibration's drift since, and its spread
+  is the plan's step-to-step noise. A record holds while the workload stays within
+  ``workload_margin`` of the mean response length it was first measured at, on the
+  same devices; a plan left for one that measured faster is not chosen again there
+  (no A -> B -> A -> B).
 - **A forecast of the high response length**: a least-squares line through the recent
   highs, ``forecast_steps`` ahead, never below the latest; a newly chosen plan must fit
   it, the plan in force only today's (hysteresis against forced moves at every growth).
@@ -20,11 +24,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from nereus_core.controller_state import PlanRecord, StageTiming
-from nereus_core.cost_model import Workload
+from nereus_core.controller_state import PlanRecord, StageTiming, StepTerms
+from nereus_core.cost_model import Scales, Workload
 from nereus_core.plan import GlobalPlan
 from nereus_core.plan_estimate import PlanEstimate, step_seconds
 
@@ -53,27 +58,74 @@ def find(
 
 
 def measured(record: PlanRecord | None) -> float | None:
+    """The median measured step seconds (for reports; admission reads ``ratio``)."""
     return statistics.median(record.measured_s) if record is not None else None
+
+
+class Pricing(NamedTuple):
+    """The calibration of the day: what a step's unscaled terms cost now."""
+
+    scales: Scales
+    wire: float
+    overlap: bool
+
+    def terms(self, e: PlanEstimate) -> StepTerms:
+        """``e``'s prediction, unscaled (its stages' raw terms; the sync without the wire scale)."""
+        raw = {s: tuple(x.raw.values()) for s, x in e.stages.items()}
+        return StepTerms(raw=raw, sync_raw=e.sync_s / self.wire if self.wire > 0 else 0.0)
+
+    def seconds(self, plan: GlobalPlan, t: StepTerms) -> float:
+        a = self.scales.as_array()
+        stages = {s: float(a @ np.asarray(raw)) for s, raw in t.raw.items()}
+        return step_seconds(plan.placement, stages, t.sync_raw * self.wire, overlap=self.overlap)
+
+
+def ratios(record: PlanRecord | None, pricing: Pricing) -> list[float]:
+    """The plan's measured/predicted step times, each re-priced with today's scales."""
+    if record is None:
+        return []
+    priced = (pricing.seconds(record.plan, t) for t in record.predicted)
+    return [m / p for m, p in zip(record.measured_s, priced, strict=True) if p > 0]
+
+
+def ratio(record: PlanRecord | None, pricing: Pricing) -> float | None:
+    """The plan's measured/predicted step time here (median of its recent steps), or None."""
+    r = ratios(record, pricing)
+    return statistics.median(r) if r else None
+
+
+def spread(record: PlanRecord | None, pricing: Pricing) -> float | None:
+    """The relative standard deviation of the plan's measured/predicted ratios (its step-to-step
+    noise once the workload's drift is divided out), or None below two measurements."""
+    r = ratios(record, pricing)
+    return statistics.stdev(r) / statistics.fmean(r) if len(r) >= 2 else None
+
+
+def measured_workload(plan: GlobalPlan, timings: Sequence[StageTiming]) -> Workload | None:
+    """The workload the plan's timings ran, when they say (else the observation's)."""
+    work = None
+    for t in timings:
+        if plan.layouts.get(t.stage) == t.layout:
+            work = t.workload or work
+    return work
 
 
 def step_measurement(
     plan: GlobalPlan, predicted: PlanEstimate, timings: Sequence[StageTiming], *, overlap: bool
-) -> tuple[float, Workload | None] | None:
+) -> float | None:
     """The step time ``plan`` measured (mean of each stage's timings on its layout; an unmeasured
-    stage and the weight sync at their prediction) and the workload it ran, or None if no stage of
-    the plan was measured."""
+    stage and the weight sync at their prediction ``predicted``, on the measured workload), or None
+    if no stage of the plan was measured."""
     seen: dict[str, list[float]] = {}
-    work = None
     for t in timings:
         if plan.layouts.get(t.stage) == t.layout:
             seen.setdefault(t.stage, []).append(t.seconds)
-            work = t.workload or work
     if not seen:
         return None
     stages: Mapping[str, float] = {
         s: (sum(seen[s]) / len(seen[s]) if s in seen else predicted.stages[s].seconds) for s in plan.layouts
     }
-    return step_seconds(plan.placement, stages, predicted.sync_s, overlap=overlap), work
+    return step_seconds(plan.placement, stages, predicted.sync_s, overlap=overlap)
 
 
 def remember(
@@ -81,14 +133,15 @@ def remember(
     plan: GlobalPlan,
     *,
     seconds: float,
-    predicted_s: float,
+    predicted: StepTerms,
     workload: Workload,
     devices: int,
     step: int,
     margin: float,
 ) -> tuple[PlanRecord, ...]:
-    """Records with one more measurement of ``plan`` (a new record when the workload or devices
-    moved beyond the margin). The plan runs now, so it was not left: its ``left_for`` clears."""
+    """Records with one more measurement of ``plan`` and its prediction for the same step (a new
+    record when the workload or devices moved beyond the margin). The plan runs now, so it was not
+    left: its ``left_for`` clears."""
     plan_id = plan.plan_id
     old = next((r for r in records if r.plan_id == plan_id), None)
     kept = old.measured_s if old is not None and similar(old, workload, devices, margin) else ()
@@ -96,7 +149,7 @@ def remember(
         new = old.model_copy(
             update={
                 "measured_s": (*kept, seconds)[-KEPT_MEASUREMENTS:],
-                "predicted_s": predicted_s,
+                "predicted": (*old.predicted, predicted)[-KEPT_MEASUREMENTS:],
                 "step": step,
                 "left_for": None,
             }
@@ -109,7 +162,7 @@ def remember(
             prompt_len=workload.prompt_len,
             response_mean=workload.response_mean,
             measured_s=(seconds,),
-            predicted_s=predicted_s,
+            predicted=(predicted,),
             step=step,
         )
     others = [r for r in records if r.plan_id != plan_id][-(KEPT_RECORDS - 1) :]
