@@ -2,7 +2,7 @@
 driver, and the models on the pool (fitted and loaded, or rehydrated from the newest checkpoint).
 
     fresh:   RunDir.create -> plan A -> fit the reward model (cached task; only a job with a reward
-             model) -> load every model-stage of the job
+             model that reward.model_path does not name) -> load every model-stage of the job
     resume:  newest checkpoint + interrupted journals -> nereus_core.job.resume_point (finish or roll
              back each) -> the plan for the devices at hand -> rehydrate every model-stage (journaled)
              -> verify the live state against the live digests recorded with the checkpoint
@@ -28,6 +28,7 @@ from flows.transition import rehydrate_all
 from nereus_core import job as jb
 from nereus_core.config import ConfigError, NereusConfig, parse_config
 from nereus_core.config_yaml import parse_yaml
+from nereus_core.engine.hf_load import hf_source
 from nereus_core.plan import ModelStage
 from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.lock import run_lock
@@ -95,7 +96,9 @@ def bring_up(
     state = jb.start(cfg)
     run.write_plan(state.plan_id, {str(k): v.model_dump(mode="json") for k, v in state.layouts.items()})
     reward = state.layouts.get(ModelStage.REWARD_INFER)
-    if reward is None:  # a rule scores the responses (GRPO's, or reward.function on text): nothing to fit
+    # Nothing to fit when a rule scores the responses (GRPO's, or reward.function on text) or when
+    # reward.model_path names the reward model (load_models reads it like any model directory).
+    if reward is None or hf_source(cfg, "reward") is not None:
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, None)
         return state, {"fit": {}}
     cache_dir = reward_fit_cache_dir()

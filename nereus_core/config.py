@@ -39,7 +39,7 @@ from nereus_core.config_errors import one_line
 from nereus_core.config_model import LLAMA_3_8B as LLAMA_3_8B
 from nereus_core.config_model import ModelConfig
 from nereus_core.config_model import RopeScaling as RopeScaling
-from nereus_core.hf_files import critic_error
+from nereus_core.hf_files import value_model_error
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems, stages_for
 from nereus_core.ppo import PPOSettings
@@ -147,10 +147,12 @@ class NereusConfig(_Frozen):
 
     @property
     def uses_reward_model(self) -> bool:
-        """Whether the score comes from a reward model: PPO's on the count task, fitted to its rule
-        (the reward/infer stage); not GRPO (the rule itself), nor a rule ``reward.function`` on text
-        (verl's rule rewards)."""
-        text_rule = self.reward is not None and self.reward.inputs == "text"
+        """Whether the score comes from a reward model (the reward/infer stage): PPO's with
+        ``reward.model_path`` (verl's reward model: its score is used, the rule only logged), or on the
+        count task, fitted to its rule; not GRPO (the rule itself), nor a rule ``reward.function`` on
+        text alone (verl's rule rewards)."""
+        reward = self.reward
+        text_rule = reward is not None and reward.inputs == "text" and reward.model_path is None
         return self.algorithm.uses_reward_model and not text_rule
 
     @property
@@ -228,12 +230,22 @@ class NereusConfig(_Frozen):
         return self
 
     @model_validator(mode="after")
-    def _check_critic(self) -> NereusConfig:
-        problem = (
-            critic_error(self.critic.path, models_for(self.model)["critic"]) if self.critic.path else None
-        )
+    def _check_value_models(self) -> NereusConfig:
+        value = models_for(self.model)["critic"]  # the actor's shapes with the value head
+        problem = value_model_error(self.critic.path, value, role="critic") if self.critic.path else None
         if problem:
             raise ValueError(f"critic.path: {problem}")
+        path = self.reward.model_path if self.reward is not None else None
+        if path is None:
+            return self
+        if not self.algorithm.uses_reward_model:
+            raise ValueError(
+                f"reward.model_path is set but algorithm {self.algorithm.name} scores with "
+                "reward.function only; remove reward.model_path or use algorithm ppo"
+            )
+        problem = value_model_error(path, value, role="reward model")
+        if problem:
+            raise ValueError(f"reward.model_path: {problem}")
         return self
 
 

@@ -12,6 +12,7 @@ is ``storage/datasets.py`` and calling rewards ``nereus_core.rewards``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,7 +107,10 @@ class RewardConfig(_Frozen):
         "signature (data_source, solution_str, ground_truth, extra_info) -> float | dict.",
     )
     model_path: str | None = Field(
-        default=None, description="Reserved: a reward model's Hugging Face directory (not used yet)."
+        default=None,
+        description="A reward model: a one-label LlamaFor/Qwen2ForSequenceClassification directory of the "
+        "actor's shapes and vocabulary. Its score at each sequence's last real token is PPO's reward; "
+        "reward.function still scores validation and is logged as rule_score.",
     )
 
     @field_validator("function")
@@ -120,7 +124,7 @@ class RewardConfig(_Frozen):
     def _is_dir(cls, path: str | None) -> str | None:
         if path is not None and not Path(path).is_dir():
             raise ValueError(f"{shown(path)} is not a directory; give a Hugging Face model directory")
-        return path
+        return None if path is None else os.path.abspath(path)
 
     @property
     def inputs(self) -> str:

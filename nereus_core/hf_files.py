@@ -212,9 +212,10 @@ def imported_section(section: dict[str, Any], model: type[M]) -> dict[str, Any]:
     return merged
 
 
-def critic_error(path: str | os.PathLike[str], ours: BaseModel) -> str | None:
-    """Why the value-head directory ``path`` cannot be the critic of ``ours`` (a model config of the
-    actor's shapes with the value head), or None."""
+def value_model_error(path: str | os.PathLike[str], ours: BaseModel, *, role: str) -> str | None:
+    """Why the value-head directory ``path`` cannot be the ``role`` model (the critic, or the reward
+    model) of ``ours`` (a model config of the actor's shapes with the value head), or None. Both read
+    the actor's token ids, so the vocabulary size is one of the shapes that must agree."""
     try:
         theirs = validated(type(ours), value_fields(path), Path(path) / "config.json")
     except HFDirError as err:
@@ -223,7 +224,7 @@ def critic_error(path: str | os.PathLike[str], ours: BaseModel) -> str | None:
         if key not in KEPT and key != "tie_word_embeddings" and getattr(theirs, key) != getattr(ours, key):
             return (
                 f"{path}: {key}={getattr(theirs, key)!r} differs from the model's {getattr(ours, key)!r}; "
-                "the critic must have the actor's shapes"
+                f"the {role} must have the actor's shapes"
             )
     return None
 

@@ -14,7 +14,8 @@ Which directory each model reads (``hf_source``):
   the head is new, drawn as Hugging Face's ``_init_weights`` draws a linear, normal(0, std) with
   ``std`` = ``model.init_std``, HF's ``initializer_range`` default 0.02), seeded by ``model.seed``
   so that every device and every copy draws the same head;
-- reward: none here; it is fitted (or, later, named by the reward section).
+- reward: ``reward.model_path`` (a one-label ``*ForSequenceClassification`` of the actor's shapes, read
+  as the critic's directory is), else none here: it is fitted to the count task's rule.
 
 Boundary: device-side functions over one ``DeviceContext`` and the pure rule of which directory a
 model reads; the pool in tasks/ runs ``load_from_hf`` on a layout's devices.
@@ -48,7 +49,10 @@ def hf_source(config: NereusConfig, model: str) -> HFSource | None:
     """The directory ``model`` (actor, critic, reference, reward) loads from, or None (seeded or fitted)."""
     if model == "critic" and config.critic.path is not None:
         return HFSource(config.critic.path)
-    if config.model.path is None or model == "reward":
+    if model == "reward":
+        path = config.reward.model_path if config.reward is not None else None
+        return None if path is None else HFSource(path)
+    if config.model.path is None:
         return None
     return HFSource(config.model.path, fresh_head=model == "critic")
 

@@ -15,6 +15,8 @@ from nereus_core.engine.hf_load import HFDirStore, HFSource, fresh_value_head, h
 from nereus_core.model import LlamaStage
 from nereus_core.model.hf_dir import read_hf_config, read_slices, read_value_config
 from nereus_core.model.weights import SCORE, param_shapes
+from nereus_core.plan import ModelStage
+from tests.core.test_config_data import TOKENIZER, files
 from tests.hf_models import SIZES, randomize, write_model
 
 
@@ -124,6 +126,39 @@ def test_critic_path_takes_a_one_label_classifier_of_the_actors_shapes(dirs: dic
     for path, needle in bad:
         message = _error({"model": {"path": llama}, "critic": {"path": str(path)}})
         assert message.startswith("critic.path: ") and needle in message, message
+
+
+def test_reward_model_path_takes_a_one_label_classifier_of_the_actors_shapes(
+    dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    root, llama = dirs["root"], str(dirs["llama"])
+    train, _ = files(tmp_path)
+    data = {"train_files": [train], "max_prompt_length": 64, "max_response_length": 16}
+
+    def job(reward: dict[str, Any], **more: Any) -> dict[str, Any]:
+        model = {"path": llama, "tokenizer": TOKENIZER}
+        return {"model": model, "data": data, "reward": {"function": "gsm8k", **reward}, **more}
+
+    path, _ = _value_dir(root, "Sequence")
+    cfg = parse_config(job({"model_path": str(path)}))
+    assert hf_source(cfg, "reward") == HFSource(str(path)) and cfg.uses_reward_model
+    assert ModelStage.REWARD_INFER in cfg.stages  # the reward model scores; the rule is only logged
+    assert ModelStage.REWARD_INFER not in parse_config(job({})).stages
+    bad = [
+        (_value_dir(root, "Sequence", labels=2)[0], "2 labels; a value head has one"),
+        (
+            _value_dir(root, "Sequence", vocab_size=64)[0],
+            "vocab_size=64 differs from the model's 128; the reward model must have the actor's shapes",
+        ),
+        (dirs["llama"], "LlamaForCausalLM is not supported; supported: LlamaForSequenceClassification"),
+        (tmp_path, "config.json not found"),
+    ]
+    for where, needle in bad:
+        message = _error(job({"model_path": str(where)}))
+        assert message.startswith("reward.model_path: ") and needle in message, message
+    grpo = {"algorithm": {"name": "grpo", "group_size": 2}, "job": {"batch_size": 4}}
+    message = _error(job({"model_path": str(path)}, **grpo))
+    assert "algorithm grpo scores with reward.function only" in message, message
 
 
 def test_a_token_classifiers_values_equal_transformers(dirs: dict[str, Path]) -> None:
