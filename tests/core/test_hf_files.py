@@ -1,6 +1,6 @@
-"""nereus_core/hf_files.py at config load (``model.path``, ``critic.path``, ``model.tokenizer``: the
-directory decides, a conflict or a bad directory is one line), and a value-head directory read into
-Nereus's model against transformers' token classifier."""
+"""nereus_core/hf_files.py at config load (``model.path``, ``critic.path``, ``reward.model_path``,
+``model.tokenizer``: the directory decides, a conflict or a bad directory is one line), and a value-head
+directory read into Nereus's model against transformers' token classifier."""
 
 from __future__ import annotations
 
