@@ -3,18 +3,27 @@ a ``model.dtype: bf16`` model's bytes as the EMU's shard maps size it; fp32 keep
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import pytest
+import torch
 
 from nereus_core.config import ModelConfig
 from nereus_core.cost_geometry import value_bytes
 from nereus_core.cost_model import Workload, estimate, model_stats
 from nereus_core.emu import bytes_per_device, partitioned_kinds, plan_reshard, shard_map
+from nereus_core.engine.dispatch import per_device_batch
+from nereus_core.engine.memory import held_bytes
+from nereus_core.engine.optimizer import OptimizerSettings
+from nereus_core.engine.shard import drop_shard, load_shard
+from nereus_core.engine.train import train_step
 from nereus_core.gtg import TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import stage_schedule
 from nereus_core.hardware import CPU_WORKERS, H100_SXM
 from nereus_core.layout import Layout
+from nereus_core.parallel.device import DeviceContext
+from tests.core.dist_utils import run_world
 
 # Heads, kv heads, vocab and ffn divisible by tp in {1, 2, 4}; 2 layers for pp in {1, 2}.
 FP32 = ModelConfig(
@@ -167,3 +176,37 @@ def test_fp32_gtg_is_the_four_byte_one(old: Layout, new: Layout) -> None:
     graph = build_gtg(*_plans(old, new), _models(FP32), caps)
     four = build_gtg(*_plans(old, new), _models(FP32), caps, dtype_bytes=4)
     assert graph.to_dict() == four.to_dict() and graph.link_bytes == four.link_bytes > 0
+
+
+def _held_world(rank: int, world: int) -> dict[str, int]:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # DeepSpeed reads them; the world exists
+    ctx = DeviceContext(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"))
+    out = {}
+    for layout in ENGINE_LAYOUTS:
+        ctx.build_groups(layout)  # collective: every rank, member or not
+        if rank not in layout.devices:
+            continue
+        name = f"actor/train/{layout.key}"
+        load_shard(ctx, name=name, layout=layout, config=BF16, optimizer=OptimizerSettings(lr=1e-2))
+        ids = torch.randint(0, BF16.vocab_size, (4, 8), generator=torch.Generator().manual_seed(1))
+        train_step(ctx, per_device_batch(layout, {"ids": ids})[layout.devices.index(rank)], name=name)
+        out[layout.key] = held_bytes(ctx)
+        drop_shard(ctx, name=name)
+    return out
+
+
+ENGINE_LAYOUTS = [Layout.contiguous(dp=2), Layout.contiguous(tp=2), Layout.contiguous(pp=2, micro_batches=2)]
+
+
+@pytest.mark.timeout(300)
+def test_bf16_train_state_is_what_the_engine_holds() -> None:
+    """Between steps DeepSpeed holds the bf16 weights, its fp32 master partition and moments (the
+    gradients are freed): the cost model's resident bytes plus two fp32 scalars (the step count and
+    the gradient norm). This model's partitions split evenly, so DeepSpeed adds no alignment padding
+    and the cost model's flat ceil(n/dp) share is exact."""
+    results = run_world(2, _held_world, timeout_s=280)
+    for layout in ENGINE_LAYOUTS:
+        mem = estimate("actor/train", layout, WORK, BF16, CPU_WORKERS).memory
+        held = max(r[layout.key] for r in results if layout.key in r)  # the busiest device, as estimated
+        assert held - mem.persistent == 8, (layout.key, held, mem.persistent)
