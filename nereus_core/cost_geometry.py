@@ -3,6 +3,13 @@ stage and the links each parallel axis of a layout uses, for one layout or an ar
 
 Boundary: numbers derived from a ``ModelConfig``, a ``HardwareProfile`` and layouts; no latency or
 memory formula (those are ``cost_terms``).
+
+Bytes per value (``value_bytes``): an fp32 model (the default) is counted at the profile's sizes,
+which describe the stack the profile stands for (the CPU runtime: fp32; the H100 profile: the bf16
+mixed precision of the GPU stack the simulator models). A lower-precision ``model.dtype`` (bf16) is
+counted at its own sizes, as the EMU's shard maps size it (``emu.shard_map``): weights, gradients,
+activations and KV cache at the parameters' itemsize, and per parameter the fp32 master weights and
+AdamW moments the train stage partitions over dp (DeepSpeed's bf16 ZeRO mode).
 """
 
 from __future__ import annotations
@@ -15,11 +22,23 @@ from typing import NamedTuple
 import numpy as np
 
 from nereus_core.config import ModelConfig
+from nereus_core.emu import MASTER, OPTIMIZER_BYTES, partitioned_kinds
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
-from nereus_core.model.weights import param_shapes
+from nereus_core.model.weights import param_dtype, param_shapes
 
 Num = np.ndarray | float  # a scalar, or one value per candidate layout
+
+
+@dataclass(frozen=True)
+class ValueBytes:
+    """Bytes per value of a model-stage's tensors; ``optimizer`` is per parameter (ZeRO shards it over dp)."""
+
+    weight: int
+    grad: int
+    optimizer: int
+    activation: int
+    kv: int
 
 
 @dataclass(frozen=True)
@@ -37,6 +56,7 @@ class ModelStats:
     head_params: int  # lm_head (or the tied embedding's reuse) / value head
     norm_params: int
     total_params: int
+    precision: ValueBytes | None = None  # the model's own sizes; None: fp32, the profile's sizes
 
     @property
     def flop_params(self) -> int:
@@ -67,7 +87,25 @@ def model_stats(model: ModelConfig) -> ModelStats:
         head_params=head,
         norm_params=model.hidden_size * (2 * model.num_hidden_layers + 1),
         total_params=sum(numel.values()),
+        precision=_model_precision(model),
     )
+
+
+def _model_precision(model: ModelConfig) -> ValueBytes | None:
+    """A lower-precision model's sizes, taken from the shard map's owners (see the module docstring)."""
+    kinds = partitioned_kinds(model)
+    if MASTER not in kinds:
+        return None
+    size = param_dtype(model).itemsize
+    return ValueBytes(size, size, OPTIMIZER_BYTES * len(kinds), size, size)
+
+
+def value_bytes(stats: ModelStats, profile: HardwareProfile) -> ValueBytes:
+    """Bytes per value the cost model counts for a model on a profile (see the module docstring)."""
+    if stats.precision is not None:
+        return stats.precision
+    p = profile
+    return ValueBytes(p.weight_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes, p.kv_bytes)
 
 
 @lru_cache(maxsize=4096)

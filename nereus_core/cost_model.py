@@ -33,7 +33,8 @@ Memory (bytes on the busiest device): weights, gradients, ZeRO-1 optimizer state
 sharded over dp, activations (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per
 layer in 16-bit, divided by t under TP+SP), KV cache for generation (2*L*kv*d*bytes
 per token). Time uses the mean response length and the longest one (generation's
-stragglers), memory the high quantile.
+stragglers), memory the high quantile. Bytes per value: the profile's for an fp32 model, the
+model's own for ``model.dtype: bf16`` (``cost_geometry.value_bytes``).
 
 The formulas themselves, vectorized over candidate layouts, are in ``cost_terms``.
 """

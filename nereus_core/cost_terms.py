@@ -24,6 +24,7 @@ from nereus_core.cost_geometry import (  # re-exported: callers read the geometr
     pipeline_split,
     slots,
     split_arrays,
+    value_bytes,
 )
 from nereus_core.hardware import COST_TERMS, HardwareProfile
 
@@ -46,6 +47,7 @@ __all__ = [
     "slots",
     "split_arrays",
     "stage_tables",
+    "value_bytes",
 ]
 
 
@@ -109,7 +111,7 @@ def stage_tables(
     raw[TERMS.index("dispatch")] = profile.call_overhead_s + world * profile.dispatch_per_device_s + call
     for term, scale in profile.term_scales.items():
         raw[TERMS.index(term)] *= scale
-    mem[MEMORY_PARTS.index("weights")] = geo.device_params * profile.weight_bytes
+    mem[MEMORY_PARTS.index("weights")] = geo.device_params * value_bytes(stats, profile).weight
     return raw, mem
 
 
@@ -159,14 +161,15 @@ def _generate(
     # hardware.md "Training FLOPs": forward ~ 2*params per token + attention 4*L*h*s.
     prefill = b * prompt * (2.0 * stats.flop_params + 4.0 * layers * h * prompt)
     decode_flops = resp * b * (2.0 * stats.flop_params + 4.0 * layers * h * ctx)
-    kv_token = stats.kv_bytes_per_token(profile.kv_bytes)
+    sizes = value_bytes(stats, profile)
+    kv_token = stats.kv_bytes_per_token(sizes.kv)
     tp_kv = np.minimum(tp, stats.kv_heads)
     # hardware.md "Decode is memory-bound": (weight bytes / tp + KV bytes read) / HBM bandwidth.
-    weight_read, kv_read = stats.total_params * profile.weight_bytes / tp, ctx * kv_token / tp_kv
+    weight_read, kv_read = stats.total_params * sizes.weight / tp, ctx * kv_token / tp_kv
     iters = (waves - 1.0) * resp + work.response_longest  # decode iterations of the slowest replica
     passes = waves + iters  # one prefill per wave and the decode iterations
     alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
-    act = profile.activation_bytes
+    act = sizes.activation
     # Per pass: 2 all-reduces per layer, 1 for the vocab-parallel embedding, 2 gathers to sample.
     tp_latency = passes * (2 * layers + 3) * 2.0 * (tp - 1) * alpha
     tp_bytes = 2 * layers * ring_bytes(b * h * act * (prompt + resp), tp) / geo.tp_bw
@@ -212,8 +215,9 @@ def _forward_backward(
     bm = np.ceil(b / m)
     seq = work.prompt_len + work.response_mean
     epochs = work.ppo_epochs if train else 1
+    sizes = value_bytes(stats, profile)
     alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
-    act = profile.activation_bytes
+    act = sizes.activation
     # hardware.md "Training FLOPs": 2*params + 4*L*h*s per token forward, 6*params + 12*L*h*s train.
     mult, attn = (6.0, 12.0) if train else (2.0, 4.0)
     if train and profile.activation_recompute == "full":
@@ -246,21 +250,18 @@ def _forward_backward(
     if not train:
         _set(mem, MEMORY_PARTS, activations=per_layer + logits)
         return
-    grads = geo.device_params * profile.grad_bytes
+    grads = geo.device_params * sizes.grad
     buckets = np.ceil(grads / profile.gradient_bucket_bytes)
     # ZeRO-1 (Rajbhandari et al. 2020): reduce-scatter + all-gather = one ring all-reduce volume.
     dp_comm = (dp > 1) * (ring_bytes(grads, dp) / geo.dp_bw + buckets * 2.0 * (dp - 1) * alpha)
     # Adam reads and writes its state shard, reads the gradient shard, writes weights (all-gathered).
-    opt_bytes = geo.device_params * (
-        (2.0 * profile.optimizer_bytes + profile.grad_bytes + profile.weight_bytes) / dp
-        + profile.weight_bytes
-    )
+    opt_bytes = geo.device_params * ((2.0 * sizes.optimizer + sizes.grad + sizes.weight) / dp + sizes.weight)
     _set(raw, TERMS, dp_comm=epochs * dp_comm, optimizer=epochs * opt_bytes * slow / profile.hbm)
     in_flight = m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp)
     _set(
         mem,
         MEMORY_PARTS,
         gradients=grads,
-        optimizer=np.ceil(geo.device_params / dp) * profile.optimizer_bytes,
+        optimizer=np.ceil(geo.device_params / dp) * sizes.optimizer,
         activations=in_flight * layers * per_layer + 2.0 * logits,
     )

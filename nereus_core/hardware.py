@@ -94,6 +94,8 @@ class HardwareProfile(BaseModel):
         description="CPU pools only: how much slower per-device work runs when a layout keeps twice as "
         "many slots busy on a node as it has cores (2 = plain time-sharing).",
     )
+    # The five sizes below are an fp32 model's; a lower-precision model.dtype (bf16) is counted at
+    # its own sizes (cost_geometry.value_bytes).
     weight_bytes: int = Field(ge=1, le=8, description="Bytes per parameter of the weights.")
     grad_bytes: int = Field(ge=1, le=8, description="Bytes per parameter of the gradients.")
     optimizer_bytes: int = Field(

@@ -28,7 +28,8 @@ def _walk(obj: Any, seen_objects: set[int], out: dict[int, int], depth: int) -> 
     seen_objects.add(id(obj))
     if isinstance(obj, torch.Tensor):
         for t in (obj, obj.grad):
-            if t is not None and t.numel():
+            # Meta tensors (DeepSpeed's round_robin_bit16_meta placeholders) hold no memory.
+            if t is not None and t.numel() and not t.is_meta:
                 storage = t.untyped_storage()
                 out[storage.data_ptr()] = storage.nbytes()
         return

@@ -10,7 +10,8 @@ devices, no deadlock". Here that becomes:
    ``alloc`` + ``rehydrate``. One ``regroup`` (the new process groups) precedes every transfer;
    ``commit`` (the plan switch) comes last.
 2. Memory: a device holds its untouched model-stages, the old shards not yet freed and the new
-   shards allocated (params, grads and optimizer state per ``emu.bytes_per_device``; transfer
+   shards allocated (params, grads and optimizer state per ``emu.bytes_per_device``, each tensor
+   at its own size: bf16 weights and gradients, fp32 masters and moments; transfer
    staging buffers are not counted, and a live move holds a model-stage's old and new shard on a
    device at once: no in-place reshard). ``memory.find_order`` searches an order of allocs and
    frees in which no allocation exceeds a device's capacity (exact, up to ``search_budget``

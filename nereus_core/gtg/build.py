@@ -33,7 +33,7 @@ def build_gtg(
     link: LinkModel = DEFAULT_LINK,
     allow_live: bool = True,
     search_budget: int = 500,
-    dtype_bytes: int = 4,
+    dtype_bytes: int | None = None,
 ) -> TransitionGraph:
     """The GTG of A -> B: ops, data and memory edges, waves, route and critical path.
 
@@ -41,6 +41,9 @@ def build_gtg(
     same model-stages). ``capacities``: bytes per device, for every device plan B uses (a device
     only plan A uses may be left out; it only gives memory back). Raises ``TransitionInfeasible``
     when plan B itself does not fit a device, ``ValueError`` on inconsistent input.
+    ``dtype_bytes``: None sizes every tensor as the shard maps do (parameters in ``model.dtype``,
+    optimizer state fp32), so the bytes and peaks are what the live reshard moves and holds; an
+    int sets one size for every tensor instead (a uniform estimate).
     """
     moves = _moves(plan_a, plan_b, models)
     initial = device_loads(moves, "old", dtype_bytes)
@@ -94,7 +97,7 @@ def _moves(
 
 
 def _check_fits(
-    moves: dict[str, StageMove], caps: dict[int, int], final: dict[int, int], dtype_bytes: int
+    moves: dict[str, StageMove], caps: dict[int, int], final: dict[int, int], dtype_bytes: int | None
 ) -> None:
     """Plan B alone must fit every device, or no route exists (the durable route needs exactly that)."""
     for d in sorted(final):
@@ -111,7 +114,7 @@ def _check_fits(
             )
 
 
-def _maps(move: StageMove, dtype_bytes: int) -> tuple[ShardMap, ShardMap]:
+def _maps(move: StageMove, dtype_bytes: int | None) -> tuple[ShardMap, ShardMap]:
     old = shard_map(move.config, move.old, train=move.train, dtype_bytes=dtype_bytes)
     return old, shard_map(move.config, move.new, train=move.train, dtype_bytes=dtype_bytes)
 
@@ -121,7 +124,7 @@ def _problem(
     plans: dict[str, ReshardPlan],
     caps: dict[int, int],
     durable: frozenset[str],
-    dtype_bytes: int,
+    dtype_bytes: int | None,
 ) -> MemoryProblem:
     base: dict[int, int] = defaultdict(int)
     old: dict[Key, int] = {}
@@ -148,7 +151,7 @@ def _choose_route(
     caps: dict[int, int],
     allow_live: bool,
     budget: int,
-    dtype_bytes: int,
+    dtype_bytes: int | None,
 ) -> tuple[frozenset[str], Events, MemoryProblem, str]:
     """The fewest (then cheapest) model-stages to send over the durable route so an order exists.
 
@@ -193,7 +196,7 @@ def _choose_route(
 
 
 def _subsets(
-    changed: list[str], moves: dict[str, StageMove], stuck: Deadlock, dtype_bytes: int
+    changed: list[str], moves: dict[str, StageMove], stuck: Deadlock, dtype_bytes: int | None
 ) -> list[frozenset[str]]:
     """Proper non-empty subsets of ``changed``: smallest first, then those touching a blocked device,
     then by bytes snapshotted."""
@@ -235,7 +238,7 @@ def _durable_ops(
     problem: MemoryProblem,
     ops: list[Op],
     edges: list[Edge],
-    dtype_bytes: int,
+    dtype_bytes: int | None,
 ) -> None:
     """Snapshot each distinct old box once, free every old shard after its snapshot, allocate and
     rehydrate every new shard once the whole snapshot is written."""
@@ -282,7 +285,7 @@ def _assemble(
     route: Route,
     reason: str,
     initial: dict[int, int],
-    dtype_bytes: int,
+    dtype_bytes: int | None,
 ) -> TransitionGraph:
     timing = schedule(ops, edges, link)
     by_id = {op.id: op for op in ops}

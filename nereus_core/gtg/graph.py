@@ -40,12 +40,12 @@ class StageMove:
         a, b = self.old, self.new
         return (a.tp, a.pp, a.dp, a.devices) != (b.tp, b.pp, b.dp, b.devices)
 
-    def shard_bytes(self, which: Literal["old", "new"], dtype_bytes: int) -> dict[int, int]:
+    def shard_bytes(self, which: Literal["old", "new"], dtype_bytes: int | None) -> dict[int, int]:
         """Bytes (params, grads, optimizer) of this model-stage's shard on every device of a layout."""
         per = _per_device(self.config, self.old if which == "old" else self.new, self.train, dtype_bytes)
         return {d: sum(kinds.values()) for d, kinds in per}
 
-    def state_bytes(self, which: Literal["old", "new"], dtype_bytes: int) -> dict[int, int]:
+    def state_bytes(self, which: Literal["old", "new"], dtype_bytes: int | None) -> dict[int, int]:
         """Bytes worth persisting (params and optimizer; gradients are not state between steps)."""
         per = _per_device(self.config, self.old if which == "old" else self.new, self.train, dtype_bytes)
         return {d: kinds["params"] + kinds["optimizer"] for d, kinds in per}
@@ -53,7 +53,7 @@ class StageMove:
 
 @lru_cache(maxsize=512)
 def _per_device(
-    config: ModelConfig, layout: Layout, train: bool, dtype_bytes: int
+    config: ModelConfig, layout: Layout, train: bool, dtype_bytes: int | None
 ) -> tuple[tuple[int, dict[str, int]], ...]:
     """``emu.bytes_per_device``, cached (a transition asks for the same layouts many times)."""
     per = bytes_per_device(config, layout, train=train, dtype_bytes=dtype_bytes)
@@ -61,7 +61,7 @@ def _per_device(
 
 
 def device_loads(
-    moves: dict[str, StageMove], which: Literal["old", "new"], dtype_bytes: int
+    moves: dict[str, StageMove], which: Literal["old", "new"], dtype_bytes: int | None
 ) -> dict[int, int]:
     """Bytes every model-stage holds on every device under plan A (``old``) or plan B (``new``)."""
     out: dict[int, int] = defaultdict(int)
@@ -112,7 +112,7 @@ class TransitionGraph:
     waves_s: float
     start_s: dict[str, float]
     moves: dict[str, StageMove] = field(repr=False)
-    dtype_bytes: int = 4
+    dtype_bytes: int | None = None
     _by_id: dict[str, Op] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
