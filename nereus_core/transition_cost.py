@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import Field
 
 from nereus_core.config import ModelConfig
+from nereus_core.cost_geometry import value_bytes
 from nereus_core.cost_model import _Frozen, stage_kind
 from nereus_core.cost_terms import Num, model_stats
 from nereus_core.hardware import HardwareProfile
@@ -160,10 +161,9 @@ def reshard_bytes(
     if old == new:
         return 0
     stats = model_stats(model)
-    weights = stats.total_params * profile.weight_bytes / (new.tp * new.pp)
-    state = (
-        stats.total_params * profile.optimizer_bytes / new.world_size if stage_kind(stage) == "train" else 0
-    )
+    per = value_bytes(stats, profile)
+    weights = stats.total_params * per.weight / (new.tp * new.pp)
+    state = stats.total_params * per.optimizer / new.world_size if stage_kind(stage) == "train" else 0
     if old is None or set(new.devices) - set(old.devices):
         return math.ceil(weights + state)
     held_w = held_fraction(new.tp, new.pp, old.tp, old.pp)
@@ -181,10 +181,10 @@ def durable_seconds(
     for stage in new:
         if not ModelStage(stage).owns_state:
             continue
-        params = model_stats(models[stage.partition("/")[0]]).total_params
-        trains = stage_kind(stage) == "train"
+        stats = model_stats(models[stage.partition("/")[0]])
+        per, trains = value_bytes(stats, profile), stage_kind(stage) == "train"
         engines += trains
-        read += params * (profile.weight_bytes + (profile.optimizer_bytes if trains else 0))
+        read += stats.total_params * (per.weight + (per.optimizer if trains else 0))
     return costs.world_rebuild_s + engines * costs.engine_build_s + read / costs.store_read_bandwidth
 
 
@@ -256,7 +256,8 @@ def sync_seconds(
     None), each generation device receives its whole shard over ``link``, a generation slot and a
     training slot (receivers bound the time: the training pool has at least as many senders).
     """
-    shard_g = model_stats(model).total_params * profile.weight_bytes / (gen_tp * gen_pp)
+    stats = model_stats(model)
+    shard_g = stats.total_params * value_bytes(stats, profile).weight / (gen_tp * gen_pp)
     nbytes = shard_g if train is None else shard_g * (1.0 - held_fraction(gen_tp, gen_pp, *train))
     latency = np.where(nbytes > 0, profile.collective_latency_s, 0.0)  # nothing to move, no round
     return nbytes / profile.link_bandwidth(link) + latency

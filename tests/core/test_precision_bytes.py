@@ -210,3 +210,32 @@ def test_bf16_train_state_is_what_the_engine_holds() -> None:
         mem = estimate("actor/train", layout, WORK, BF16, CPU_WORKERS).memory
         held = max(r[layout.key] for r in results if layout.key in r)  # the busiest device, as estimated
         assert held - mem.persistent == 8, (layout.key, held, mem.persistent)
+
+
+def test_transition_and_sync_bytes_follow_the_dtype() -> None:
+    """The layouts-only transition estimates (reshard bytes, durable reads, weight sync) count bf16
+    weights at 2 bytes and a train stage's optimizer state at 12 (masters and moments), as the shard
+    maps do; fp32 keeps the profile's."""
+    from nereus_core.transition_cost import DurableCosts, durable_seconds, reshard_bytes, sync_seconds
+
+    old, new = Layout.contiguous(), Layout(tp=2, pp=1, dp=1, devices=(2, 3))  # new devices: all of it
+    params = model_stats(FP32).total_params
+    for stage in ("actor/generate", "actor/train"):
+        for config in (FP32, BF16):
+            per = value_bytes(model_stats(config), CPU_WORKERS)
+            state = params * per.optimizer / 2 if stage == "actor/train" else 0
+            expected = params * per.weight / 2 + state
+            assert reshard_bytes(stage, old, new, config, CPU_WORKERS) == pytest.approx(expected, abs=1)
+    assert value_bytes(model_stats(BF16), CPU_WORKERS).weight == 2
+    assert value_bytes(model_stats(BF16), CPU_WORKERS).optimizer == 12
+    costs = DurableCosts(world_rebuild_s=0.0, engine_build_s=0.0, store_read_bandwidth=1.0)
+    plan = {"actor/train": old, "reference/infer": old}
+    reads = {
+        c.dtype: durable_seconds(plan, {"actor": c, "reference": c}, CPU_WORKERS, costs) for c in (FP32, BF16)
+    }
+    fp32 = CPU_WORKERS.weight_bytes
+    assert reads["fp32"] == params * (2 * fp32 + CPU_WORKERS.optimizer_bytes)
+    assert reads["bf16"] == params * (2 + 12 + 2)
+    sync = {c.dtype: sync_seconds(c, CPU_WORKERS, 1, 1, link=[0, 1]) for c in (FP32, BF16)}
+    latency = CPU_WORKERS.collective_latency_s
+    assert sync["bf16"] - latency == pytest.approx((sync["fp32"] - latency) / 2)
