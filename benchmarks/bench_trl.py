@@ -68,12 +68,12 @@ SPECIAL = ["<|endoftext|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"
 class Settings:
     """What both systems run with."""
 
-    steps: int = 10
+    steps: int = 16
     group: int = 4  # responses per prompt
     prompts: int = 4  # prompts per step
     response_len: int = 32  # max new tokens
     max_prompt_len: int = 448  # every GSM8K prompt of the split fits (checked)
-    lr: float = 1e-3
+    lr: float = 3e-3
     clip: float = 0.2
     seed: int = 0
 
@@ -242,7 +242,7 @@ def nereus_config(model_dir: Path, data: Path, s: Settings, slots: int) -> dict[
     layout = {"tp": 1, "pp": 1, "dp": slots, "devices": list(range(slots))}
     return {
         "name": f"bench-trl-{slots}slot",
-        "cluster": {"devices": slots, "memory_per_device": "1GiB"},
+        "cluster": {"devices": slots, "memory_per_device": "4GiB"},
         "model": {"path": str(model_dir)},
         "job": {
             "steps": s.steps,
