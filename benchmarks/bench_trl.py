@@ -1,27 +1,27 @@
 """GRPO side by side with TRL's GRPOTrainer (issue 15): one job, two systems, one run.
 
-Everything is written here, nothing downloaded: a random Qwen2ForCausalLM (``save_pretrained``), a
-byte-level BPE tokenizer trained on the project's GSM8K text with a chat template, and the GSM8K
-prompts in verl's format made by the project's converter (``nereus data gsm8k``). The reward is
-benchmarks/digit_reward.py (the share of digit characters in a response), which Nereus calls as
-``reward.function`` and TRL through a thin wrapper.
+The job (benchmarks/grpo_peer_job.py) is written here, nothing downloaded: a random
+Qwen2ForCausalLM, a BPE tokenizer with a chat template, GSM8K prompts in verl's format and the
+digit-share reward (benchmarks/digit_reward.py), which Nereus calls as ``reward.function`` and TRL
+through a thin wrapper. The same settings go to both: group size (TRL ``num_generations``), prompts
+per step, the response limit (EOS stops a response earlier), sampling at temperature 1 without
+top-k/top-p, the clipped loss with token-mean aggregation (TRL ``loss_type="dapo"``),
+``epsilon``/``clip_ratio``, no KL term (``beta=0``), group-scaled rewards, one optimizer step per
+generated batch (TRL ``steps_per_generation=num_iterations=1``; Nereus ``ppo_epochs=mini_batches=1``),
+AdamW at a constant learning rate without gradient clipping or weight decay, prompts in file order.
+TRL runs in this process on CPU with one thread (no vLLM); Nereus runs ``python -m flows.cli run``
+on 1 and on 2 device slots (one worker process and thread each), fixed plan (``job.adapt: false``).
 
-The same settings go to both: group size (TRL ``num_generations``), prompts per step, the response
-limit (EOS stops a response earlier), sampling at temperature 1 without top-k/top-p, the clipped
-loss with token-mean aggregation (TRL ``loss_type="dapo"``), ``epsilon``/``clip_ratio``, no KL term
-(``beta=0``), group-scaled rewards, one optimizer step per generated batch (TRL
-``steps_per_generation=num_iterations=1``; Nereus ``ppo_epochs=mini_batches=1``), AdamW at a
-constant learning rate without gradient clipping or weight decay, prompts in file order. TRL
-runs in this process on CPU (no vLLM); Nereus runs ``python -m flows.cli run`` on 1 and on 2 device
-slots (worker processes), fixed plan (``job.adapt: false``).
+Each round runs every system once, back to back; the order is reversed every other round, so a load
+that drifts weighs on each alike. Printed JSON: per round and system, ``step_s`` and its median (the
+wall time of a training step; TRL: between its step-end callbacks; Nereus: the history's
+``wall_s``), ``tokens_per_s`` (generated tokens, stop tokens included, over the summed step times),
+the reward curve (mean reward per step), the 1-minute load average before and after, and the median
+seconds per stage per step (Nereus: metrics/steps.parquet; TRL: its generation and reward calls,
+timed here, and the rest of its step). ``summary``: every round's steps pooled, and each Nereus
+run's median step over TRL's (pooled and per round).
 
-Printed JSON, per system: ``step_s_median`` (the wall time of a training step; TRL: between its
-step-end callbacks; Nereus: the history's ``wall_s``), ``tokens_per_s`` (generated tokens, stop
-tokens included, over the summed step times), the reward curve (mean reward per step), and the
-ratio of each Nereus run's median step to TRL's. For Nereus also the median seconds per stage per
-step (metrics/steps.parquet) and TRL's generation seconds, to say where the time goes.
-
-    python benchmarks/bench_trl.py [--steps 10] [--out FILE]
+    python benchmarks/bench_trl.py [--steps 16] [--rounds 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -44,151 +44,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the project's packages and the reward
 
 from benchmarks.digit_reward import trl_digit_share  # noqa: E402
-from nereus_core.tokenizer import chat_prompt_ids  # noqa: E402
-
-REWARD = "benchmarks/digit_reward.py:digit_share"  # relative to ROOT, where Nereus runs
-TEXT = ROOT / "data" / "text" / "gsm8k_test_first500.jsonl"
-SIZES = {  # ~1.7M parameters; 4 heads and 2 kv heads divide by tp=2
-    "vocab_size": 512,
-    "hidden_size": 192,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-}
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+from benchmarks.grpo_peer_job import (  # noqa: E402
+    Settings,
+    nereus_config,
+    prompt_lengths,
+    trl_args,
+    write_data,
+    write_model,
+    write_tokenizer,
 )
-SPECIAL = ["<|endoftext|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What both systems run with."""
-
-    steps: int = 16
-    group: int = 4  # responses per prompt
-    prompts: int = 4  # prompts per step
-    response_len: int = 32  # max new tokens
-    max_prompt_len: int = 448  # every GSM8K prompt of the split fits (checked)
-    lr: float = 3e-3
-    clip: float = 0.2
-    seed: int = 0
-
-    @property
-    def batch(self) -> int:
-        return self.group * self.prompts
-
-
-def write_tokenizer(path: Path) -> Any:
-    """A byte-level BPE tokenizer trained on the GSM8K questions and answers, with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    lines = []
-    for line in TEXT.read_text().splitlines():
-        row = json.loads(line)
-        lines += [row["question"], row["answer"]]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=SIZES["vocab_size"],
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(lines, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return tokenizer
-
-
-def write_model(path: Path, eos_id: int) -> int:
-    """A random Qwen2ForCausalLM (tied embeddings, q/k/v biases) saved to ``path``; its parameters."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        **SIZES,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        eos_token_id=eos_id,
-        bos_token_id=eos_id,
-    )
-    model = Qwen2ForCausalLM._from_config(config, attn_implementation="eager")
-    model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
-
-
-def write_data(out: Path) -> Path:
-    """GSM8K in verl's format by the project's converter; the train split's path."""
-    cmd = [sys.executable, "-m", "flows.cli", "data", "gsm8k", "--out", str(out)]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
-    return out / "train.parquet"
-
-
-def prompt_lengths(tokenizer: Any, train: Path) -> list[int]:
-    """Each train prompt's token count as rendered by the chat template (both systems render so)."""
-    import pyarrow.parquet as pq
-
-    chats = pq.read_table(train, columns=["prompt"]).column("prompt").to_pylist()
-    return [len(ids) for ids in chat_prompt_ids(tokenizer, chats)]
-
-
-def trl_args(s: Settings, out_dir: Path) -> Any:
-    """TRL's GRPOConfig for the job (the same settings as ``nereus_config``'s)."""
-    from trl import GRPOConfig
-
-    return GRPOConfig(
-        output_dir=str(out_dir),
-        use_cpu=True,
-        bf16=False,
-        max_steps=s.steps,
-        per_device_train_batch_size=s.batch,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
-        num_generations=s.group,
-        max_completion_length=s.response_len,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        loss_type="dapo",  # token-mean over the batch
-        beta=0.0,
-        epsilon=s.clip,
-        scale_rewards="group",
-        learning_rate=s.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=0.0,  # Nereus does not clip gradients
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        shuffle_dataset=False,
-        seed=s.seed,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-    )
 
 
 def run_trl(model_dir: Path, train: Path, s: Settings, work: Path) -> dict[str, Any]:
     """TRL's GRPOTrainer on the job; per-step walls, generated tokens, rewards and generation seconds."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
     walls: list[float] = []
     tokens: list[int] = []
     rewards: list[float] = []
     generate_s: list[float] = []
+    reward_s: list[float] = []
 
     class Clock(TrainerCallback):  # type: ignore[misc]
         def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
@@ -206,8 +84,11 @@ def run_trl(model_dir: Path, train: Path, s: Settings, work: Path) -> dict[str, 
                 rewards.append(float(logs["reward"]))
 
     def reward(completions: list[Any], completion_ids: list[list[int]], **columns: Any) -> list[float]:
+        start = time.perf_counter()
         tokens.append(sum(len(ids) for ids in completion_ids))  # up to and including EOS
-        return trl_digit_share(completions, **columns)
+        out = trl_digit_share(completions, **columns)
+        reward_s.append(time.perf_counter() - start)
+        return out
 
     reward.__name__ = "digit_share"
     args = trl_args(s, work / "trl")
@@ -221,6 +102,7 @@ def run_trl(model_dir: Path, train: Path, s: Settings, work: Path) -> dict[str, 
         processing_class=tokenizer,
         callbacks=[Clock()],
     )
+    trainer.remove_callback(PrinterCallback)  # its per-step dicts would mix into the printed JSON
     inner = trainer._generate  # timed: TRL's generation of a step (tokenize, sample, decode)
 
     def timed_generate(*a: Any, **k: Any) -> Any:
@@ -231,52 +113,17 @@ def run_trl(model_dir: Path, train: Path, s: Settings, work: Path) -> dict[str, 
 
     trainer._generate = timed_generate
     trainer.train()
+    rest = [w - g - r for w, g, r in zip(walls, generate_s, reward_s, strict=True)]
+
     return {
         **figures(walls, tokens, rewards),
-        "stages_s_median": {"generate": round(statistics.median(generate_s), 4)},
-    }
-
-
-def nereus_config(model_dir: Path, data: Path, s: Settings, slots: int) -> dict[str, Any]:
-    """The job for ``slots`` device slots: both GRPO stages data-parallel over all of them."""
-    layout = {"tp": 1, "pp": 1, "dp": slots, "devices": list(range(slots))}
-    return {
-        "name": f"bench-trl-{slots}slot",
-        "cluster": {"devices": slots, "memory_per_device": "4GiB"},
-        "model": {"path": str(model_dir)},
-        "job": {
-            "steps": s.steps,
-            "seed": s.seed,
-            "batch_size": s.batch,
-            "prompt_len": s.max_prompt_len,  # the data section's lengths, stated again
-            "response_len": s.response_len,
-            "adapt": False,
+        # TRL times no stages: its generation and reward calls are timed here; the rest of a step is
+        # its log-prob pass, loss, backward and optimizer step (and its logging).
+        "stages_s_median": {
+            "generate": round(statistics.median(generate_s), 4),
+            "reward": round(statistics.median(reward_s), 4),
+            "rest_of_step": round(statistics.median(rest), 4),
         },
-        "data": {
-            "train_files": [str(data)],
-            "max_prompt_length": s.max_prompt_len,
-            "max_response_length": s.response_len,
-            "shuffle": False,
-            "seed": s.seed,
-        },
-        "reward": {"function": REWARD},
-        "algorithm": {
-            "name": "grpo",
-            "group_size": s.group,
-            "baseline": "group_mean",
-            "scale_rewards": "group",
-            "loss_agg_mode": "token-mean",
-        },
-        "ppo": {
-            "kl_coef": 0.0,
-            "use_kl_loss": False,
-            "clip_ratio": s.clip,
-            "ppo_epochs": 1,
-            "mini_batches": 1,
-            "actor_lr": s.lr,
-            "temperature": 1.0,
-        },
-        "plan": {"actor/generate": layout, "actor/train": layout},
     }
 
 
@@ -332,13 +179,46 @@ def figures(walls: list[float], tokens: list[int], rewards: list[float]) -> dict
     }
 
 
+def run_round(order: list[str], model_dir: Path, train: Path, s: Settings, work: Path) -> dict[str, Any]:
+    """Each system of ``order`` once, back to back, with the 1-minute load average around each run."""
+    out: dict[str, Any] = {"order": order}
+    for name in order:
+        load = os.getloadavg()[0]
+        if name == "trl":
+            out[name] = run_trl(model_dir, train, s, work)
+        else:
+            out[name] = run_nereus(model_dir, train, s, int(name.split("_")[1][0]), work)
+        out[name]["load_1min"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+    return out
+
+
+def pooled(rounds: list[dict[str, Any]], name: str, base: str = "trl") -> dict[str, Any]:
+    """``name``'s steps of every round together, and its median step over ``base``'s."""
+    runs, bases = [r[name] for r in rounds], [r[base] for r in rounds]
+    walls = [w for run in runs for w in run["step_s"]]
+    out = {
+        "step_s_median": round(statistics.median(walls), 4),
+        "tokens_per_s": round(sum(run["generated_tokens"] for run in runs) / sum(walls), 2),
+    }
+    if name != base:
+        base_median = statistics.median(w for run in bases for w in run["step_s"])
+        out["step_ratio_vs_trl"] = round(out["step_s_median"] / base_median, 2)
+        out["step_ratio_vs_trl_per_round"] = [
+            round(run["step_s_median"] / b["step_s_median"], 2) for run, b in zip(runs, bases, strict=True)
+        ]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=Settings.steps)
+    parser.add_argument("--rounds", type=int, default=2, help="each system once per round; order reversed")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
-    s = Settings(steps=parser.parse_args().steps)
-    out_file = parser.parse_args().out
-    torch.set_num_threads(1)
+    args = parser.parse_args()
+    s = Settings(steps=args.steps)
+    torch.set_num_threads(1)  # TRL's process as one Nereus worker: one thread
+    missing = nereus_missing()
+    systems = ["trl"] + ([] if missing else ["nereus_1slot", "nereus_2slot"])
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = work / "model"
@@ -348,28 +228,26 @@ def main() -> None:
         lengths = prompt_lengths(tokenizer, train)
         if max(lengths) > s.max_prompt_len:  # both must see every prompt: neither filters
             raise SystemExit(f"a prompt has {max(lengths)} tokens > max_prompt_len={s.max_prompt_len}")
-        result: dict[str, Any] = {
-            "settings": {**asdict(s), "batch": s.batch},
-            "model": {"params": params, "tokenizer_tokens": len(tokenizer)},
-            "prompt_tokens": {"mean": round(statistics.mean(lengths), 1), "max": max(lengths)},
-            "load_average_before": list(os.getloadavg()),
-        }
-        result["trl"] = run_trl(model_dir, train, s, work)
-        missing = nereus_missing()
-        for slots in (1, 2):
-            key = f"nereus_{slots}slot"
-            if missing:
-                result[key] = {"status": f"not run: {missing}"}
-                continue
-            result[key] = run_nereus(model_dir, train, s, slots, work)
-            result[key]["vs_trl_step_ratio"] = round(
-                result[key]["step_s_median"] / result["trl"]["step_s_median"], 2
-            )
-        result["load_average_after"] = list(os.getloadavg())
+        rounds = []
+        for k in range(args.rounds):  # ABC then CBA: a load that drifts weighs on each system alike
+            (work / f"round{k}").mkdir()
+            order = systems if k % 2 == 0 else systems[::-1]
+            rounds.append(run_round(order, model_dir, train, s, work / f"round{k}"))
+    result: dict[str, Any] = {
+        "settings": {**asdict(s), "batch": s.batch, "rounds": args.rounds},
+        "model": {"params": params, "tokenizer_tokens": len(tokenizer)},
+        "prompt_tokens": {"mean": round(statistics.mean(lengths), 1), "max": max(lengths)},
+        "summary": {name: pooled(rounds, name) for name in systems},
+        "rounds": rounds,
+    }
+    if missing:
+        result["summary"].update(
+            {n: {"status": f"not run: {missing}"} for n in ("nereus_1slot", "nereus_2slot")}
+        )
     text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
     print(text)
-    if out_file:
-        out_file.write_text(text + "\n")
 
 
 if __name__ == "__main__":
