@@ -11,6 +11,12 @@ One run measures, side by side on the same machine and pool:
   the pool, start a new one, ``torch.load``, and load the model on the new layout from it;
 - with ``--train`` (default) also tp2 -> tp4 of a train stage (AdamW moments and step move too).
 
+Where the live path's time goes (issue 16): ``call_s`` is the end-to-end time outside the devices
+(planning on the driver, the call to the actors), ``prepare_s`` reading the old pieces, packing and
+posting the sends and allocating the new shard, ``exchange_s`` the messages (and the first touch
+of the new shard's memory), ``install_s`` making it resident. ``--compare-thp`` runs the live
+parameter-only reshards on a second pool whose workers back large tensors with transparent huge
+pages, interleaved repeat by repeat with the first so that the machine's load hits both alike.
 Every reshard is checked bit for bit against the seeded weights. Ratios: baseline/live, and
 the live path's bytes moved per second against the measured point-to-point bandwidth: end to
 end (``vs_p2p``), on the devices (``device_vs_p2p``: allocating the new stage, the exchange,
@@ -24,7 +30,8 @@ machine other work competes for the same cores. ``--thp`` backs the workers' lar
 with transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE``): a new shard's memory is
 faulted in several times faster.
 
-    python benchmarks/bench_reshard.py [--repeats 3] [--no-train] [--thp] [--out FILE]
+    python benchmarks/bench_reshard.py [--repeats 3] [--no-train] [--no-baseline] [--thp | --compare-thp]
+                                       [--out FILE]
 """
 
 from __future__ import annotations
@@ -197,6 +204,41 @@ def bench_paths(
     return out
 
 
+def bench_env(
+    pool: DevicePool, devices: int, expected: dict[str, torch.Tensor], repeats: int, env: dict[str, str]
+) -> dict[str, Any]:
+    """Live parameter-only reshards on ``pool`` and on a pool whose workers get ``env``, interleaved
+    round trip by round trip; the medians of each (``live_plain``, ``live_thp``: the other pool)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # inherited by the second pool's worker processes
+    try:
+        thp = DevicePool(devices)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    out: dict[str, Any] = {}
+    try:
+        warm_up(thp)
+        for key, (old, new) in SCENARIOS.items():
+            runs: dict[str, list[dict[str, Any]]] = {"live_plain": [], "live_thp": []}
+            for p in (pool, thp):
+                model_ops.load_model(p, old, name="bench/infer", config=CONFIG)
+            for _ in range(repeats):
+                for which, p in (("live_plain", pool), ("live_thp", thp)):
+                    runs[which].append(reshard(p, "bench/infer", CONFIG, old, new))
+                    reshard(p, "bench/infer", CONFIG, new, old)
+            out[key] = {w: _figures(_median(r)) for w, r in runs.items()}
+            for which, p in (("live_plain", pool), ("live_thp", thp)):
+                out[key][which]["bitwise_equal"] = _check(p, old, "bench/infer", expected)
+                model_ops.unload_model(p, old, name="bench/infer")
+    finally:
+        thp.close()
+    return out
+
+
 def bench_baseline(
     pool: DevicePool, old: Layout, new: Layout, devices: int
 ) -> tuple[dict[str, Any], DevicePool]:
@@ -246,11 +288,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the checkpoint restart (a new pool per scenario)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="live round trips per scenario (medians)")
     parser.add_argument(
         "--thp",
         action="store_true",
         help="THP_MEM_ALLOC_ENABLE=1 for the workers: torch backs large tensors with huge pages",
+    )
+    parser.add_argument(
+        "--compare-thp",
+        action="store_true",
+        help="also run the parameter-only live reshards on a pool with THP workers, interleaved",
+    )
+    parser.add_argument(
+        "--compare-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="as --compare-thp, the second pool's workers with these environment variables instead",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -288,16 +348,26 @@ def main() -> None:
             row = bench_paths(pool, old, new, expected, train=True, repeats=args.repeats)
             report["scenarios"]["tp2_to_tp4_train"] = row
             row["transfer_floor_s"] = transfer_floor(pool, old, new, train=True)
-        for key, (old, new) in SCENARIOS.items():
+        if args.compare_thp or args.compare_env:
+            env = dict(e.split("=", 1) for e in args.compare_env) or {"THP_MEM_ALLOC_ENABLE": "1"}
+            report["machine"]["compared_env"] = env
+            for key, rows in bench_env(pool, args.devices, expected, args.repeats, env).items():
+                report["scenarios"][key]["live"] = rows["live_plain"]
+                report["scenarios"][key]["live_thp"] = rows["live_thp"]
+        for key, (old, new) in SCENARIOS.items() if args.baseline else ():
             report["scenarios"][key]["baseline"], pool = bench_baseline(pool, old, new, args.devices)
     finally:
         pool.close()
     for row in report["scenarios"].values():
-        live = row["live"]
-        live["vs_p2p"] = round(live["bytes_per_s"] / p2p, 3)
-        live["device_vs_p2p"] = round(live["bytes_moved"] / live["device_s"] / p2p, 3)
-        live["exchange_vs_p2p"] = round(live["bytes_moved"] / live["exchange_s"] / p2p, 3)
-        live["floor_over_device"] = round(row["transfer_floor_s"] / live["device_s"], 3)
+        for live in (row["live"], *([row["live_thp"]] if "live_thp" in row else [])):
+            live["vs_p2p"] = round(live["bytes_per_s"] / p2p, 3)
+            live["device_vs_p2p"] = round(live["bytes_moved"] / live["device_s"] / p2p, 3)
+            live["exchange_vs_p2p"] = round(live["bytes_moved"] / live["exchange_s"] / p2p, 3)
+            live["floor_over_device"] = round(row["transfer_floor_s"] / live["device_s"], 3)
+            # Where the end-to-end time goes: the driver's planning and the call, the devices' phases.
+            live["call_s"] = round(live["seconds"] - live["device_s"], 4)
+        if "live_thp" in row:
+            row["live_over_thp"] = round(row["live"]["seconds"] / row["live_thp"]["seconds"], 2)
         if "baseline" in row:
             row["baseline_over_live"] = round(row["baseline"]["seconds"] / live["seconds"], 1)
             row["baseline_over_durable"] = round(row["baseline"]["seconds"] / row["durable"]["seconds"], 1)

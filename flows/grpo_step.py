@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from flows import generation
+from flows.job_data import job_data
 from flows.job_records import JobRecords
-from flows.sampling import sample_rollout
 from nereus_core import job as jb
+from nereus_core import prompt_source as ps
 from nereus_core import rollout as ro
 from nereus_core.plan import ModelStage
 from nereus_core.ppo import masked_mean
-from nereus_core.task import make_prompts
 from tasks import grpo_stages as gs
 from tasks import ppo_stages as st
 from tasks.device_pool import DevicePool
@@ -32,14 +33,15 @@ def run_step(
     state: jb.JobState,
     records: JobRecords,
     step: int,
-    stopping: ro.Stopping = ro.NO_STOP,
+    prompt_source: ps.PromptSource | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """One GRPO step; returns its statistics and every generated response's length (as PPO's).
-    ``stopping``: the stop ids and pad id, as PPO's step takes them."""
+    ``prompt_source``: the step's prompts (batch_size / group_size of them), stop ids and rule, as
+    PPO's step takes them (flows/job_data.py; default: the count task)."""
     cfg, plan, pid = state.config, state.layouts, state.plan_id
     b, group, t_len = cfg.job.batch_size, cfg.algorithm.group_size, cfg.job.response_len
-    prompts = ro.grouped(make_prompts(cfg.job.task_settings, b // group, cfg.job.seed, step), group)
-    r = sample_rollout(pool, state, records, step, prompts, stopping)
+    source = prompt_source or job_data(cfg).train
+    r, scores = generation.rollout(pool, state, records, step, source, group=group)
     n_tok = int(r.attention_mask.sum())
     r.score = r.rule_score  # verifiable reward: the rule itself
     passes = [s for s in PASSES if s in plan]
@@ -69,7 +71,7 @@ def run_step(
         call.add("actor", "train", n_tok * cfg.ppo.ppo_epochs, seconds["train"])
         call.add("actor", "sync", 0, seconds.get("sync", 0.0))
     with records.plain(step, pid, "rollout", "write", 0):
-        records.run.write_rollout(step, r.columns())
+        records.run.write_rollout(step, generation.rollout_columns(r, scores))
     stats = {
         "step": step,
         "plan_id": pid,
@@ -79,5 +81,6 @@ def run_step(
         **({"kl": float(masked_mean(r.old_logp - r.ref_logp, r.mask))} if r.ref_logp is not None else {}),
         **{f"actor_{k}": v for k, v in trained.items()},
         **ro.length_stats(r.mask, t_len),
+        **{f"reward_{k}": v for k, v in scores.extras.items()},
     }
     return stats, r.lengths.tolist()

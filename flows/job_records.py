@@ -1,6 +1,7 @@
 """What a PPO run records: stage timings, per-step history, transitions, decisions and the summary.
 
-    stage timings  -> metrics/steps.parquet, a table per step (run logger), artifact nereus-step-timings
+    stage timings  -> metrics/steps.parquet (and the step's response lengths), a table per step
+                      (run logger), artifact nereus-step-timings
     step history   -> metrics/history.parquet (scores, losses, PPO statistics, lengths, wall, overhead)
     transitions    -> metrics/transitions.parquet, artifact nereus-transitions
     every step     -> trainer.logger's trackers (flows/tracking.py), the progress bar on a terminal
@@ -31,11 +32,36 @@ from prefect.artifacts import create_table_artifact
 from flows.step_report import step_table
 from flows.tracking import ProgressBar, Trackers, flat_params, progress_bar, step_metrics, transition_metrics
 from nereus_core.config import NereusConfig
-from nereus_core.controller import Decision
+from nereus_core.controller import Decision, TransitionTiming
 from nereus_core.job import JobState, Switch
+from nereus_core.transition_cost import TransitionEstimate
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 
 HISTORY_TABLE = "metrics/history.parquet"
+LENGTH_STATS = ("response_len_mean", "response_len_max", "response_clip_frac")  # rollout.length_stats
+TERMS = ("wire", "ops", "durable")  # the order of TransitionEstimate.terms
+
+
+def past_transitions(rows: list[dict[str, Any]]) -> list[TransitionTiming]:
+    """The committed switches of ``rows`` (metrics/transitions.parquet) as the controller calibrates on
+    them: the prediction's unscaled terms and the seconds it took (rows without terms are skipped)."""
+    out = []
+    for r in rows:
+        terms = [r.get(f"predicted_{k}_s") for k in TERMS]
+        if r.get("status") != "committed" or None in terms or not r.get("actual_s") or not sum(terms):
+            continue
+        wire, ops, durable = (float(t) for t in terms)
+        estimate = TransitionEstimate(
+            seconds=float(r["predicted_cost_s"]),
+            wire_s=wire,
+            ops_s=ops,
+            durable_s=durable,
+            critical_bytes=0,
+            transfers=0,
+            analytic=False,
+        )
+        out.append(TransitionTiming(predicted=estimate, seconds=float(r["actual_s"])))
+    return out
 
 
 class QuietCompletedTasks(logging.Filter):
@@ -140,8 +166,10 @@ class JobRecords:
         start, step = time.perf_counter(), stats["step"]
         rows = self.step_rows(step)
         inside = sum(r["duration_s"] for r in rows)
+        lengths = {k: stats[k] for k in LENGTH_STATS if k in stats}
         for r in rows:
             r["step_wall_s"] = wall_s
+            r.update(lengths)  # the step's response lengths beside its stage times
         stats.update(wall_s=wall_s, stage_s=inside, overhead_s=wall_s - inside)
         stats["run_s"] = self.before_s + time.perf_counter() - self.t0
         self.run.write_rows(STEPS_TABLE, self.rows)
@@ -184,10 +212,16 @@ class JobRecords:
             "predicted_gain_s": d.gain_per_step_s * d.horizon_steps,
             "predicted_cost_s": predicted.seconds if predicted else 0.0,
             "actual_s": stats.get("seconds", 0.0),
+            # The prediction's unscaled terms: what calibration fits, read back on resume.
+            **{
+                f"predicted_{k}_s": v
+                for k, v in zip(TERMS, predicted.terms if predicted else (0.0,) * 3, strict=True)
+            },
             "bytes_moved": int(stats.get("bytes_moved", 0)),
             "status": status,
             "route": stats.get("route", ""),
             "checkpoint_s": stats.get("checkpoint_s", 0.0),
+            "retire_s": stats.get("retire_s", 0.0),
             "gtg_critical_path_s": stats.get("gtg_critical_path_s", 0.0),
             "devices": switch.devices,
             "recorded_at": time.time(),
@@ -197,6 +231,7 @@ class JobRecords:
         self.run.write_rows(TRANSITIONS_TABLE, self.transitions)
         self.trackers.log(transition_metrics(row), step)
         keys = ("transition_id", "status", "route", "reason", "predicted_cost_s", "actual_s", "bytes_moved")
+        keys += ("predicted_wire_s", "predicted_ops_s", "predicted_durable_s")
         create_table_artifact(
             key="nereus-transitions",
             table=[{k: rounded(t.get(k)) for k in keys} for t in self.transitions],

@@ -23,7 +23,7 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from flows.job_records import QuietCompletedTasks, rounded
+from flows.job_records import QuietCompletedTasks, past_transitions, rounded
 from flows.transition import rehydrate_all
 from nereus_core import job as jb
 from nereus_core.config import ConfigError, NereusConfig, parse_config
@@ -31,7 +31,7 @@ from nereus_core.config_yaml import parse_yaml
 from nereus_core.plan import ModelStage
 from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.lock import run_lock
-from storage.run_dir import RunDir
+from storage.run_dir import TRANSITIONS_TABLE, RunDir
 from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
 from tasks.device_pool import DevicePool
@@ -95,7 +95,7 @@ def bring_up(
     state = jb.start(cfg)
     run.write_plan(state.plan_id, {str(k): v.model_dump(mode="json") for k, v in state.layouts.items()})
     reward = state.layouts.get(ModelStage.REWARD_INFER)
-    if reward is None:  # the job scores with the task's rule: no reward model to fit
+    if reward is None:  # a rule scores the responses (GRPO's, or reward.function on text): nothing to fit
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, None)
         return state, {"fit": {}}
     cache_dir = reward_fit_cache_dir()
@@ -131,7 +131,7 @@ def _resume(
 ) -> tuple[jb.JobState, bool]:
     """Rehydrate every model of the resumed job from the checkpoint at ``point.step`` (journaled),
     then check its live state against the live digests the checkpoint recorded."""
-    state = jb.resumed(cfg, point)
+    state = jb.resumed(cfg, point, past_transitions(run.read_rows(TRANSITIONS_TABLE)))  # calibration kept
     why = f"resume from the checkpoint at step {point.step}"
     if point.replan:
         why += f" on {point.devices} devices (was {point.checkpoint_devices})"

@@ -23,21 +23,23 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows import grpo_step, job_start, tracking
+from flows import generation, grpo_step, job_growth, job_start, tracking
+from flows.job_data import job_data
 from flows.job_records import JobRecords, done_line, log_decision
-from flows.sampling import sample_rollout
 from flows.transition import transition_flow
 from nereus_core import job as jb
+from nereus_core import prompt_source as ps
 from nereus_core import rollout as ro
 from nereus_core.config import NereusConfig
 from nereus_core.controller import TransitionTiming
 from nereus_core.plan import ModelStage, copies
 from nereus_core.ppo import masked_mean
-from nereus_core.task import make_prompts
 from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
 from tasks.controller import controller_step
 from tasks.device_pool import DevicePool
+
+PASSES = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # forward passes over the rollout
 
 
 def run_step(
@@ -45,23 +47,22 @@ def run_step(
     state: jb.JobState,
     records: JobRecords,
     step: int,
-    stopping: ro.Stopping = ro.NO_STOP,
+    prompt_source: ps.PromptSource | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """One PPO step on the plan in force; returns its statistics (scores, losses, PPO statistics,
-    response lengths) and every generated response's length. ``stopping``: the stop ids and pad id
-    (none for the count task: every response has the full length)."""
+    response lengths) and every generated response's length. ``prompt_source``: the prompts, stop ids and
+    rule (flows/job_data.py; default: the count task)."""
     cfg, plan, pid = state.config, state.layouts, state.plan_id
     b, t_len = cfg.job.batch_size, cfg.job.response_len
-    prompts = make_prompts(cfg.job.task_settings, b, cfg.job.seed, step)
-    r = sample_rollout(pool, state, records, step, prompts, stopping)
+    r, scores = generation.rollout(pool, state, records, step, prompt_source or job_data(cfg).train)
     n_tok = int(r.attention_mask.sum())
-    passes = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # actor/train: old log-probs
+    passes = [k for k in PASSES if k in plan]  # reward/infer only when the job scores with a reward model
     with records.task_call(step, pid) as call:
         out, seconds = st.experience(pool, {k: plan[k] for k in passes}, r.ids, r.attention_mask)
         for key in passes:
             model = ModelStage(key).model
             call.add(model, "infer", n_tok, seconds[key])
-    r.score = ro.final_score(out["reward/infer"], r.attention_mask)
+    r.score = ro.final_score(out["reward/infer"], r.attention_mask) if "reward/infer" in out else r.rule_score
     r.ref_logp = ro.response_logp(out["reference/infer"], t_len)
     r.old_logp = ro.response_logp(out["actor/train"], t_len)
     r.values = ro.response_values(out["critic/infer"], t_len)
@@ -86,7 +87,7 @@ def run_step(
             call.add(model, "sync", 0, seconds.get("sync", 0.0))
     # Persisting the rollout is the step's own work (the old log-probs are checked against it): a stage.
     with records.plain(step, pid, "rollout", "write", 0):
-        records.run.write_rollout(step, r.columns())
+        records.run.write_rollout(step, generation.rollout_columns(r, scores))
     stats = {
         "step": step,
         "plan_id": pid,
@@ -97,6 +98,7 @@ def run_step(
         **{f"actor_{k}": v for k, v in trained["actor"].items()},
         **{f"critic_{k}": v for k, v in trained["critic"].items()},
         **ro.length_stats(r.mask, t_len),
+        **{f"reward_{k}": v for k, v in scores.extras.items()},
     }
     return stats, r.lengths.tolist()
 
@@ -110,7 +112,7 @@ def decide_and_switch(
 ) -> jb.JobState:
     """Ask the controller after ``step`` (``seen``: the step's rows and measured lengths); carry out
     the switch it admits or forces; return the state in force next."""
-    obs = jb.observation(state, step=step, **seen)
+    obs = jb.observation(state, step=step, ready_devices=pool.ready_devices, **seen)
     outcome, decision, state = controller_step(state, obs)
     log_decision(decision, step)
     if isinstance(outcome, jb.Fail):
@@ -207,23 +209,34 @@ def ppo_job(
     tracking.require(cfg.trainer.logger)  # a missing tracker package is refused before anything starts
     out_dir = out_dir or f"runs/{cfg.name}-{str(prefect_flow_run.id)[:8]}"  # a retry finds (resumes) it
     start = time.perf_counter()
+    data = job_data(cfg, logger.info)  # prompts, tokenizer and reward: a problem stops the run here
     with job_start.opened(cfg, out_dir, devices) as (run, cfg, point):
+        cfg, point, grow_to = job_growth.resume_start(cfg, point)  # resume on more devices: grow later
+        growing = job_growth.Growing(target=grow_to)
         with DevicePool.for_cluster(cfg.cluster) as pool:
+            if grow_to:
+                pool.prepare(grow_to, warm=model_ops.warm_device)
             state, started = job_start.bring_up(pool, run, cfg, point)
             records = JobRecords(run, first_step=point.step if point else 0, config=cfg)
+            if point is None and data.val is not None and cfg.validation and cfg.validation.before_train:
+                started["val_before_train"] = generation.validate(pool, state, data.val)
             with job_start.quiet_task_logs(), records.tracking():
                 for step in range(point.step if point else 0, cfg.job.steps):
                     events = [e for e in state.config.job.scenario if e.step == step]
-                    state, what = jb.apply_event(state, events[0] if events else None)
+                    event = events[0] if events else growing.event(pool, state, step)  # workers warm: grow
+                    state, what = jb.apply_event(state, event)
                     if what:
-                        logger.info("scenario before step %d: %s", step, ", ".join(what))
+                        source = "scenario" if events else "workers ready"
+                        logger.info("%s before step %d: %s", source, step, ", ".join(what))
                         state = decide_and_switch(pool, state, records, step - 1, why=f" ({', '.join(what)})")
-                    ahead = [e.devices for e in state.config.job.scenario if e.step > step and e.devices]
-                    if ahead and ahead[0] > pool.size:  # the next device event grows: its workers start now
-                        pool.prepare(ahead[0], warm=model_ops.warm_device)
                     t = time.perf_counter()
-                    stats, lengths = STEPS[cfg.algorithm.name](pool, state, records, step)
-                    records.finish_step(stats, time.perf_counter() - t, cfg.job.steps)
+                    stats, lengths = STEPS[cfg.algorithm.name](pool, state, records, step, data.train)
+                    wall = time.perf_counter() - t
+                    if data.val is not None and generation.validation_due(
+                        step, cfg.job.steps, cfg.validation
+                    ):
+                        stats.update(generation.validate(pool, state, data.val))  # not in the step's wall
+                    records.finish_step(stats, wall, cfg.job.steps)
                     if cfg.job.adapt and step + 1 < cfg.job.steps:
                         seen = {"rows": records.step_rows(step), "memory_peaks": job_ops.held_bytes(pool)}
                         state = decide_and_switch(pool, state, records, step, lengths=lengths, **seen)
@@ -233,6 +246,8 @@ def ppo_job(
             if not _try_checkpoint(pool, state, records, cfg.job.steps, attempts=2):
                 raise jb.JobFailed(f"the final checkpoint (step {cfg.job.steps}) could not be written twice")
         summary = records.summary(state, time.perf_counter() - start, started["fit"])
+        if "val_before_train" in started:
+            summary["val_before_train"] = started["val_before_train"]
         if point is not None:
             summary.update(
                 resumed_from_step=point.step, resume_verified_bitwise=started["resume_verified_bitwise"]

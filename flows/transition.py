@@ -12,6 +12,7 @@
         model-stage under plan B from the checkpoint (a device lost meanwhile: rebuild, again)
       -> inference copies of trained models (actor/generate, critic/infer): relink
       -> journal: commit (the plan switch); the job continues on plan B
+      -> workers a shrink let go retire (``DevicePool.retire_left``): plan B no longer uses them
 Every unit writes a ``start`` line before it runs and a ``done`` line after, so after a crash the
 journal says how far it got; ``nereus resume`` then finishes the switch from the checkpoint
 (plan B) or rolls it back (plan A): nereus_core.job.resume_point.
@@ -29,11 +30,12 @@ from prefect import flow, get_run_logger
 from nereus_core import faults
 from nereus_core.config import NereusConfig
 from nereus_core.engine.shard import drop_all
-from nereus_core.gtg import TransitionGraph, TransitionInfeasible, build_gtg
-from nereus_core.gtg.execution import NoStageSchedule, StageSchedule, stage_schedule
+from nereus_core.gtg import TransitionGraph, TransitionInfeasible
+from nereus_core.gtg.execution import NoStageSchedule, StageSchedule
 from nereus_core.job import model_config, optimizer_settings
 from nereus_core.layout import Layout
-from nereus_core.plan import ModelStage, copies, own_state
+from nereus_core.plan import ModelStage, copies, models_for, own_state
+from nereus_core.transition_plan import plan_moves
 from storage.journal import ABORT, COMMIT, DONE, FAILED, START, Journal
 from storage.run_dir import RunDir
 from tasks import model_ops
@@ -144,20 +146,6 @@ def _resize(pool: DevicePool, devices: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start, "resize_s": resized - start}
 
 
-def _plan_moves(cfg: NereusConfig, old: Plan, new: Plan, capacities: dict[int, int], live: bool) -> tuple:
-    """The GTG and the schedule the executor runs; a GTG order that whole units cannot follow safely
-    sends every changed stage durable (always safe: plan B alone fits, checked by the GTG)."""
-    stateful = own_state(new)
-    models = {s: (model_config(cfg, s), ModelStage(s).trains) for s in stateful}
-    a, b = {s: old[s] for s in stateful}, {s: new[s] for s in stateful}
-    graph = build_gtg(a, b, models, capacities, allow_live=live)
-    try:
-        return graph, stage_schedule(graph, capacities), graph.reason
-    except NoStageSchedule as err:
-        graph = build_gtg(a, b, models, capacities, allow_live=False)
-        return graph, stage_schedule(graph, capacities), f"durable: {err}"
-
-
 @flow(name="nereus-transition", validate_parameters=False)
 def transition_flow(
     pool: DevicePool,
@@ -188,7 +176,8 @@ def transition_flow(
         raise ValueError("changing the device set rebuilds the world: give checkpoint_step")
     capacities = {d: int(cfg.cluster.memory_per_device) for d in range(max(pool.size, target))}
     try:
-        graph, schedule, route_reason = _plan_moves(cfg, old, new, capacities, live=not resize)
+        planned = plan_moves(old, new, models_for(cfg.model), capacities, live=not resize)
+        graph, schedule, route_reason = planned.graph, planned.schedule, planned.reason
     except (TransitionInfeasible, NoStageSchedule) as err:
         journal.record("transition", ABORT, step=step, reason=reason, error=str(err))
         logger.warning("transition %s refused before any move: %s", transition_id, err)
@@ -239,8 +228,10 @@ def transition_flow(
         raise
     seconds = time.perf_counter() - start
     journal.record("transition", COMMIT, seconds=seconds, bytes_moved=moved)
+    retire_s = pool.retire_left()  # workers plan B does not use leave once it is in force
     return {
         "seconds": seconds,
+        "retire_s": retire_s,
         "bytes_moved": moved,
         "operations": units,
         "status": "committed",

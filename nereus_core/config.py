@@ -2,7 +2,8 @@
 
 Every default lives here, never at a call site. A bad value raises a
 ``ConfigError`` whose message is one line naming the field, the value and what
-would be valid; the CLI prints that line and exits 2.
+would be valid; the CLI prints that line and exits 2. The model section is
+``config_model.py``'s (re-exported here with the rest).
 
 This module knows nothing about files or the environment, but for one thing: a ``model.path``
 names a Hugging Face directory whose config.json decides the model's shapes, read when the model
@@ -27,170 +28,22 @@ from nereus_core.config_base import (
     name_error,
     shown,
 )
-from nereus_core.config_data import DataConfig, RewardConfig, ValidationConfig, sections_problem
+from nereus_core.config_data import (
+    DataConfig,
+    RewardConfig,
+    ValidationConfig,
+    job_lengths_from_data,
+    sections_problem,
+)
 from nereus_core.config_errors import one_line
-from nereus_core.hf_files import critic_error, imported_section
+from nereus_core.config_model import LLAMA_3_8B as LLAMA_3_8B
+from nereus_core.config_model import ModelConfig
+from nereus_core.config_model import RopeScaling as RopeScaling
+from nereus_core.hf_files import critic_error
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems, stages_for
 from nereus_core.ppo import PPOSettings
 from nereus_core.task import MIN_VOCAB, TaskSettings
-
-
-class RopeScaling(_Frozen):
-    """Llama 3's RoPE frequency scaling (Hugging Face ``rope_type: llama3``; Llama-3.1's config.json)."""
-
-    rope_type: Literal["llama3"] = Field(default="llama3", description="Only Llama 3's scaling.")
-    factor: float = Field(gt=0, description="Long wavelengths are divided by this.")
-    low_freq_factor: float = Field(gt=0, description="Wavelengths past original/low are scaled fully.")
-    high_freq_factor: float = Field(gt=0, description="Wavelengths below original/high are kept.")
-    original_max_position_embeddings: int = Field(ge=1, description="Context length before scaling.")
-
-    @model_validator(mode="after")
-    def _check_band(self) -> RopeScaling:
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(
-                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
-                f"low_freq_factor={self.low_freq_factor}"
-            )
-        return self
-
-
-class ModelConfig(_Frozen):
-    """A Llama-style decoder; field names follow Hugging Face ``LlamaConfig`` where one exists."""
-
-    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM"] = Field(
-        default="LlamaForCausalLM",
-        description="Hugging Face architecture whose names and numerics the model follows.",
-    )
-
-    vocab_size: int = Field(default=256, ge=2, description="Vocabulary size.")
-    hidden_size: int = Field(default=64, ge=2, description="Model width.")
-    intermediate_size: int = Field(default=128, ge=1, description="SwiGLU inner width.")
-    num_hidden_layers: int = Field(default=4, ge=1, description="Decoder layers.")
-    num_attention_heads: int = Field(default=4, ge=1, description="Query heads.")
-    num_key_value_heads: int = Field(default=2, ge=1, description="Key/value heads (GQA).")
-    max_position_embeddings: int = Field(default=256, ge=1, description="Longest sequence.")
-    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base.")
-    rope_scaling: RopeScaling | None = Field(default=None, description="Llama 3's RoPE scaling, if any.")
-    attention_bias: bool = Field(
-        default=False, description="Biases on q/k/v projections (Qwen2's; o_proj never has one)."
-    )
-    rms_norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
-    tie_word_embeddings: bool = Field(default=False, description="Share lm_head with embed_tokens.")
-    head: Literal["lm", "value"] = Field(
-        default="lm",
-        description=(
-            "lm: next-token logits (LlamaForCausalLM, for actor and reference); value: a scalar per "
-            "token from score.weight (LlamaForSequenceClassification with one label; critic, reward)."
-        ),
-    )
-    dtype: Literal["fp32", "bf16", "fp16"] = Field(
-        default="fp32",
-        description=(
-            "Parameters and activations; bf16 trains with fp32 master weights and fp32 AdamW state "
-            "(DeepSpeed's bf16 mode). fp16 is refused: it needs loss scaling."
-        ),
-    )
-    init_std: float = Field(default=0.02, gt=0, description="Std of the seeded normal init.")
-    seed: int = Field(default=0, ge=0, description="Seed of the weights; every rank builds the same.")
-    path: str | None = Field(
-        default=None,
-        description=(
-            "A Hugging Face model directory (LlamaForCausalLM or Qwen2ForCausalLM): shapes, architecture, "
-            "RoPE, eps and ties come from its config.json, weights from its safetensors (each device reads "
-            "its own slices); fields given beside it must be equal. None: seeded random weights."
-        ),
-    )
-    tokenizer: str | None = Field(
-        default=None, description="Tokenizer directory (transformers AutoTokenizer); None: model.path."
-    )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def tokenizer_dir(self) -> str | None:
-        return self.tokenizer or self.path
-
-    @model_validator(mode="before")
-    @classmethod
-    def _import_path(cls, data: Any) -> Any:
-        """With ``path``, the directory's config.json decides the model's shapes (hf_dir reads it)."""
-        if not isinstance(data, dict) or (data.get("path") is None and data.get("tokenizer") is None):
-            return data
-        return imported_section(data, cls)
-
-    @field_validator("dtype")
-    @classmethod
-    def _check_dtype(cls, value: str) -> str:
-        if value == "fp16":
-            # fp16 needs dynamic loss scaling, whose scaler state would have to move with every
-            # transition and checkpoint; bf16 has fp32's exponent range and needs none.
-            raise ValueError(
-                "model.dtype=fp16 needs loss scaling, which Nereus does not carry; use bf16 or fp32"
-            )
-        return value
-
-    @model_validator(mode="after")
-    def _check_shapes(self) -> ModelConfig:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"model.hidden_size={self.hidden_size} is not divisible by "
-                f"model.num_attention_heads={self.num_attention_heads}; choose heads that divide it"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"model.num_key_value_heads={self.num_key_value_heads}; "
-                "GQA needs kv heads that divide the heads"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"model.hidden_size/model.num_attention_heads={self.head_dim} is odd; "
-                "RoPE needs an even head_dim"
-            )
-        if self.attention_bias != (self.architecture == "Qwen2ForCausalLM"):
-            raise ValueError(
-                f"model.attention_bias={self.attention_bias} with model.architecture={self.architecture}: "
-                "q/k/v biases are Qwen2's (true exactly for Qwen2ForCausalLM)"
-            )
-        return self
-
-    def tp_error(self, tp: int) -> str | None:
-        """Why ``tp`` cannot shard this model, or None if it can."""
-        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
-            value = getattr(self, name)
-            if value % tp:
-                valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
-                source = f" (from {self.path}/config.json)" if self.path else ""
-                return f"tp={tp} does not divide model.{name}={value}{source}; valid tp: {valid}"
-        return None
-
-    def pp_error(self, pp: int) -> str | None:
-        """Why ``pp`` cannot split this model, or None if it can."""
-        if pp > self.num_hidden_layers:
-            return f"pp={pp} exceeds model.num_hidden_layers={self.num_hidden_layers}; use pp <= layers"
-        if self.tie_word_embeddings and self.head == "lm" and pp > 1:
-            return (
-                "pp>1 with model.tie_word_embeddings=true is not supported yet; "
-                "set tie_word_embeddings: false or pp: 1"
-            )
-        return None
-
-
-# Llama-3.1-8B's shapes (Meta's config.json; shared/reference/hardware.md "Model (Llama-3-8B)").
-# Llama-3.1 rather than 3.0 only for the 128k context, since the traces' responses pass 8k tokens.
-LLAMA_3_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-)
 
 
 class ScenarioEvent(_Frozen):
@@ -293,12 +146,20 @@ class NereusConfig(_Frozen):
     critic: CriticConfig = CriticConfig()
 
     @property
+    def uses_reward_model(self) -> bool:
+        """Whether the score comes from a reward model: PPO's on the count task, fitted to its rule
+        (the reward/infer stage); not GRPO (the rule itself), nor a rule ``reward.function`` on text
+        (verl's rule rewards)."""
+        text_rule = self.reward is not None and self.reward.inputs == "text"
+        return self.algorithm.uses_reward_model and not text_rule
+
+    @property
     def stages(self) -> tuple[ModelStage, ...]:
         """The job's model-stages (``plan.stages_for``): every part of the job asks this, not a constant."""
         return stages_for(
             critic=self.algorithm.uses_critic,
             reference=self.algorithm.uses_reference(kl=self.ppo.uses_kl),
-            reward_model=self.algorithm.uses_reward_model,
+            reward_model=self.uses_reward_model,
         )
 
     def plan_rules(self, devices: int | None = None) -> PlanRules:
@@ -310,6 +171,11 @@ class NereusConfig(_Frozen):
             batch=self.job.batch_size,
             mini_batches=self.ppo.mini_batches,
         )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lengths_from_data(cls, data: Any) -> Any:
+        return job_lengths_from_data(data)  # with a data section, its lengths are the job's
 
     @field_validator("name")
     @classmethod
@@ -344,7 +210,7 @@ class NereusConfig(_Frozen):
                 f"use at least {MIN_VOCAB}"
             )
         total = self.job.prompt_len + self.job.response_len
-        if total > self.model.max_position_embeddings:
+        if self.data is None and total > self.model.max_position_embeddings:  # else data's names
             raise ValueError(
                 f"job.prompt_len+job.response_len={total} exceeds "
                 f"model.max_position_embeddings={self.model.max_position_embeddings}; "
@@ -355,6 +221,7 @@ class NereusConfig(_Frozen):
             self.validation,
             self.reward,
             max_position_embeddings=self.model.max_position_embeddings,
+            tokenizer_dir=self.model.tokenizer_dir,
         )
         if problem:
             raise ValueError(problem)

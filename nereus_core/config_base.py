@@ -90,6 +90,13 @@ class ClusterConfig(_Frozen):
         default=None, description="PEM certificate this driver presents to a tls:// scheduler."
     )
     tls_key_file: str | None = Field(default=None, description="PEM private key of tls_cert_file.")
+    max_devices: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="Grow onto workers the scheduler reports beyond the slots in use, up to this many "
+        "slots: they are started and warmed while the job runs, then the job switches (None: never).",
+    )
 
     @model_validator(mode="after")
     def _check_tls(self) -> ClusterConfig:

@@ -19,6 +19,7 @@ from pydantic import Field, field_validator
 
 from nereus_core.config_base import _Frozen, shown
 from nereus_core.rewards import registry
+from nereus_core.tokenizer import chat_template_error
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
 
@@ -121,9 +122,34 @@ class RewardConfig(_Frozen):
             raise ValueError(f"{shown(path)} is not a directory; give a Hugging Face model directory")
         return path
 
+    @property
+    def inputs(self) -> str:
+        """What the function reads: ``text`` (decoded responses) or ``tokens`` (the count task)."""
+        return registry.inputs_of(self.function)
+
     def resolve(self) -> registry.RewardFn:
         """The reward function (a user's file is imported again, in this process)."""
         return registry.resolve(self.function)
+
+
+def job_lengths_from_data(raw: Any) -> Any:
+    """The whole config mapping ``raw`` with job.prompt_len and job.response_len following
+    data.max_prompt_length and data.max_response_length (one owner: the data section); given beside
+    a data section they must be equal (ValueError in one line)."""
+    section = raw.get("data") if isinstance(raw, dict) else None
+    job = raw.get("job") or {} if isinstance(section, dict) else None
+    if not isinstance(job, dict):
+        return raw
+    job, fields = dict(job), DataConfig.model_fields
+    for ours, theirs in (("prompt_len", "max_prompt_length"), ("response_len", "max_response_length")):
+        value = section.get(theirs, fields[theirs].default)  # type: ignore[union-attr]
+        if ours in job and job[ours] != value:
+            raise ValueError(
+                f"job.{ours}={job[ours]} differs from data.{theirs}={value}; with a data section "
+                f"set only data.{theirs}"
+            )
+        job[ours] = value
+    return {**raw, "job": job}
 
 
 def sections_problem(
@@ -132,12 +158,19 @@ def sections_problem(
     reward: RewardConfig | None,
     *,
     max_position_embeddings: int,
+    tokenizer_dir: str | None = None,
 ) -> str | None:
-    """What the three sections get wrong together (or with the model), as one line; None if nothing."""
+    """What the three sections get wrong together (or with the model: its length limit, its
+    tokenizer directory, which chat prompts need with a chat template), as one line; None if nothing."""
     wants_val = validation is not None and (validation.every or validation.before_train)
     if wants_val and (data is None or not data.val_files):
         return "validation is on but data.val_files is empty; give validation prompt files"
     if data is not None:
+        if tokenizer_dir is None:
+            return "data needs a tokenizer: set model.path (a model directory) or model.tokenizer"
+        problem = chat_template_error(tokenizer_dir)  # reads files only; the job loads it
+        if problem:
+            return problem
         total = data.max_prompt_length + data.max_response_length
         if total > max_position_embeddings:
             return (
@@ -145,6 +178,11 @@ def sections_problem(
                 f"model.max_position_embeddings={max_position_embeddings}; shorten them or raise the limit"
             )
     if reward is None:
+        if data is not None:
+            return (
+                "data needs a reward: set reward.function "
+                "(gsm8k, gsm8k_flexible, math or path/to/file.py:function)"
+            )
         return None
     kind = registry.inputs_of(reward.function)
     if data is not None and kind == "tokens":
@@ -157,4 +195,4 @@ def sections_problem(
     return None
 
 
-__all__ = ["DataConfig", "RewardConfig", "ValidationConfig", "sections_problem"]
+__all__ = ["DataConfig", "RewardConfig", "ValidationConfig", "job_lengths_from_data", "sections_problem"]

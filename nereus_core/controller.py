@@ -50,6 +50,7 @@ from nereus_core.transition_cost import (
     analytic_transition_cost,
     transition_cost,
 )
+from nereus_core.transition_plan import executed_cost
 
 __all__ = [
     "Alternative",
@@ -60,6 +61,7 @@ __all__ = [
     "PlanRecord",
     "StageTiming",
     "TransitionTiming",
+    "calibrated_on",
     "decide",
     "evaluate_plan",
     "observe",
@@ -94,30 +96,37 @@ def observe(observation: Observation, state: ControllerState) -> ControllerState
         model = state.models[model_of(timing.stage)]
         raw = estimate(timing.stage, timing.layout, work, model, state.profile).raw
         samples.append(Sample(tuple(raw.values()), timing.seconds))
-    transition_samples = list(state.transition_samples)
-    if observation.transition is not None:
-        p = observation.transition.predicted
-        transition_samples.append(Sample(p.terms, observation.transition.seconds))
     s = state.settings
     cal = s.calibration
-    samples, transition_samples = samples[-cal.max_samples :], transition_samples[-cal.max_samples :]
+    samples = samples[-cal.max_samples :]
     scales = state.scales
     if observation.timings:
         scales = Scales.from_array(fit_scales(samples, cal, start=scales.as_array()))
-    tscales = state.transition_scales
     if observation.transition is not None:
-        tscales = TransitionScales.from_array(fit_scales(transition_samples, cal, start=tscales.as_array()))
+        state = calibrated_on(state, [observation.transition])
     high = observation.workload.response_high
     return state.model_copy(
         update={
             "samples": tuple(samples),
-            "transition_samples": tuple(transition_samples),
             "scales": scales,
-            "transition_scales": tscales,
             "steps_since_switch": state.steps_since_switch + (1 if state.plan is not None else 0),
             "highs": ph.push_high(state.highs, observation.step, high, s.forecast_window),
         }
     )
+
+
+def calibrated_on(state: ControllerState, transitions: Sequence[TransitionTiming]) -> ControllerState:
+    """``state`` with the transitions that ran (the last one, or on resume all the job's committed
+    switches read back from its records) added to the transition samples, the scales refitted: the
+    one place transition calibration changes (issue 16)."""
+    if not transitions:
+        return state
+    cal = state.settings.transition_calibration or state.settings.calibration
+    samples = [*state.transition_samples, *(Sample(t.predicted.terms, t.seconds) for t in transitions)]
+    samples = samples[-cal.max_samples :]
+    start = state.transition_scales.as_array()
+    scales = TransitionScales.from_array(fit_scales(samples, cal, start=start))
+    return state.model_copy(update={"transition_samples": tuple(samples), "transition_scales": scales})
 
 
 def _remember(
@@ -150,7 +159,21 @@ def _transition(
     state: ControllerState,
     planner: TransferPlanner | None,
     durable: bool = False,
+    observation: Observation | None = None,
 ) -> TransitionEstimate:
+    if state.settings.transition_pricing == "schedule" and current is not None and observation is not None:
+        ready = observation.ready_devices or state.devices or observation.devices
+        return executed_cost(
+            dict(current.layouts),
+            dict(new.layouts),
+            state.models,
+            state.profile,
+            capacity=observation.memory_per_device,
+            devices=observation.devices,
+            resize=durable,
+            cold=max(0, observation.devices - ready),
+            scales=state.transition_scales,
+        )
     if durable:  # a new world: every stage rehydrates from the checkpoint, whether its layout changes or not
         old = dict(current.layouts) if current is not None else {}
         args = (old, dict(new.layouts), state.models, state.profile, state.transition_scales)
@@ -206,7 +229,7 @@ def _option(
     durable = state.plan is not None and state.devices not in (None, observation.devices)  # a new world
     return adm.Option(
         est=e,
-        move=_transition(state.plan, e.plan, state, planner, durable=durable),
+        move=_transition(state.plan, e.plan, state, planner, durable=durable, observation=observation),
         step_s=e.step_s if seen is None else seen,
         measured=seen is not None,
         left_for=record.left_for if record is not None else None,

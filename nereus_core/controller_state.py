@@ -72,8 +72,17 @@ class ControllerSettings(_Frozen):
         description="Disaggregated pools overlap steps (one-step off-policy); else they take turns.",
     )
     memory_buckets: int = Field(default=64, ge=8, le=4096, description="Memory resolution of the search.")
+    transition_pricing: Literal["layouts", "schedule"] = Field(
+        default="layouts",
+        description="How a move is priced: from the layouts alone (``transition_cost``; the simulator), "
+        "or from the GTG schedule the transition flow runs (``transition_plan``; the job, issue 16).",
+    )
     max_alternatives: int = Field(default=5, ge=0, le=100, description="Rejected plans reported.")
     calibration: CalibrationSettings = CalibrationSettings()
+    transition_calibration: CalibrationSettings | None = Field(
+        default=None,
+        description="How measured transitions refit the transition scales (None: as ``calibration``).",
+    )
 
 
 class StageTiming(_Frozen):
@@ -107,6 +116,12 @@ class Observation(_Frozen):
     )
     memory_peaks: dict[int, int] = Field(default_factory=dict, description="Measured peak bytes per slot.")
     transition: TransitionTiming | None = None
+    ready_devices: int | None = Field(
+        default=None,
+        ge=1,
+        description="Slots whose workers are started and warmed (a grow prepared ahead); None: "
+        "the slots of the plan in force.",
+    )
 
 
 class PlanRecord(_Frozen):

@@ -27,6 +27,7 @@ from nereus_core.controller import (
     Observation,
     StageTiming,
     TransitionTiming,
+    calibrated_on,
     decide,
 )
 from nereus_core.cost_model import Workload
@@ -43,6 +44,7 @@ from nereus_core.plan import (
     problems,
     slots_needed,
 )
+from nereus_core.transition_plan import JOB_CONTROLLER
 
 SwitchStatus = Literal["committed", "aborted", "refused"]
 
@@ -109,6 +111,7 @@ def start(config: NereusConfig, layouts: Mapping[str, Layout] | None = None) -> 
     controller = ControllerState.initial(
         config.model,
         get_profile(config.job.profile),
+        JOB_CONTROLLER,  # moves priced as the transition flow runs them
         stages=config.stages,
         plan=GlobalPlan.of(plan),
         devices=devices,
@@ -139,9 +142,11 @@ def observation(
     rows: Sequence[Mapping[str, Any]] = (),
     lengths: Sequence[int] = (),
     memory_peaks: Mapping[int, int] | None = None,
+    ready_devices: int | None = None,
 ) -> Observation:
     """What the controller sees after ``step``: the step's stage timings, the response lengths it
-    generated (the config's until there are some), the devices wanted and the memory peaks."""
+    generated (the config's until there are some), the devices wanted, the memory peaks and the
+    slots whose workers are started and warm (``ready_devices``; None: those in force)."""
     cfg = state.config
     return Observation(
         step=step,
@@ -152,6 +157,7 @@ def observation(
         timings=stage_timings(rows, state.layouts),
         memory_peaks=dict(memory_peaks or {}),
         transition=state.last_transition,
+        ready_devices=ready_devices,
     )
 
 
@@ -280,11 +286,15 @@ def resumed_config(config: NereusConfig, point: ResumePoint) -> NereusConfig:
     )
 
 
-def resumed(config: NereusConfig, point: ResumePoint) -> JobState:
-    """The job's state at ``point``: the config as it was at the checkpoint (devices, response length)
+def resumed(
+    config: NereusConfig, point: ResumePoint, transitions: Sequence[TransitionTiming] = ()
+) -> JobState:
+    """The job's state at ``point``: the config as it was at the checkpoint (devices, response length),
+    the transition cost calibrated on the switches the job made (``transitions``, from its records)
     and, when the devices differ, the plan the controller picks for them. Raises ``JobFailed`` when
     no plan fits."""
     state = start(resumed_config(config, point), point.layouts)
+    state = replace(state, controller=calibrated_on(state.controller, transitions))
     if not point.replan:
         return state
     # Start the controller on the checkpoint's devices: the change to the devices at hand forces a plan.

@@ -117,6 +117,29 @@ def stop_token_ids(
     return tuple(dict.fromkeys(ids))
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerBase, stop_ids: Sequence[int]) -> int:
+    """The id that pads prompts (left) and responses (right): the tokenizer's pad token, else the
+    first stop id (verl sets ``pad_token = eos_token`` when a tokenizer has none; masks keep pads out
+    of every result)."""
+    return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else int(stop_ids[0])
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    """A response's text for the reward: its ids decoded with the special tokens skipped (as verl)."""
+    return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def vocab_problem(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> str | None:
+    """Why the model cannot take every id of ``tokenizer`` (its ids reach past ``vocab_size``), or None."""
+    size = len(tokenizer)
+    if size > vocab_size:
+        return (
+            f"the tokenizer {tokenizer.name_or_path} has {size} tokens but model.vocab_size={vocab_size}; "
+            "use the model's own tokenizer (model.tokenizer) or a model with a larger vocabulary"
+        )
+    return None
+
+
 def _generation_eos(path: Path) -> list[int]:
     if not path.is_file():
         return []

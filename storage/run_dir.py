@@ -226,9 +226,11 @@ class RunDir:
         atomic_write_bytes(self.root / "plans" / f"{plan_id}.json", json.dumps(dict(plan), indent=2).encode())
 
     def write_rows(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Replace ``table`` (e.g. ``STEPS_TABLE``) with ``rows``; all rows share one schema."""
+        """Replace ``table`` (e.g. ``STEPS_TABLE``) with ``rows``; its columns are every key any row
+        has (a row without one holds null there: validation scores exist only on validated steps)."""
         rows = [dict(r) for r in rows]
-        _atomic_parquet(self.root / table, pa.Table.from_pylist(rows))
+        keys = dict.fromkeys(k for r in rows for k in r)
+        _atomic_parquet(self.root / table, pa.table({k: [r.get(k) for r in rows] for k in keys}))
 
     def read_rows(self, table: str) -> list[dict[str, Any]]:
         path = self.root / table

@@ -24,7 +24,6 @@ so that a lost one fails the call with its cause (``tasks.pool_workers``).
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -35,10 +34,10 @@ from typing import Any
 
 from nereus_core.config import ClusterConfig
 from nereus_core.layout import Layout
-from tasks.cluster import Client, ClusterError, DaskCluster, Future, TlsFiles, get_address_host
+from tasks.cluster import TlsFiles, get_address_host
 from tasks.device_actor import DevicePoolError, DeviceRunError, RankFailure, gather, issue
-from tasks.pool_growth import Growth, PlacedActor, Warm, free_workers, place_actors
-from tasks.pool_workers import WorkerBook, local_ranks, wait_until
+from tasks.pool_members import PoolMembers
+from tasks.pool_workers import local_ranks
 
 __all__ = ["DevicePool", "DevicePoolError", "DeviceRunError", "RankFailure"]
 
@@ -47,7 +46,7 @@ logger = logging.getLogger(__name__)
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
 
 
-class DevicePool:
+class DevicePool(PoolMembers):
     """``devices`` device actors over Dask workers, joined in one torch.distributed world."""
 
     def __init__(
@@ -80,14 +79,8 @@ class DevicePool:
         self.failure_grace_s = failure_grace_s
         self.timings: list[tuple[str, float]] = []
         self.rendezvous: tuple[str, int] | None = None  # where the current world's store listens
-        self._cluster: DaskCluster | None = None
-        self._workers: list[str] = []  # addresses in rank order
-        self._actors: dict[str, str] = {}  # address -> the key of its actor
-        self._futures: dict[str, Future] = {}  # address -> the actor's future (keeps it alive)
-        self._book = WorkerBook()  # each worker's pid and nanny, to tell how one was lost
+        self._init_members()
         self._built: list[str] = []
-        self._growth: Growth | None = None  # workers being prepared for a coming grow
-        self._cold: tuple[int, ...] = ()  # ranks the last resize added without preparing them
         # Ranks an operation is using; see _hold. "*" marks a whole-pool operation.
         self._busy: set[int | str] = set()
         self._idle = threading.Condition()
@@ -112,16 +105,6 @@ class DevicePool:
         )
 
     # ----------------------------------------------------------------- public
-
-    @property
-    def size(self) -> int:
-        """Number of devices (world size)."""
-        return len(self._workers)
-
-    @property
-    def workers(self) -> tuple[str, ...]:
-        """Worker addresses in rank order."""
-        return tuple(self._workers)
 
     @property
     def built_layouts(self) -> tuple[str, ...]:
@@ -194,36 +177,10 @@ class DevicePool:
             ]
             return self._gather(f"run({getattr(fn, '__qualname__', fn)})", calls, None)
 
-    @property
-    def cold_ranks(self) -> tuple[int, ...]:
-        """Ranks the last ``resize`` added without ``prepare`` (their ``warm`` has not run)."""
-        return self._cold
-
-    def prepare(self, devices: int, warm: Warm | None = None) -> None:
-        """Start, in the background, the workers a later ``resize(devices)`` adds, with their actors,
-        and run ``warm(ctx)`` on them in a world of their own; the pool's world keeps running
-        meanwhile (``tasks.pool_growth``). No grow, or one already being prepared: nothing."""
-        if devices <= self.size or self._growth is not None:
-            return
-        opts = {
-            "backend": self.backend,
-            "timeout_s": self.join_timeout_s,
-            "torch_threads": self.torch_threads,
-        }
-        self._growth = Growth(
-            self._cluster_(),
-            devices=devices,
-            workers=self._workers,
-            join=opts,
-            warm=warm,
-            worker_timeout_s=self.worker_timeout_s,
-            join_timeout_s=self.join_timeout_s,
-            grace_s=self.failure_grace_s,
-        )
-
     def resize(self, devices: int) -> None:
         """Grow or shrink to ``devices`` and rebuild the world (same size: just rebuild it). Workers
-        ``prepare`` started join (resize waits for them); those not needed are released."""
+        ``prepare`` started join (resize waits for them); those not needed leave the world and are
+        retired by ``retire_left`` (or when the pool closes)."""
         if devices < 1:
             raise ValueError(f"devices={devices}; a pool needs at least 1 device")
         old = self.size
@@ -233,8 +190,9 @@ class DevicePool:
             self._leave_all()
             self._built.clear()
             if devices < self.size:
-                self._release(self._workers[devices:])
+                self._let_go(self._workers[devices:])  # they retire after the switch: retire_left
             if devices > self.size:
+                self.retire_left()
                 fresh = self._acquire(devices)
                 self._place(fresh)
                 cold += fresh
@@ -270,87 +228,6 @@ class DevicePool:
     ) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- workers
-
-    def _connect(self, devices: int) -> None:
-        try:
-            self._cluster = DaskCluster(
-                devices, self.scheduler_address, tls=self.tls, connect_timeout_s=self.connect_timeout_s
-            )
-        except ClusterError as exc:
-            raise DevicePoolError(str(exc)) from None
-
-    def _worker_names(self) -> dict[str, Any]:
-        return self._cluster_().worker_names()
-
-    def _acquire(self, devices: int) -> list[str]:
-        """Addresses of ``devices - size`` workers not yet in the pool, in a stable order."""
-        self._cluster_().scale(devices)
-        return free_workers(
-            self._cluster_(), set(self._actors), devices, devices - self.size, self.worker_timeout_s
-        )
-
-    def _place(self, addresses: list[str]) -> None:
-        """One DeviceActor on each address (``pool_growth.place_actors``), appended to the rank order."""
-        for placed in place_actors(self._cluster_(), addresses, self.worker_timeout_s):
-            self._add(placed)
-
-    def _add(self, placed: PlacedActor) -> None:
-        a = placed.address
-        self._actors[a] = placed.key
-        self._futures[a] = placed.future
-        self._book.record(a, placed.pid, placed.nanny)
-        self._workers.append(a)
-
-    def _adopt_prepared(self, stop: bool = False) -> list[str]:
-        """Append the actors ``prepare`` placed to the rank order, once it is done (``stop``: without
-        waiting for workers not there yet); returns those not warmed. A failed preparation is logged
-        and what it placed is adopted: a resize then starts any missing workers itself."""
-        growth, self._growth = self._growth, None
-        if growth is None:
-            return []
-        try:
-            placed = growth.result(stop=stop)
-        except Exception as exc:
-            logger.warning(
-                "device pool: preparing %d devices failed: %s", growth.devices, str(exc).splitlines()[0]
-            )
-            placed = growth.placed
-        for p in placed:
-            self._add(p)
-        self.timings.append((f"prepare {growth.devices}", growth.seconds or 0.0))
-        return [] if growth.warmed else [p.address for p in placed]
-
-    def _release(self, addresses: list[str]) -> None:
-        """Drop the actors on ``addresses`` (they have left the world) and retire their workers if ours."""
-        for a in addresses:
-            self._forget(a)
-        # Collect any future left in a reference cycle, so that the actors' keys are released
-        # and the scheduler forgets the actors before their workers retire.
-        gc.collect()
-        if not self._cluster_().owns_workers:
-            return  # an external scheduler's workers are not ours to stop
-        wait_until(lambda: not any(self._client_().has_what(workers=addresses).values()), 10.0)
-        names = self._worker_names()
-        self._cluster_().retire([names.get(a) for a in addresses])
-        if not wait_until(lambda: not set(addresses) & set(self._worker_names()), self.worker_timeout_s):
-            raise DevicePoolError(f"workers {addresses} did not shut down within {self.worker_timeout_s:g}s")
-
-    def _prune_lost(self) -> None:
-        """Forget workers that left the scheduler (lost or stopped by someone else)."""
-        present = self._worker_names()
-        lost = [a for a in self._workers if a not in present]
-        for a in lost:
-            logger.warning("device pool: worker %s is gone; its rank is dropped", a)
-            self._forget(a)
-
-    def _forget(self, address: str) -> None:
-        """Drop the worker at ``address`` from the rank order, with its actor and what is known of it."""
-        self._workers.remove(address)
-        self._actors.pop(address, None)
-        self._futures.pop(address, None)
-        self._book.forget(address)
-
     # ------------------------------------------------------------------ world
 
     def _form_world(self) -> None:
@@ -381,14 +258,6 @@ class DevicePool:
         self._gather("leave", calls, self.join_timeout_s)
 
     # ---------------------------------------------------------------- helpers
-
-    def _cluster_(self) -> DaskCluster:
-        if self._cluster is None:
-            raise DevicePoolError("the device pool is closed")
-        return self._cluster
-
-    def _client_(self) -> Client:
-        return self._cluster_().client
 
     def _call(self, rank: int, method: str, /, *args: Any, **kwargs: Any) -> tuple[int, Any]:
         a = self._workers[rank]

@@ -141,6 +141,11 @@ class Growth:
         self._thread = threading.Thread(target=self._run, name=f"nereus-grow-to-{devices}", daemon=True)
         self._thread.start()
 
+    @property
+    def ready(self) -> bool:
+        """Whether the preparation finished and every placed worker is warm (without waiting)."""
+        return not self._thread.is_alive() and self._error is None and (self.warmed or self._warm is None)
+
     def result(self, stop: bool = False) -> list[PlacedActor]:
         """Wait for the preparation (``stop``: give up waiting for workers not there yet) and return
         the actors placed; raise what stopped it, with the placed ones still in ``placed``."""

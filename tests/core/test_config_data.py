@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from nereus_core.config import ConfigError, parse_config
+from nereus_core.plan import ModelStage
 
 BIG_MODEL = {"max_position_embeddings": 2048}
 
@@ -19,8 +21,23 @@ def files(tmp_path: Path) -> tuple[str, str]:
     return str(train), str(val)
 
 
+def tokenizer_dir() -> str:
+    """A directory with what a tokenizer with a chat template leaves (the config reads file names)."""
+    root = Path(tempfile.mkdtemp(prefix="tok-"))
+    (root / "tokenizer.json").write_text("{}")
+    (root / "chat_template.jinja").write_text("{{ messages }}")
+    return str(root)
+
+
+TOKENIZER = tokenizer_dir()
+
+
 def load(**sections: Any) -> Any:
-    return parse_config({"model": BIG_MODEL, **sections})
+    model = dict(BIG_MODEL)
+    if "data" in sections:  # chat prompts need a tokenizer with a template, and a text reward
+        sections.setdefault("reward", {"function": "gsm8k"})
+        model["tokenizer"] = TOKENIZER
+    return parse_config({"model": model, **sections})
 
 
 def one_line_error(**sections: Any) -> str:
@@ -96,6 +113,33 @@ def test_reward_kind_must_match_the_data(tmp_path: Path) -> None:
     assert line.startswith("reward.function=count scores the demo's token ids")
     assert "give data.train_files" in one_line_error(reward={"function": "math"})
     assert load(reward={"function": "count"}).reward.function == "count"
+    line = one_line_error(data={"train_files": train}, reward=None)
+    assert line.startswith("data needs a reward: set reward.function (gsm8k") and "file.py" in line
+
+
+def test_the_job_lengths_follow_the_data_section(tmp_path: Path) -> None:
+    train, _ = files(tmp_path)
+    cfg = load(data={"train_files": train, "max_prompt_length": 300, "max_response_length": 40})
+    assert (cfg.job.prompt_len, cfg.job.response_len) == (300, 40)
+    assert not cfg.uses_reward_model  # a rule on text: no reward model, no reward/infer stage
+    assert ModelStage.REWARD_INFER not in cfg.stages and ModelStage.CRITIC_TRAIN in cfg.stages
+    assert load().uses_reward_model and ModelStage.REWARD_INFER in load().stages  # count's fitted one
+    line = one_line_error(data={"train_files": train}, job={"response_len": 8})
+    assert line.startswith("job.response_len=8 differs from data.max_response_length=512")
+
+
+def test_data_needs_a_tokenizer_with_a_chat_template(tmp_path: Path) -> None:
+    train, _ = files(tmp_path)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "tokenizer.json").write_text("{}")
+    sections = {"data": {"train_files": train}, "reward": {"function": "gsm8k"}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(sections)
+    assert str(err.value) == "data needs a tokenizer: set model.path (a model directory) or model.tokenizer"
+    with pytest.raises(ConfigError) as err:
+        parse_config({**sections, "model": {"tokenizer": str(plain)}})
+    assert "has no chat template" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_reward_model_path_is_a_directory(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from nereus_core.config import parse_config
 from nereus_core.dataset.convert import GSM8K_INSTRUCTION, MATH_INSTRUCTION
 from nereus_core.rewards import gsm8k, math_answer
 from storage.datasets import read_examples
+from tests.hf_models import write_tokenizer
 
 COLUMNS = ["data_source", "prompt", "ability", "reward_model", "extra_info"]
 
@@ -66,9 +67,10 @@ def test_math500(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_a_config_loads_the_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     train, test = convert("gsm8k", tmp_path, capsys)
+    write_tokenizer(tmp_path / "tokenizer")  # chat prompts need a tokenizer with a chat template
     cfg = parse_config(
         {
-            "model": {"max_position_embeddings": 1024},
+            "model": {"max_position_embeddings": 1024, "tokenizer": str(tmp_path / "tokenizer")},
             "data": {"train_files": [str(train)], "val_files": [str(test)]},
             "validation": {"every": 10},
             "reward": {"function": "gsm8k"},

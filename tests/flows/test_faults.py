@@ -267,6 +267,38 @@ def test_resume_on_fewer_devices_replans_and_completes(tmp_path):
     _assert_rollout_made_by_checkpoint(out, 2, tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_resume_on_more_devices_runs_on_the_checkpoint_s_until_the_new_workers_are_warm(tmp_path):
+    """Issue 16: ``nereus resume --devices 4`` of a run on 2 slots resumes on those 2 (its plan, bitwise),
+    starts and warms two more workers while the steps run, and grows once they are warm: the grow's
+    pause is the state movement, priced without starting or warming a worker."""
+    data = _config(steps=14, snapshot_every=2, scenario=[], verify_transitions=True)
+    data["cluster"].update(devices=2, memory_per_device="64MiB")
+    run, out = _start_run(tmp_path, data)
+    try:
+        ready = out / "state" / "checkpoints" / "step=2.json"
+        for _ in range(2400):  # the driver dies as soon as the checkpoint of step 2 is complete
+            if ready.exists() or run.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert ready.exists(), (tmp_path / "driver.log").read_text()[-2000:]
+    finally:
+        _kill_session(run)
+    before = _digests(out, 2)
+    _resume(tmp_path, out, "--devices", "4")
+    summary = RunDir(out).read_summary()
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
+    assert summary["resume_verified_bitwise"] and _digests(out, 2) == before
+    rows = pq.read_table(out / "metrics" / "transitions.parquet").to_pylist()
+    grows = [r for r in rows if r["status"] == "committed" and r["devices"] == 4]
+    assert grows and grows[0]["step"] >= 2 and grows[0]["route"] == "durable", rows
+    assert "2 -> 4" in grows[0]["reason"] and grows[0]["verified_bitwise"]
+    assert grows[0]["predicted_durable_s"] < 1.0  # the world only: its workers were warm
+    steps = pq.read_table(out / "metrics" / "steps.parquet").to_pylist()
+    assert sorted({r["step"] for r in steps}) == list(range(14))
+
+
 # -- a real full disk: a small tmpfs the test mounts (root with CAP_SYS_ADMIN), filled for real ------
 
 

@@ -18,6 +18,7 @@ from nereus_core import job as jb
 from nereus_core import rollout as ro
 from nereus_core.config import parse_config
 from nereus_core.model.weights import init_full_state
+from nereus_core.prompt_source import CountSource
 from storage.run_dir import RunDir
 from tasks import job_ops
 from tasks import ppo_stages as st
@@ -60,7 +61,8 @@ def test_a_ppo_step_with_stop_ids_has_variable_lengths_masks_and_finite_losses(m
     reward_state = init_full_state(jb.model_config(cfg, "reward/infer"))
     with DevicePool(2) as pool:
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward_state)
-        stats, lengths = ppo_job.run_step(pool, state, JobRecords(run), 0, stopping=STOP)
+        source = CountSource(cfg.job.task_settings, cfg.job.batch_size, cfg.job.seed, stopping=STOP)
+        stats, lengths = ppo_job.run_step(pool, state, JobRecords(run), 0, source)
     rollout = run.read_rollout(0)
     responses, mask = torch.tensor(rollout["responses"]), torch.tensor(rollout["mask"])
     assert rollout["response_length"] == lengths == mask.sum(1).long().tolist()

@@ -13,6 +13,7 @@ from nereus_core.layout import Layout
 from nereus_core.model.weights import init_full_state
 from nereus_core.plan import PPO_STAGES, own_state
 from storage.journal import Journal
+from storage.run_dir import RunDir
 from tasks import job_ops, model_ops
 from tasks.device_pool import DevicePool
 from tasks.reshard import gather_state
@@ -93,3 +94,43 @@ def test_transition_that_cannot_fit_is_refused_before_any_move(tmp_path) -> None
         )
     assert stats["status"] == "refused" and stats["bytes_moved"] == 0
     assert Journal(tmp_path, "t-tight").status() == "aborted"
+
+
+def test_a_shrink_moves_every_state_bitwise_and_retires_the_workers_once_the_switch_committed(
+    tmp_path,
+) -> None:
+    """Issue 16: the job runs on the old plan until the switch; the workers plan B no longer uses
+    leave the world in it and retire only after its commit (``retire_s``, not in ``seconds``)."""
+    cfg = parse_config(SMALL)
+    plan_2 = {stage: Layout(tp=1, pp=2, dp=1, devices=(0, 1)) for stage in PLAN_B}
+    ids = torch.randint(1, 11, (8, 8), generator=torch.Generator().manual_seed(3))
+    with prefect_test_harness(server_startup_timeout=300), DevicePool(4) as pool:
+        run = RunDir.create(str(tmp_path / "run"), cfg.model_dump(mode="json"))
+        state = jb.start(cfg)
+        reward = init_full_state(jb.model_config(cfg, "reward/infer"))
+        job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward)
+        plan_a = dict(state.layouts)
+        model_ops.train(pool, plan_a["actor/train"], {"ids": ids}, name="actor/train", loss_fn=lm_loss)
+        job_ops.checkpoint(pool, str(run.root), state, 1, digests=True)
+        before = _state(pool, cfg, plan_a)
+        leaving = set(pool.workers[2:])
+        stats = transition_flow(
+            pool,
+            cfg,
+            str(run.root),
+            "t-shrink",
+            plan_a,
+            plan_2,
+            step=1,
+            reason="shrink",
+            checkpoint_step=1,
+            devices=2,
+        )
+        after = _state(pool, cfg, plan_2)
+        present = set(pool.workers)
+    assert Journal(run.root, "t-shrink").status() == "committed" and stats["route"] == "durable"
+    assert len(present) == 2 and not leaving & present and stats["retire_s"] > 0
+    for stage in own_state(PPO_STAGES):
+        assert before[stage].keys() == after[stage].keys(), stage
+        for name, tensor in before[stage].items():
+            assert torch.equal(tensor, after[stage][name]), f"{stage} {name} changed in the shrink"

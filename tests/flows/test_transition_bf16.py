@@ -13,7 +13,7 @@ from nereus_core import job as jb
 from nereus_core.config import parse_config
 from nereus_core.engine.train import lm_loss, score_mse_loss
 from nereus_core.model.weights import init_full_state
-from nereus_core.plan import OWN_STATE
+from nereus_core.plan import PPO_STAGES, own_state
 from storage.journal import Journal
 from tasks import job_ops, model_ops
 from tasks.device_pool import DevicePool
@@ -53,7 +53,7 @@ def test_a_bf16_transition_moves_weights_and_masters_bitwise(tmp_path) -> None:
         )
     assert Journal(tmp_path, "t-bf16").status() == "committed"
     assert stats["bytes_moved"] > 0
-    for stage in OWN_STATE:
+    for stage in own_state(PPO_STAGES):
         assert before[stage].keys() == after[stage].keys(), stage
         for name, tensor in before[stage].items():
             same = tensor.dtype == after[stage][name].dtype and torch.equal(tensor, after[stage][name])

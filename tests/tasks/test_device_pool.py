@@ -191,11 +191,16 @@ def test_grow_and_shrink_in_one_driver(caplog: pytest.LogCaptureFixture) -> None
         pool.build_groups(layout)
         assert pool.run(layout, tp_sum, layout=layout) == [((0, 1), 1.0)] * 2 + [((2, 3), 5.0)] * 2
 
+        leaving = set(_pids(pool).values()) - set(first.values())
         pool.resize(2)
         assert pool.built_layouts == ()
         assert pool.run_all(world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
         assert _pids(pool) == first
-        assert len(_children() - before) == 2 * 2  # a nanny and a worker per device
+        # Issue 16: the workers that left the world retire after the switch, not during the resize.
+        assert leaving <= _children()
+        assert pool.retire_left() > 0 and pool.retire_left() == 0.0
+        assert wait_until(lambda: not leaving & _children(), 30.0)  # their processes exit
+        assert _children() - before == set(first.values())
         assert [e for e, _ in pool.timings if e.startswith("rebuild")] == ["rebuild 2->4", "rebuild 4->2"]
     assert _children() == before
     assert "resized 2 -> 4" in caplog.text
@@ -244,7 +249,8 @@ def test_a_failed_or_unneeded_preparation_leaves_the_pool_correct() -> None:
         assert pool.run_all(world_sum) == [(r, 3, 6.0) for r in range(3)]
         assert pool.cold_ranks == (2,)
         workers = set(_pids(pool).values())
-        assert wait_until(lambda: _children() - before == workers, 15.0)  # rank 3's worker is gone
+        pool.retire_left()  # rank 3's worker, placed but not needed, retires
+        assert wait_until(lambda: _children() - before == workers, 15.0)
         pool.prepare(2)  # no grow: nothing to prepare
         pool.prepare(4, warm=warm_note)  # a grow that never comes: its worker goes when the pool closes
     assert _children() == before
@@ -289,6 +295,17 @@ def test_external_scheduler_uses_its_workers() -> None:
         with pytest.raises(DevicePoolError, match=r"has 3 workers .* need 4 devices"):
             DevicePool(4, scheduler_address=c.address, worker_timeout_s=0.5)
         assert len(c.worker_names()) == 3  # the pool did not stop workers it does not own
+
+
+def test_a_scheduler_s_other_workers_are_reported_and_a_prepared_grow_is_ready_once_warm() -> None:
+    """Issue 16: the job grows onto workers a scheduler reports once they are warm, not before."""
+    with DaskCluster(3) as c, DevicePool(2, scheduler_address=c.address) as pool:
+        assert pool.ready_devices == 2 and pool.reported_devices() == 3
+        pool.prepare(3, warm=warm_note)
+        assert wait_until(lambda: pool.ready_devices == 3, 120.0)
+        pool.resize(3)
+        assert pool.run_all(world_sum)[0] == (0, 3, 6.0) and pool.cold_ranks == ()
+        assert pool.ready_devices == 3 and pool.reported_devices() == 3
 
 
 def test_tls_scheduler_is_reached_with_the_configured_files(tmp_path: Any) -> None:
