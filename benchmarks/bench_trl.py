@@ -187,14 +187,21 @@ def run_round(order: list[str], model_dir: Path, train: Path, s: Settings, work:
         if name == "trl":
             out[name] = run_trl(model_dir, train, s, work)
         else:
-            out[name] = run_nereus(model_dir, train, s, int(name.split("_")[1][0]), work)
+            try:
+                out[name] = run_nereus(model_dir, train, s, int(name.split("_")[1][0]), work)
+            except RuntimeError as err:  # recorded as failed, left out of the summary; the round goes on
+                out[name] = {"status": f"failed: {err}"}
         out[name]["load_1min"] = [round(load, 2), round(os.getloadavg()[0], 2)]
     return out
 
 
 def pooled(rounds: list[dict[str, Any]], name: str, base: str = "trl") -> dict[str, Any]:
-    """``name``'s steps of every round together, and its median step over ``base``'s."""
-    runs, bases = [r[name] for r in rounds], [r[base] for r in rounds]
+    """``name``'s steps of every round it completed (and ``base`` too) together, and its median step
+    over ``base``'s in those rounds."""
+    done = [r for r in rounds if "step_s" in r[name] and "step_s" in r[base]]
+    if not done:
+        return {"status": "no completed run"}
+    runs, bases = [r[name] for r in done], [r[base] for r in done]
     walls = [w for run in runs for w in run["step_s"]]
     out = {
         "step_s_median": round(statistics.median(walls), 4),

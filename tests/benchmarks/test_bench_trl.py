@@ -103,3 +103,7 @@ def test_rounds_are_pooled_and_ratios_are_of_medians() -> None:
     assert nereus["step_s_median"] == 4.5 and nereus["tokens_per_s"] == 2.4  # 60 tokens, 25 s
     assert nereus["step_ratio_vs_trl"] == 2.25  # 4.5 over the pooled TRL median 2.0
     assert nereus["step_ratio_vs_trl_per_round"] == [3.0, 2.5]
+    # A failed run is left out, with TRL's run of that round: ratios stay within one round's load.
+    rounds.append({"trl": run([9.0], 9), "nereus_1slot": {"status": "failed: worker lost"}})
+    assert bt.pooled(rounds, "nereus_1slot") == nereus
+    assert bt.pooled(rounds[2:], "nereus_1slot") == {"status": "no completed run"}
