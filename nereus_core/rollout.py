@@ -182,10 +182,15 @@ def grpo_objective(
 ) -> ppo.LossAndStats:
     """The actor's GRPO loss on a micro-batch (``grpo.grpo_loss``): the clipped surrogate with
     ``settings.clip_ratio`` (and DAPO's ``algorithm.clip_ratio_high``), aggregated over tokens as
-    ``algorithm.loss_agg_mode`` says, plus the KL loss term when ``settings.use_kl_loss``. Each
-    micro-batch is aggregated on its own and the engine averages them (as the PPO objective).
-    Statistics as ``actor_objective``'s, plus ``kl_loss`` (the KL estimate) with the KL term."""
+    ``algorithm.loss_agg_mode`` says, plus the KL loss term when ``settings.use_kl_loss``. The engine
+    averages micro-batches of equal rows, which gives the mini-batch's mean over sequences for the
+    seq-mean modes; token-mean is taken as the micro-batch's share of the mini-batch's token-mean
+    (``ppo.minibatch_share``, as the PPO objective), so ragged masks weigh every token alike in every
+    layout (TRL's and verl's token normalisation over the accumulated batch). Statistics as
+    ``actor_objective``'s, plus ``kl_loss`` (the KL estimate) with the KL term."""
     mask = batch["mask"]
+    token_mean = algorithm.loss_agg_mode == "token-mean"
+    share = ppo.minibatch_share(mask, batch.get("tokens_per_row")) if token_mean else mask.new_ones(())
     logp = response_logp(logp_full, mask.shape[1])
     kl = settings.use_kl_loss
     loss, loss_stats = grpo.grpo_loss(
@@ -207,7 +212,7 @@ def grpo_objective(
         stats["kl_loss"] = loss_stats["kl"]
     if "entropy" in batch:
         stats["entropy"] = ppo.masked_mean(response_logp(batch["entropy"], mask.shape[1]), mask)
-    return loss, stats
+    return loss * share, {k: v * share for k, v in stats.items()}
 
 
 def actor_objective(

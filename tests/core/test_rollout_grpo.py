@@ -76,3 +76,31 @@ def test_grpo_objective_is_grpo_loss_on_the_response_and_uses_the_kl_term_when_a
     assert logp_full.grad[:, : p - 1].abs().sum() == 0 and logp_full.grad[:, -t:].abs().sum() > 0
     no_kl, stats = ro.grpo_objective(logp_full, batch, settings=ppo.PPOSettings(), algorithm=ALGO)
     assert "kl_loss" not in stats and not torch.allclose(no_kl, loss)
+
+
+def test_token_mean_over_ragged_micro_batches_is_the_mini_batchs_token_mean() -> None:
+    """Micro-batches of equal rows but different real tokens, averaged as the engine does, give the
+    whole mini-batch's token-mean loss and gradient (token-mean); the seq-mean modes need no weight."""
+    r = _rollout(b=8, t=5)
+    r.mask = torch.tensor([[1.0] * 5] * 2 + [[1.0, 1.0, 0.0, 0.0, 0.0]] * 6)  # rows 0-1 long, 2-7 short
+    ro.compute_group_advantages(r, ALGO, ppo.PPOSettings(kl_coef=0.0))
+    logp_full = torch.cat([-torch.rand(8, r.prompts.shape[1] - 1), r.old_logp + 0.05], dim=1)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        algorithm = AlgorithmConfig(name="grpo", group_size=4, loss_agg_mode=mode)
+        settings = ppo.PPOSettings(kl_coef=0.0)
+        whole_in = logp_full.clone().requires_grad_()
+        batch = r.train_batch(torch.arange(8))
+        whole, _ = ro.grpo_objective(whole_in, batch, settings=settings, algorithm=algorithm)
+        whole.backward()
+        parts_in = logp_full.clone().requires_grad_()
+        halves = [torch.arange(0, 4), torch.arange(4, 8)]
+        tokens_per_row = batch["tokens_per_row"]
+        losses = []
+        for rows in halves:
+            part = {k: v[rows] for k, v in batch.items()}
+            part["tokens_per_row"] = tokens_per_row[rows]  # the mini-batch's, as train_batch gives it
+            losses.append(ro.grpo_objective(parts_in[rows], part, settings=settings, algorithm=algorithm)[0])
+        averaged = torch.stack(losses).mean()
+        averaged.backward()
+        assert torch.allclose(averaged, whole, atol=1e-6), mode
+        assert torch.allclose(parts_in.grad, whole_in.grad, atol=1e-7), mode
