@@ -19,6 +19,7 @@ at the model's dtype): asking for fp32 accumulation would make DeepSpeed switch 
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -96,6 +97,7 @@ def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettin
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    _without_shm_all_reduce()
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     optimizer = torch.optim.AdamW(
         stage.parameters(),
@@ -113,3 +115,16 @@ def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettin
     )
     engine, *_ = deepspeed.initialize(model=stage, optimizer=optimizer, config=config, mpu=LayoutMpu(groups))
     return engine
+
+
+def _without_shm_all_reduce() -> None:
+    """Keep DeepSpeed's CPU backend from JIT-compiling its shared-memory all-reduce op.
+
+    On CPU, DeepSpeed's communication backend compiles that C++ op the first time a process
+    starts it, under a lock file in the torch extensions cache: on a fresh machine every worker
+    waits on the compiler, and a build killed half-way leaves the lock behind, so every later
+    start waits on it for ever. The op serves only DeepSpeed's inference all-reduce; Nereus's
+    collectives run on torch.distributed's own backends, so the backend is built without it.
+    """
+    # By module path: ``deepspeed.comm.torch`` as an attribute is the torch package itself.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

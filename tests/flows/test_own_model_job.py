@@ -151,7 +151,6 @@ def check_tables(run_dir: Path, steps: int, limit: int = 16) -> None:
         assert r["response_clip_frac"] == h["response_clip_frac"]
 
 
-@pytest.mark.skip(reason="a step hangs on the merged main (passed before the last merges; open)")
 def test_own_qwen2_on_gsm8k_with_the_gsm8k_reward(files: dict[str, Path], tmp_path: Path) -> None:
     out = run(files, tmp_path / "run")
     summary = RunDir(out).read_summary()

@@ -93,7 +93,6 @@ def transformers_scores(reward_dir: Path, ids: torch.Tensor, attention: torch.Te
     return logits[:, 0]
 
 
-@pytest.mark.skip(reason="a step hangs on the merged main, as the own-model test's (open)")
 def test_the_reward_model_scores_each_rollout_as_transformers_does(
     files: dict[str, Path], tmp_path: Path
 ) -> None:
