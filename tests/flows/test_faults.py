@@ -333,7 +333,6 @@ def test_a_really_full_disk_aborts_the_switch_and_the_job_goes_on(tmp_path, monk
     assert any(":exp_avg" in name for name in _digests(run_dir, 3)["actor"])
 
 
-@pytest.mark.skip(reason="the run does not stop within 400 s since grows are prepared ahead (open)")
 @pytest.mark.timeout(900)
 def test_a_really_full_disk_before_a_device_change_stops_the_run_and_resume_completes_it(
     tmp_path, small_disk
