@@ -44,7 +44,13 @@ def export_hf(
     if model not in MODELS:
         raise ValueError(f"model {model!r} is unknown; valid: {', '.join(MODELS)}")
     run = RunDir(run_dir)
-    config = models_for(parse_config(run.read_config()).model)[model]  # RunDirError: not a run dir
+    job = parse_config(run.read_config())  # RunDirError: not a run dir
+    held = sorted({stage.model for stage in job.stages})
+    if model not in held:
+        raise ValueError(
+            f"this {job.algorithm.name} run has no {model} model; export one of: {', '.join(held)}"
+        )
+    config = models_for(job.model)[model]
     state = read_full_state(run.root, model, step)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
