@@ -34,7 +34,7 @@ from nereus_core.gtg import TransitionGraph, TransitionInfeasible
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule
 from nereus_core.job import model_config, optimizer_settings
 from nereus_core.layout import Layout
-from nereus_core.plan import ModelStage, copies, models_for, own_state
+from nereus_core.plan import ModelStage, copies, own_state
 from nereus_core.transition_plan import plan_moves
 from storage.journal import ABORT, COMMIT, DONE, FAILED, START, Journal
 from storage.run_dir import RunDir
@@ -176,7 +176,7 @@ def transition_flow(
         raise ValueError("changing the device set rebuilds the world: give checkpoint_step")
     capacities = {d: int(cfg.cluster.memory_per_device) for d in range(max(pool.size, target))}
     try:
-        planned = plan_moves(old, new, models_for(cfg.model), capacities, live=not resize)
+        planned = plan_moves(old, new, cfg.models, capacities, live=not resize)
         graph, schedule, route_reason = planned.graph, planned.schedule, planned.reason
     except (TransitionInfeasible, NoStageSchedule) as err:
         journal.record("transition", ABORT, step=step, reason=reason, error=str(err))

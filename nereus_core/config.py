@@ -14,6 +14,8 @@ the file).
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -39,7 +41,7 @@ from nereus_core.config_errors import one_line
 from nereus_core.config_model import LLAMA_3_8B as LLAMA_3_8B
 from nereus_core.config_model import ModelConfig
 from nereus_core.config_model import RopeScaling as RopeScaling
-from nereus_core.hf_files import value_model_error
+from nereus_core.hf_files import HFDirError, value_model
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems, stages_for
 from nereus_core.ppo import PPOSettings
@@ -168,7 +170,7 @@ class NereusConfig(_Frozen):
         """What every plan of this job must obey (``plan.problems``), on ``devices`` slots (default: the
         cluster's)."""
         return PlanRules(
-            models=models_for(self.model),
+            models=self.models,
             devices=self.cluster.devices if devices is None else devices,
             batch=self.job.batch_size,
             mini_batches=self.ppo.mini_batches,
@@ -231,22 +233,61 @@ class NereusConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_value_models(self) -> NereusConfig:
-        value = models_for(self.model)["critic"]  # the actor's shapes with the value head
-        problem = value_model_error(self.critic.path, value, role="critic") if self.critic.path else None
-        if problem:
-            raise ValueError(f"critic.path: {problem}")
-        path = self.reward.model_path if self.reward is not None else None
-        if path is None:
-            return self
-        if not self.algorithm.uses_reward_model:
+        reward_path = self.reward.model_path if self.reward is not None else None
+        if reward_path is not None and not self.algorithm.uses_reward_model:
             raise ValueError(
                 f"reward.model_path is set but algorithm {self.algorithm.name} scores with "
                 "reward.function only; remove reward.model_path or use algorithm ppo"
             )
-        problem = value_model_error(path, value, role="reward model")
-        if problem:
-            raise ValueError(f"reward.model_path: {problem}")
+        try:
+            models = self.models
+        except HFDirError as err:
+            raise ValueError(str(err)) from None
+        longest = self.job.prompt_len + self.job.response_len  # the data's lengths when it has data
+        for model, key, _ in self._value_dirs():
+            if models[model].max_position_embeddings < longest:
+                raise ValueError(
+                    f"{key}: max_position_embeddings={models[model].max_position_embeddings} is shorter "
+                    f"than the job's longest sequence ({longest} tokens); shorten the prompts or responses"
+                )
         return self
+
+    def _value_dirs(self) -> list[tuple[str, str, str]]:
+        """(model, config key, directory) of each value model the job reads from its own directory."""
+        named = [("critic", "critic.path", self.critic.path)]
+        if self.reward is not None:
+            named.append(("reward", "reward.model_path", self.reward.model_path))
+        return [(model, key, path) for model, key, path in named if path is not None]
+
+    @property
+    def models(self) -> dict[str, ModelConfig]:
+        """Model -> its config (``plan.models_for`` of ``model``: critic and reward with the value
+        head); a critic or reward model read from its own directory (``critic.path``,
+        ``reward.model_path``) has that directory's shapes (``hf_files.value_model``). Every part of
+        the job that sizes a model asks this. Raises ``HFDirError`` (config load turns it into the
+        key's one-line error)."""
+        models = models_for(self.model)
+        for model, key, path in self._value_dirs():
+            role = "critic" if model == "critic" else "reward model"
+            try:
+                models[model] = _value_model(path, _changed_ns(path), models[model].model_dump_json(), role)
+            except HFDirError as err:
+                raise HFDirError(f"{key}: {err}") from None
+        return models
+
+
+@functools.lru_cache(maxsize=32)
+def _value_model(path: str, changed_ns: int, ours: str, role: str) -> ModelConfig:
+    """``hf_files.value_model`` once per directory version (``changed_ns``: its config.json's mtime) and
+    job model (``ours`` as JSON): stages ask for their model config on every call."""
+    return value_model(path, ModelConfig.model_validate_json(ours), role=role)
+
+
+def _changed_ns(path: str) -> int:
+    try:
+        return os.stat(os.path.join(path, "config.json")).st_mtime_ns
+    except OSError:
+        return -1  # value_model names what is missing
 
 
 def parse_config(data: dict[str, Any] | None) -> NereusConfig:

@@ -109,7 +109,7 @@ class RewardConfig(_Frozen):
     model_path: str | None = Field(
         default=None,
         description="A reward model: a one-label LlamaFor/Qwen2ForSequenceClassification directory of the "
-        "actor's shapes and vocabulary. Its score at each sequence's last real token is PPO's reward; "
+        "actor's vocabulary (its other shapes its own). Its score at each sequence's last real token is PPO's reward; "
         "reward.function still scores validation and is logged as rule_score.",
     )
 

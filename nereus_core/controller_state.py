@@ -9,6 +9,7 @@ and advances it only when a switch commits (nereus_core/job.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -201,10 +202,13 @@ class ControllerState(_Frozen):
         stages: tuple[ModelStage, ...],
         plan: GlobalPlan | None = None,
         devices: int | None = None,
+        models: Mapping[str, ModelConfig] | None = None,
     ) -> ControllerState:
+        """The controller before a job's first step: ``models`` are the job's (``NereusConfig.models``,
+        where a critic or reward model has shapes of its own); default ``models_for(model)``."""
         settings = settings or ControllerSettings()
         return cls(
-            models=models_for(model),
+            models=dict(models) if models is not None else models_for(model),
             stages=stages,
             profile=profile,
             settings=settings,

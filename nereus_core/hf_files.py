@@ -212,21 +212,20 @@ def imported_section(section: dict[str, Any], model: type[M]) -> dict[str, Any]:
     return merged
 
 
-def value_model_error(path: str | os.PathLike[str], ours: BaseModel, *, role: str) -> str | None:
-    """Why the value-head directory ``path`` cannot be the ``role`` model (the critic, or the reward
-    model) of ``ours`` (a model config of the actor's shapes with the value head), or None. Both read
-    the actor's token ids, so the vocabulary size is one of the shapes that must agree."""
-    try:
-        theirs = validated(type(ours), value_fields(path), Path(path) / "config.json")
-    except HFDirError as err:
-        return str(err)
-    for key in type(ours).model_fields:
-        if key not in KEPT and key != "tie_word_embeddings" and getattr(theirs, key) != getattr(ours, key):
-            return (
-                f"{path}: {key}={getattr(theirs, key)!r} differs from the model's {getattr(ours, key)!r}; "
-                f"the {role} must have the actor's shapes"
-            )
-    return None
+def value_model(path: str | os.PathLike[str], ours: M, *, role: str) -> M:
+    """The ``role`` model (the critic, or the reward model) of the value-head directory ``path``: its
+    own architecture and shapes from that directory's config.json, the job's choices (``KEPT``: the
+    value head, dtype, seed) from ``ours`` (the actor's config with the value head). It reads the
+    actor's token ids, so its vocabulary size must be the actor's; depth, width and heads may differ.
+    A problem is one ``HFDirError`` line."""
+    kept = {key: getattr(ours, key) for key in KEPT if key not in ("path", "tokenizer")}
+    theirs = validated(type(ours), {**value_fields(path), **kept}, Path(path) / "config.json")
+    if theirs.vocab_size != ours.vocab_size:
+        raise HFDirError(
+            f"{path}: vocab_size={theirs.vocab_size} differs from the actor's {ours.vocab_size}; "
+            f"the {role} reads the actor's token ids, so it needs the actor's vocabulary"
+        )
+    return theirs
 
 
 def weight_files(path: str | os.PathLike[str]) -> dict[str, Path]:

@@ -39,7 +39,6 @@ from nereus_core.plan import (
     ModelStage,
     copies,
     default_plan,
-    models_for,
     plan_id,
     problems,
     slots_needed,
@@ -115,6 +114,7 @@ def start(config: NereusConfig, layouts: Mapping[str, Layout] | None = None) -> 
         stages=config.stages,
         plan=GlobalPlan.of(plan),
         devices=devices,
+        models=config.models,
     )
     return JobState(config=config, layouts=plan, devices=devices, controller=controller)
 
@@ -312,7 +312,7 @@ def resumed(
 
 def model_config(config: NereusConfig, stage: str) -> ModelConfig:
     """The model config of a model-stage: critic and reward carry the value head."""
-    return models_for(config.model)[ModelStage(stage).model]
+    return config.models[ModelStage(stage).model]
 
 
 def optimizer_settings(config: NereusConfig, stage: str) -> OptimizerSettings | None:

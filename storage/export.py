@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from nereus_core.config import parse_config
 from nereus_core.model.weights import hf_config
-from nereus_core.plan import MODELS, models_for
+from nereus_core.plan import MODELS
 from storage.run_dir import RunDir
 from storage.snapshot import read_full_state
 
@@ -50,7 +50,7 @@ def export_hf(
         raise ValueError(
             f"this {job.algorithm.name} run has no {model} model; export one of: {', '.join(held)}"
         )
-    config = models_for(job.model)[model]
+    config = job.models[model]
     state = read_full_state(run.root, model, step)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

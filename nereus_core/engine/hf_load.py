@@ -14,7 +14,7 @@ Which directory each model reads (``hf_source``):
   the head is new, drawn as Hugging Face's ``_init_weights`` draws a linear, normal(0, std) with
   ``std`` = ``model.init_std``, HF's ``initializer_range`` default 0.02), seeded by ``model.seed``
   so that every device and every copy draws the same head;
-- reward: ``reward.model_path`` (a one-label ``*ForSequenceClassification`` of the actor's shapes, read
+- reward: ``reward.model_path`` (a one-label ``*ForSequenceClassification`` of its own shapes, read
   as the critic's directory is), else none here: it is fitted to the count task's rule.
 
 Boundary: device-side functions over one ``DeviceContext`` and the pure rule of which directory a

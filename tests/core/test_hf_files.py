@@ -45,7 +45,7 @@ def _value_dir(
     if getattr(model.score, "bias", None) is not None:
         with torch.no_grad():
             model.score.bias.fill_(bias)
-    path = root / f"{kind}-{labels}-{bias}-{len(changes)}"
+    path = root / "-".join([kind, str(labels), str(bias), *(f"{k}{v}" for k, v in sorted(changes.items()))])
     model.save_pretrained(path)
     return path, model
 
@@ -107,20 +107,32 @@ def test_bad_model_directories_are_one_line_at_config_load(dirs: dict[str, Path]
     assert message.startswith("model.tokenizer: ") and "has no tokenizer files" in message
 
 
-def test_critic_path_takes_a_one_label_classifier_of_the_actors_shapes(dirs: dict[str, Path]) -> None:
+def test_critic_path_takes_a_one_label_classifier_of_its_own_shapes_and_the_actors_vocabulary(
+    dirs: dict[str, Path],
+) -> None:
     root, llama = dirs["root"], str(dirs["llama"])
     for kind in ("Sequence", "Token"):
         path, _ = _value_dir(root, kind)
         cfg = parse_config({"model": {"path": llama}, "critic": {"path": str(path)}})
         assert hf_source(cfg, "critic") == HFSource(str(path))
         assert hf_source(cfg, "actor") == hf_source(cfg, "reference") == HFSource(llama)
+    wider, _ = _value_dir(root, "Sequence", hidden_size=64, num_hidden_layers=3)
+    models = parse_config({"model": {"path": llama}, "critic": {"path": str(wider)}}).models
+    assert (models["critic"].hidden_size, models["critic"].num_hidden_layers) == (64, 3)
+    assert (
+        models["critic"].head == "value" and models["actor"].hidden_size == models["reward"].hidden_size == 32
+    )
     assert hf_source(parse_config({"model": {"path": llama}}), "critic") == HFSource(llama, fresh_head=True)
     assert hf_source(parse_config({"model": {"path": llama}}), "reward") is None
     assert hf_source(parse_config({}), "actor") is None
     bad = [
         (_value_dir(root, "Sequence", labels=2)[0], "2 labels; a value head has one"),
         (_value_dir(root, "Token", bias=0.5)[0], "score.bias is [0.5], not zero"),
-        (_value_dir(root, "Sequence", hidden_size=64)[0], "hidden_size=64 differs from the model's 32"),
+        (
+            _value_dir(root, "Sequence", vocab_size=64)[0],
+            "vocab_size=64 differs from the actor's 128; the critic reads the actor's token ids",
+        ),
+        (_value_dir(root, "Sequence", max_position_embeddings=8)[0], "max_position_embeddings=8 is shorter"),
         (dirs["llama"], "LlamaForCausalLM is not supported; supported: LlamaForSequenceClassification"),
     ]
     for path, needle in bad:
@@ -128,7 +140,7 @@ def test_critic_path_takes_a_one_label_classifier_of_the_actors_shapes(dirs: dic
         assert message.startswith("critic.path: ") and needle in message, message
 
 
-def test_reward_model_path_takes_a_one_label_classifier_of_the_actors_shapes(
+def test_reward_model_path_takes_a_one_label_classifier_of_the_actors_vocabulary(
     dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     root, llama = dirs["root"], str(dirs["llama"])
@@ -148,7 +160,7 @@ def test_reward_model_path_takes_a_one_label_classifier_of_the_actors_shapes(
         (_value_dir(root, "Sequence", labels=2)[0], "2 labels; a value head has one"),
         (
             _value_dir(root, "Sequence", vocab_size=64)[0],
-            "vocab_size=64 differs from the model's 128; the reward model must have the actor's shapes",
+            "vocab_size=64 differs from the actor's 128; the reward model reads the actor's token ids",
         ),
         (dirs["llama"], "LlamaForCausalLM is not supported; supported: LlamaForSequenceClassification"),
         (tmp_path, "config.json not found"),

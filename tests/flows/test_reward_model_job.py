@@ -1,6 +1,7 @@
 """``nereus run`` with ``reward.model_path``: a tiny random Qwen2 actor, a tiny random one-label
-``Qwen2ForSequenceClassification`` reward model of its shapes, a tokenizer trained here and the GSM8K
-files made by ``nereus data gsm8k``.
+``Qwen2ForSequenceClassification`` reward model (of the actor's shapes, or wider and deeper: a reward
+model needs only the actor's vocabulary), a tokenizer trained here and the GSM8K files made by
+``nereus data gsm8k``.
 
 Every stored score equals transformers' sequence-classification score of the stored rollout (its ids
 and attention mask: left-padded prompts, right-padded responses) within 1e-4; the ``gsm8k`` rule is
@@ -29,12 +30,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {**SIZES, "vocab_size": 320, "max_position_embeddings": 512}
 
 
-def write_reward_model(path: Path, pad_token_id: int) -> None:
-    """A random one-label Qwen2 sequence classifier of the actor's shapes, with weights of its own."""
+# A reward model of shapes of its own: wider, deeper, other heads; the actor's vocabulary.
+OWN_SHAPES = {**SHAPES, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 3}
+OWN_SHAPES |= {"num_attention_heads": 6, "num_key_value_heads": 3}
+
+
+def write_reward_model(path: Path, pad_token_id: int, shapes: dict[str, int]) -> None:
+    """A random one-label Qwen2 sequence classifier of ``shapes``, with weights of its own."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     hf_config = Qwen2Config(
-        **SHAPES,
+        **shapes,
         rope_theta=1e6,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
@@ -56,7 +62,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # the 16-token limit with probability about 0.12 under near-uniform sampling).
     stops = [tokenizer.eos_token_id, *range(280, 320)]
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
-    write_reward_model(root / "reward", pad_token_id=tokenizer.eos_token_id)
+    write_reward_model(root / "reward", pad_token_id=tokenizer.eos_token_id, shapes=SHAPES)
+    write_reward_model(root / "reward-own-shapes", pad_token_id=tokenizer.eos_token_id, shapes=OWN_SHAPES)
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", "data", "gsm8k", "--out", str(root / "gsm8k")],
         cwd=ROOT,
@@ -67,6 +74,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "model": model,
         "reward": root / "reward",
+        "reward-own-shapes": root / "reward-own-shapes",
         "train": root / "gsm8k" / "train.parquet",
         "test": root / "gsm8k" / "test.parquet",
     }
@@ -93,15 +101,19 @@ def transformers_scores(reward_dir: Path, ids: torch.Tensor, attention: torch.Te
     return logits[:, 0]
 
 
+@pytest.mark.parametrize("reward", ["reward", "reward-own-shapes"])
 def test_the_reward_model_scores_each_rollout_as_transformers_does(
-    files: dict[str, Path], tmp_path: Path
+    files: dict[str, Path], tmp_path: Path, reward: str
 ) -> None:
     data = config(files, steps=2, snapshot_every=0)
-    data["reward"] = {"function": "gsm8k", "model_path": str(files["reward"])}
+    data["reward"] = {"function": "gsm8k", "model_path": str(files[reward])}
     data["validation"] = {"every": 0}
     data["plan"]["reward/infer"] = {"devices": [0]}
     cfg = parse_config(data)
     assert "reward/infer" in cfg.stages
+    assert cfg.models["reward"].hidden_size == (
+        48 if reward == "reward-own-shapes" else SHAPES["hidden_size"]
+    )
     with prefect_test_harness(server_startup_timeout=300):
         summary = ppo_job(config=cfg, out_dir=str(tmp_path / "run"))
     assert summary["reward_fit"] == {"first_mse": None, "last_mse": None}  # loaded, not fitted
@@ -114,7 +126,7 @@ def test_the_reward_model_scores_each_rollout_as_transformers_does(
         assert mask.sum(1).unique().numel() > 1  # the last real tokens lie in different columns
         ids = torch.cat([prompts, responses], 1)
         attention = torch.cat([torch.tensor(rollout["prompt_mask"]), mask], 1)
-        expected = transformers_scores(files["reward"], ids, attention)
+        expected = transformers_scores(files[reward], ids, attention)
         score = torch.tensor(rollout["score"])
         diff = (score - expected).abs().max().item()
         assert diff <= 1e-4, (step, diff)
