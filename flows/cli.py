@@ -246,6 +246,13 @@ def _set_arg(cmd: argparse.ArgumentParser) -> None:
     )
 
 
+def _flow_args(cmd: argparse.ArgumentParser, *, out: str, steps: str) -> None:
+    """What ``_run_flow`` reads: CONFIG, --out, --steps (``steps``: what they are for) and --set."""
+    _config_args(cmd, example="examples/tiny_ppo.yaml", out=out)
+    cmd.add_argument("--steps", type=int, metavar="N", help=f"steps to {steps} (sets job.steps)")
+    _set_arg(cmd)
+
+
 def _run_dir_arg(cmd: argparse.ArgumentParser, what: str) -> None:
     cmd.add_argument("run_dir", type=Path, metavar="DIR", help=f"{what} (the --out of a nereus run)")
 
@@ -260,63 +267,63 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nereus {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    run = sub.add_parser("run", help="run the PPO job of CONFIG", description="Run the PPO job of CONFIG.")
-    _config_args(run, example="examples/tiny_ppo.yaml", out="run directory (default runs/NAME-TIMESTAMP)")
-    run.add_argument("--steps", type=int, metavar="N", help="steps to run (sets job.steps)")
-    _set_arg(run)
-    run.set_defaults(handler=cmd_run)
+    def command(
+        name: str, handler: Callable[[argparse.Namespace], int], summary: str, description: str
+    ) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=summary, description=description)
+        cmd.set_defaults(handler=handler)
+        return cmd
 
-    resume = sub.add_parser(
+    run = command("run", cmd_run, "run the PPO job of CONFIG", "Run the PPO job of CONFIG.")
+    _flow_args(run, out="run directory (default runs/NAME-TIMESTAMP)", steps="run")
+
+    resume = command(
         "resume",
-        help="continue an interrupted run from its newest checkpoint",
-        description="Continue an interrupted run (and its transition) from its newest checkpoint.",
+        cmd_resume,
+        "continue an interrupted run from its newest checkpoint",
+        "Continue an interrupted run (and its transition) from its newest checkpoint.",
     )
     _run_dir_arg(resume, "the run to continue")
     resume.add_argument(
         "--devices", type=int, metavar="N", help="resume on N device slots; the controller re-plans for them"
     )
-    resume.set_defaults(handler=cmd_resume)
 
-    plan = sub.add_parser(
+    plan = command(
         "plan",
-        help="show the plan the controller picks for CONFIG, and why",
-        description="Show the plan the controller picks for CONFIG and why; nothing runs.",
+        cmd_plan,
+        "show the plan the controller picks for CONFIG, and why",
+        "Show the plan the controller picks for CONFIG and why; nothing runs.",
     )
     _config_args(plan, example="examples/tiny_ppo.yaml", out=None)
     plan.add_argument(
         "--profile", choices=("cpu", "h100"), default="cpu", help="hardware profile (default cpu)"
     )
     _set_arg(plan)
-    plan.set_defaults(handler=cmd_plan)
 
-    check = sub.add_parser(
+    check = command(
         "selfcheck",
-        help="check every layout of CONFIG against one device",
-        description="Check every layout of CONFIG against the single-device reference.",
+        cmd_selfcheck,
+        "check every layout of CONFIG against one device",
+        "Check every layout of CONFIG against the single-device reference.",
     )
-    _config_args(check, example="examples/tiny_ppo.yaml", out="output folder (default runs/NAME-TIMESTAMP)")
-    check.add_argument("--steps", type=int, metavar="N", help="steps to check (sets job.steps)")
-    _set_arg(check)
-    check.set_defaults(handler=cmd_selfcheck)
+    _flow_args(check, out="output folder (default runs/NAME-TIMESTAMP)", steps="check")
 
-    simulate = sub.add_parser(
+    simulate = command(
         "simulate",
-        help="trace-driven simulation of every strategy of CONFIG",
-        description="Trace-driven simulation of every strategy of CONFIG.",
+        cmd_simulate,
+        "trace-driven simulation of every strategy of CONFIG",
+        "Trace-driven simulation of every strategy of CONFIG.",
     )
     _config_args(simulate, example="examples/paper_sim.yaml", out="output folder (default runs/NAME-TIME)")
-    simulate.set_defaults(handler=cmd_simulate)
 
-    report = sub.add_parser(
-        "report", help="plot a run into DIR/plots", description="Plot a run into DIR/plots."
-    )
+    report = command("report", cmd_report, "plot a run into DIR/plots", "Plot a run into DIR/plots.")
     _run_dir_arg(report, "the run to plot")
-    report.set_defaults(handler=cmd_report)
 
-    export = sub.add_parser(
+    export = command(
         "export",
-        help="write a model of a run in Hugging Face format",
-        description="Write one model of a run, as of a committed step, in Hugging Face format.",
+        cmd_export,
+        "write a model of a run in Hugging Face format",
+        "Write one model of a run, as of a committed step, in Hugging Face format.",
     )
     _run_dir_arg(export, "the run to export from")
     export.add_argument("--model", required=True, choices=MODELS, help="which model to write (required)")
@@ -326,7 +333,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--hf", required=True, type=Path, metavar="OUT", help="folder to write the model into (required)"
     )
-    export.set_defaults(handler=cmd_export)
 
     cli_data.add_data_command(sub, fail=_fail)
     return parser

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows import generation
+from flows import generation, step_parts
 from flows.job_data import job_data
 from flows.job_records import JobRecords
 from nereus_core import job as jb
 from nereus_core import prompt_source as ps
 from nereus_core import rollout as ro
 from nereus_core.plan import ModelStage
-from nereus_core.ppo import masked_mean
 from tasks import grpo_stages as gs
-from tasks import ppo_stages as st
 from tasks.device_pool import DevicePool
 
 # The forward passes over the rollout, of those the job has (actor/train: the old log-probs).
@@ -44,11 +42,7 @@ def run_step(
     r, scores = generation.rollout(pool, state, records, step, source, group=group)
     n_tok = int(r.attention_mask.sum())
     r.score = r.rule_score  # verifiable reward: the rule itself
-    passes = [s for s in PASSES if s in plan]
-    with records.task_call(step, pid) as call:
-        out, seconds = st.experience(pool, {str(k): plan[k] for k in passes}, r.ids, r.attention_mask)
-        for key in passes:
-            call.add(key.model, "infer", n_tok, seconds[key])
+    out = step_parts.forward_passes(pool, state, records, step, r, PASSES)
     r.old_logp = ro.response_logp(out[ModelStage.ACTOR_TRAIN], t_len)
     if ModelStage.REFERENCE_INFER in out:
         r.ref_logp = ro.response_logp(out[ModelStage.REFERENCE_INFER], t_len)
@@ -70,17 +64,5 @@ def run_step(
         )
         call.add("actor", "train", n_tok * cfg.ppo.ppo_epochs, seconds["train"])
         call.add("actor", "sync", 0, seconds.get("sync", 0.0))
-    with records.plain(step, pid, "rollout", "write", 0):
-        records.run.write_rollout(step, generation.rollout_columns(r, scores))
-    stats = {
-        "step": step,
-        "plan_id": pid,
-        "score": float(r.score.mean()),
-        "rule_score": float(r.rule_score.mean()),
-        "tokens": int(r.mask.sum()),
-        **({"kl": float(masked_mean(r.old_logp - r.ref_logp, r.mask))} if r.ref_logp is not None else {}),
-        **{f"actor_{k}": v for k, v in trained.items()},
-        **ro.length_stats(r.mask, t_len),
-        **{f"reward_{k}": v for k, v in scores.extras.items()},
-    }
-    return stats, r.lengths.tolist()
+    step_parts.write_rollout(records, state, step, r, scores)
+    return step_parts.step_stats(state, step, r, scores, {"actor": trained}), r.lengths.tolist()

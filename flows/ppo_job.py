@@ -23,7 +23,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows import generation, grpo_step, job_growth, job_start, tracking
+from flows import generation, grpo_step, job_growth, job_start, step_parts, tracking
 from flows.job_data import job_data
 from flows.job_records import JobRecords, done_line, log_decision
 from flows.transition import transition_flow
@@ -32,8 +32,7 @@ from nereus_core import prompt_source as ps
 from nereus_core import rollout as ro
 from nereus_core.config import NereusConfig
 from nereus_core.controller import TransitionTiming
-from nereus_core.plan import ModelStage, copies
-from nereus_core.ppo import masked_mean
+from nereus_core.plan import copies
 from tasks import job_ops, model_ops
 from tasks import ppo_stages as st
 from tasks.controller import controller_step
@@ -56,12 +55,8 @@ def run_step(
     b, t_len = cfg.job.batch_size, cfg.job.response_len
     r, scores = generation.rollout(pool, state, records, step, prompt_source or job_data(cfg).train)
     n_tok = int(r.attention_mask.sum())
-    passes = [k for k in PASSES if k in plan]  # reward/infer only when the job scores with a reward model
-    with records.task_call(step, pid) as call:
-        out, seconds = st.experience(pool, {k: plan[k] for k in passes}, r.ids, r.attention_mask)
-        for key in passes:
-            model = ModelStage(key).model
-            call.add(model, "infer", n_tok, seconds[key])
+    # reward/infer runs only when the job scores with a reward model (the plan has it)
+    out = step_parts.forward_passes(pool, state, records, step, r, PASSES)
     r.score = ro.final_score(out["reward/infer"], r.attention_mask) if "reward/infer" in out else r.rule_score
     r.ref_logp = ro.response_logp(out["reference/infer"], t_len)
     r.old_logp = ro.response_logp(out["actor/train"], t_len)
@@ -85,21 +80,8 @@ def run_step(
             )
             call.add(model, "train", n_tok * cfg.ppo.ppo_epochs, seconds["train"])
             call.add(model, "sync", 0, seconds.get("sync", 0.0))
-    # Persisting the rollout is the step's own work (the old log-probs are checked against it): a stage.
-    with records.plain(step, pid, "rollout", "write", 0):
-        records.run.write_rollout(step, generation.rollout_columns(r, scores))
-    stats = {
-        "step": step,
-        "plan_id": pid,
-        "score": float(r.score.mean()),
-        "rule_score": float(r.rule_score.mean()),
-        "kl": float(masked_mean(r.old_logp - r.ref_logp, r.mask)),
-        "tokens": int(r.mask.sum()),
-        **{f"actor_{k}": v for k, v in trained["actor"].items()},
-        **{f"critic_{k}": v for k, v in trained["critic"].items()},
-        **ro.length_stats(r.mask, t_len),
-        **{f"reward_{k}": v for k, v in scores.extras.items()},
-    }
+    step_parts.write_rollout(records, state, step, r, scores)
+    stats = step_parts.step_stats(state, step, r, scores, {m: trained[m] for m in ("actor", "critic")})
     return stats, r.lengths.tolist()
 
 

@@ -11,10 +11,12 @@ critic-free algorithm needs. TRL's ``GRPOConfig`` names are given in each descri
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nereus_core.grpo import BASELINES, LOSS_AGGREGATIONS, SCALE_REWARDS
-from nereus_core.ppo import known_name
+from nereus_core.ppo import one_of
 
 ALGORITHMS: tuple[str, ...] = ("ppo", "grpo")
 
@@ -24,22 +26,24 @@ class AlgorithmConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(default="ppo", description=f"One of: {', '.join(ALGORITHMS)}.")
+    name: Annotated[str, one_of(ALGORITHMS)] = Field(
+        default="ppo", description=f"One of: {', '.join(ALGORITHMS)}."
+    )
     group_size: int = Field(
         default=1,
         ge=1,
         le=1024,
         description="Responses sampled per prompt (TRL num_generations); grpo needs at least 2.",
     )
-    baseline: str = Field(
+    baseline: Annotated[str, one_of(BASELINES)] = Field(
         default="group_mean",
         description="group_mean (GRPO) or leave_one_out (RLOO): what a response's reward is compared to.",
     )
-    scale_rewards: str = Field(
+    scale_rewards: Annotated[str, one_of(SCALE_REWARDS)] = Field(
         default="group",
         description="Divide advantages by the reward std of the group, the batch, or none (TRL's name).",
     )
-    loss_agg_mode: str = Field(
+    loss_agg_mode: Annotated[str, one_of(LOSS_AGGREGATIONS)] = Field(
         default="token-mean",
         description=(
             "How token losses are averaged: token-mean (DAPO; TRL dapo/bnpo), seq-mean-token-mean "
@@ -61,26 +65,6 @@ class AlgorithmConfig(BaseModel):
         default=False,
         description="Weight the KL loss term by pi/pi_old, unbiased off-policy (TRL use_bias_correction_kl).",
     )
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, name: str) -> str:
-        return known_name(name, ALGORITHMS)
-
-    @field_validator("baseline")
-    @classmethod
-    def _check_baseline(cls, name: str) -> str:
-        return known_name(name, BASELINES)
-
-    @field_validator("scale_rewards")
-    @classmethod
-    def _check_scale(cls, name: str) -> str:
-        return known_name(name, SCALE_REWARDS)
-
-    @field_validator("loss_agg_mode")
-    @classmethod
-    def _check_agg(cls, name: str) -> str:
-        return known_name(name, list(LOSS_AGGREGATIONS))
 
     @model_validator(mode="after")
     def _check_group(self) -> AlgorithmConfig:

@@ -33,10 +33,10 @@ The registries at the bottom map the names used in config to these functions, as
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 KLKind = Literal["k1", "k2", "k3", "abs"]
 KL_KINDS: tuple[str, ...] = get_args(KLKind)
@@ -268,14 +268,26 @@ def known_name(name: str, registry: Collection[str]) -> str:
     return name
 
 
+def one_of(registry: Collection[str]) -> AfterValidator:
+    """A config field's check that its value is a name in ``registry`` (``known_name``); annotate
+    the field ``Annotated[str, one_of(REGISTRY)]``."""
+    return AfterValidator(lambda name: known_name(name, registry))
+
+
 class PPOSettings(BaseModel):
     """PPO hyper-parameters; defaults suit the tiny demo model on the ``count`` task."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    advantage_estimator: str = Field(default="gae", description="Name in ADVANTAGE_ESTIMATORS.")
-    policy_loss: str = Field(default="ppo_clip", description="Name in POLICY_LOSSES.")
-    value_loss: str = Field(default="clipped_mse", description="Name in VALUE_LOSSES.")
+    advantage_estimator: Annotated[str, one_of(ADVANTAGE_ESTIMATORS)] = Field(
+        default="gae", description="Name in ADVANTAGE_ESTIMATORS."
+    )
+    policy_loss: Annotated[str, one_of(POLICY_LOSSES)] = Field(
+        default="ppo_clip", description="Name in POLICY_LOSSES."
+    )
+    value_loss: Annotated[str, one_of(VALUE_LOSSES)] = Field(
+        default="clipped_mse", description="Name in VALUE_LOSSES."
+    )
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount per token (GAE).")
     lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda: bias (0) vs variance (1).")
     clip_ratio: float = Field(default=0.2, gt=0, lt=1, description="PPO clip: ratio kept in [1-c, 1+c].")
@@ -296,21 +308,6 @@ class PPOSettings(BaseModel):
     )
     reward_fit_lr: float = Field(default=1e-3, gt=0, description="Learning rate of the reward-model fit.")
     reward_fit_batch: int = Field(default=64, ge=1, description="Sequences per reward-model fitting step.")
-
-    @field_validator("advantage_estimator")
-    @classmethod
-    def _check_estimator(cls, name: str) -> str:
-        return known_name(name, ADVANTAGE_ESTIMATORS)
-
-    @field_validator("policy_loss")
-    @classmethod
-    def _check_policy_loss(cls, name: str) -> str:
-        return known_name(name, POLICY_LOSSES)
-
-    @field_validator("value_loss")
-    @classmethod
-    def _check_value_loss(cls, name: str) -> str:
-        return known_name(name, VALUE_LOSSES)
 
     @property
     def uses_kl(self) -> bool:

@@ -173,6 +173,20 @@ def compute_group_advantages(rollout: Rollout, algorithm: AlgorithmConfig, setti
     rollout.rewards, rollout.advantages = rewards_bt, advantages_b[:, None] * mask_bt
 
 
+def _actor_stats(
+    loss_stats: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], share: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The actor objectives' statistics, each weighted as the loss (``share``): ``clip_frac``,
+    ``approx_kl``, ``kl_loss`` when the loss has a KL term, ``entropy`` when the batch has it."""
+    mask = batch["mask"]
+    stats = {"clip_frac": loss_stats["clip_frac"], "approx_kl": loss_stats["approx_kl"]}
+    if "kl" in loss_stats:
+        stats["kl_loss"] = loss_stats["kl"]
+    if "entropy" in batch:
+        stats["entropy"] = ppo.masked_mean(response_logp(batch["entropy"], mask.shape[1]), mask)
+    return {k: v * share for k, v in stats.items()}
+
+
 def grpo_objective(
     logp_full: torch.Tensor,
     batch: dict[str, torch.Tensor],
@@ -207,12 +221,7 @@ def grpo_objective(
         kl_ratio_weighted=algorithm.kl_ratio_weighted,
         max_len=algorithm.loss_scale_tokens or mask.shape[1],
     )
-    stats = {"clip_frac": loss_stats["clip_frac"], "approx_kl": loss_stats["approx_kl"]}
-    if "kl" in loss_stats:
-        stats["kl_loss"] = loss_stats["kl"]
-    if "entropy" in batch:
-        stats["entropy"] = ppo.masked_mean(response_logp(batch["entropy"], mask.shape[1]), mask)
-    return loss * share, {k: v * share for k, v in stats.items()}
+    return loss * share, _actor_stats(loss_stats, batch, share)
 
 
 def actor_objective(
@@ -235,10 +244,7 @@ def actor_objective(
         loss = loss + settings.kl_loss_coef * ppo.kl_loss(
             logp, batch["ref_logp"], mask, settings.kl_loss_kind
         )
-    stats = {"clip_frac": loss_stats["clip_frac"], "approx_kl": loss_stats["approx_kl"]}
-    if "entropy" in batch:
-        stats["entropy"] = ppo.masked_mean(response_logp(batch["entropy"], mask.shape[1]), mask)
-    return loss * share, {k: v * share for k, v in stats.items()}
+    return loss * share, _actor_stats(loss_stats, batch, share)
 
 
 def critic_objective(

@@ -17,8 +17,6 @@ file and batch to read comes from the manifest (storage/manifest.py).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import warnings
 import zlib
 from collections.abc import Sequence
@@ -29,7 +27,7 @@ import pyarrow as pa
 import torch
 
 from nereus_core.emu import SliceSpec
-from storage.manifest import CorruptSnapshotError, SliceEntry
+from storage.manifest import CorruptSnapshotError, SliceEntry, replacing
 
 _SHAPE = pa.list_(pa.int64())
 SCHEMA = pa.schema(
@@ -107,23 +105,14 @@ def encode_slice(
 
 def write_slices(path: Path, slices: Sequence[tuple[str, torch.Tensor, SliceSpec]]) -> list[SliceEntry]:
     """Write one data file atomically (temp name, fsync, rename); returns its entries in batch order."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     entries: list[SliceEntry] = []
-    try:
-        with pa.OSFile(str(tmp), "wb") as sink:
-            with pa.ipc.new_file(sink, SCHEMA) as writer:
-                for i, (name, tensor, spec) in enumerate(slices):
-                    batch, entry = encode_slice(name, tensor, spec, i)
-                    writer.write_batch(batch)
-                    entries.append(entry)
-            sink.flush()
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    with replacing(path) as tmp, pa.OSFile(str(tmp), "wb") as sink:
+        with pa.ipc.new_file(sink, SCHEMA) as writer:
+            for i, (name, tensor, spec) in enumerate(slices):
+                batch, entry = encode_slice(name, tensor, spec, i)
+                writer.write_batch(batch)
+                entries.append(entry)
+        sink.flush()
     return entries
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.errors import RunDirError
+from storage.manifest import fsync_dir
 
 START, DONE, FAILED, COMMIT, ABORT = "start", "done", "failed", "commit", "abort"
 _CHUNK = 4096
@@ -52,14 +53,6 @@ def cut_torn_tail(fd: int) -> int:
     os.ftruncate(fd, keep)
     os.fsync(fd)
     return size - keep
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _glued_record(line: str) -> Any:
@@ -95,7 +88,7 @@ class Journal:
         finally:
             os.close(fd)
         if created:
-            _fsync_dir(self.path.parent)  # the new file's name survives a crash too
+            fsync_dir(self.path.parent)  # the new file's name survives a crash too
 
     def entries(self) -> list[dict[str, Any]]:
         """Every complete record, oldest first; a torn last line is left out (see the module doc)."""

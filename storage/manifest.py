@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -135,19 +136,27 @@ def make_dirs(path: Path) -> None:
         fsync_dir(created.parent)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same dir, fsync, os.replace, fsync dir."""
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary name in ``path``'s directory to write the new file under; on leaving the block
+    it is fsynced and renamed over ``path`` (``os.replace``: readers see the old file or the new
+    one, never a part), or removed if the block raised."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (``replacing``), then fsync the directory."""
+    with replacing(path) as tmp:
+        tmp.write_bytes(data)
     fsync_dir(path.parent)
 
 

@@ -36,7 +36,7 @@ from nereus_core.config import ConfigError
 from nereus_core.config_yaml import parse_yaml
 from nereus_core.layout import Layout
 from storage.errors import RunDirError
-from storage.manifest import atomic_write
+from storage.manifest import atomic_write, replacing
 
 STEPS_TABLE = "metrics/steps.parquet"
 TRANSITIONS_TABLE = "metrics/transitions.parquet"
@@ -51,21 +51,14 @@ __all__ = ["RunDir", "RunDirError", "RunIdentity", "atomic_write_bytes"]
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old or the new file, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def _atomic_parquet(path: Path, table: pa.Table) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 def _column(values: Any) -> Any:

@@ -13,23 +13,22 @@ network interface of an address, for the device actors' torch.distributed world.
 
 Three things Dask does not do safely for Nereus are done here (issue 13). A worker puts its local
 directory first on ``sys.path``, and that directory holds a ``storage/`` spill directory that would
-shadow Nereus's own ``storage`` package: ``guard_imports`` takes it off before anything of Nereus is
-imported there, and checks that each Nereus package resolves as on the driver. Dask's actor proxy
-leaves a call pending for ever when it fails before the method runs (an argument the worker cannot
-unpickle, a lost worker): ``call_actor`` returns a future that always resolves. And when a worker
-dies, ``worker_exit`` asks its nanny what it logged (killed by a signal, over its memory budget).
+shadow Nereus's own ``storage`` package: ``guard_imports`` runs ``worker_imports``'s check on each
+worker, which takes it off before anything of Nereus is imported there and checks that each Nereus
+package resolves as on the driver. Dask's actor proxy leaves a call pending for ever when it fails
+before the method runs (an argument the worker cannot unpickle, a lost worker): ``call_actor``
+returns a future that always resolves. And when a worker dies, ``worker_exit`` asks its nanny what
+it logged (killed by a signal, over its memory budget).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib.util
 import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -43,6 +42,7 @@ from distributed.protocol import to_serialize
 from distributed.security import Security
 
 from nereus_core.config import ClusterConfig
+from tasks.worker_imports import import_guard, nereus_packages
 
 __all__ = [
     "LOOPBACK",
@@ -85,9 +85,6 @@ def _serialize_bf16_tensors() -> None:
 _serialize_bf16_tensors()
 
 LOOPBACK = "127.0.0.1"
-
-# Nereus's top-level packages: each must resolve on a worker as it does on the driver.
-NEREUS_PACKAGES = ("nereus_core", "storage", "tasks", "flows")
 
 
 class ClusterError(RuntimeError):
@@ -164,62 +161,6 @@ def _warn_if_plain(address: str) -> None:
         )
 
 
-def nereus_packages() -> dict[str, str | None]:
-    """Where each Nereus package's ``__init__.py`` is in this process (None: no regular package)."""
-    found: dict[str, str | None] = {}
-    for name in NEREUS_PACKAGES:
-        spec = importlib.util.find_spec(name)  # a top-level name: found, not imported
-        found[name] = spec.origin if spec is not None and spec.has_location else None
-    return found
-
-
-def _import_guard() -> Callable[..., dict[str, Any]]:
-    """The function ``guard_imports`` runs on a worker. Built in here, so that Dask sends it by value:
-    sent by reference, unpickling it would import Nereus on the worker before its path is fixed.
-    It returns the worker's pid and the first package that resolves wrongly, with where it resolves."""
-
-    def guard(packages: dict[str, str | None], driver_host: str, dask_worker: Any = None) -> dict[str, Any]:
-        import importlib
-        import importlib.util
-        import os
-        import socket
-        import sys
-
-        # The worker's local directory holds Dask's spill directory ``storage/``, and Dask puts it
-        # first on the path, as do the nanny and a LocalCluster's scheduler (whose path a spawned
-        # worker inherits) with theirs: all under a ``dask-scratch-space``. Nothing of Nereus is there.
-        def scratch(path: str) -> bool:
-            real = os.path.realpath(path)
-            return real == local or "dask-scratch-space" in real.split(os.sep)
-
-        local = os.path.realpath(dask_worker.local_directory)
-        sys.path[:] = [p for p in sys.path if not p or not scratch(p)]
-        importlib.invalidate_caches()
-        here: dict[str, str] = {}
-        for name in packages:
-            try:
-                spec = importlib.util.find_spec(name)
-            except (ImportError, ValueError):
-                spec = None
-            if spec is None or not (spec.has_location and spec.origin):
-                folders = list(spec.submodule_search_locations or []) if spec is not None else []
-                found = f"the folder {folders[0]}" if folders else "nothing (not installed there)"
-                return {"pid": os.getpid(), "problem": (name, found)}
-            here[name] = os.path.realpath(spec.origin)
-        # On the driver's host, the very same files; elsewhere, one installation of all of them.
-        roots = {os.path.dirname(os.path.dirname(p)) for p in here.values()}
-        for name, origin in here.items():
-            expected = packages[name]
-            if socket.gethostname() == driver_host:
-                if expected is None or origin != os.path.realpath(expected):
-                    return {"pid": os.getpid(), "problem": (name, origin)}
-            elif len(roots) > 1:
-                return {"pid": os.getpid(), "problem": (name, f"{origin}, apart from the others")}
-        return {"pid": os.getpid(), "problem": None}
-
-    return guard
-
-
 class DaskCluster:
     """A client of ``scheduler_address``, or of a LocalCluster of ``workers`` processes on loopback."""
 
@@ -273,7 +214,7 @@ class DaskCluster:
         driver = nereus_packages()
         try:
             answers = self.client.run(
-                _import_guard(),
+                import_guard(),
                 driver,
                 socket.gethostname(),
                 workers=addresses,

@@ -39,6 +39,18 @@ def _field(record: Mapping[str, Any], name: str, position: int) -> str:
     return value
 
 
+def _verl_row(source: str, content: str, truth: str, position: int, **extra: Any) -> dict[str, Any]:
+    """The row every data set makes (the module docstring): ``content``, the user's message;
+    ``extra``, the data set's own fields of ``extra_info`` after the split and the index."""
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"split": split_of(position), "index": position, **extra},
+    }
+
+
 def gsm8k_row(record: Mapping[str, Any], position: int) -> dict[str, Any]:
     """A verl row of one GSM8K record ``{question, answer}``."""
     question, answer = _field(record, "question", position), _field(record, "answer", position)
@@ -46,33 +58,23 @@ def gsm8k_row(record: Mapping[str, Any], position: int) -> dict[str, Any]:
         truth = gsm8k.ground_truth(answer)
     except ValueError as err:
         raise ValueError(f"record {position}: {err}") from None
-    split = split_of(position)
-    return {
-        "data_source": GSM8K_SOURCE,
-        "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": truth},
-        "extra_info": {"split": split, "index": position, "answer": answer, "question": question},
-    }
+    return _verl_row(
+        GSM8K_SOURCE, f"{question} {GSM8K_INSTRUCTION}", truth, position, answer=answer, question=question
+    )
 
 
 def math500_row(record: Mapping[str, Any], position: int) -> dict[str, Any]:
     """A verl row of one MATH500 record ``{problem, answer, subject, level, unique_id}``."""
     problem, answer = _field(record, "problem", position), _field(record, "answer", position)
-    split = split_of(position)
-    return {
-        "data_source": MATH500_SOURCE,
-        "prompt": [{"role": "user", "content": f"{problem} {MATH_INSTRUCTION}"}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": answer},
-        "extra_info": {
-            "split": split,
-            "index": position,
-            "subject": str(record.get("subject", "")),
-            "level": int(record.get("level") or 0),
-            "unique_id": str(record.get("unique_id", "")),
-        },
-    }
+    return _verl_row(
+        MATH500_SOURCE,
+        f"{problem} {MATH_INSTRUCTION}",
+        answer,
+        position,
+        subject=str(record.get("subject", "")),
+        level=int(record.get("level") or 0),
+        unique_id=str(record.get("unique_id", "")),
+    )
 
 
 CONVERTERS: dict[str, Callable[[Mapping[str, Any], int], dict[str, Any]]] = {

@@ -50,6 +50,18 @@ def same_degrees(a: GlobalPlan, b: GlobalPlan) -> bool:
     )
 
 
+def first_observation(world: World) -> Observation:
+    """What the controller sees before step 0 of the world's trace: the first plan is chosen on it."""
+    tr = world.trace
+    return Observation(
+        step=0,
+        remaining_steps=tr.steps,
+        devices=int(tr.devices[0]),
+        memory_per_device=tr.memory_bytes(0),
+        workload=tr.workloads[0],
+    )
+
+
 class NereusStrategy:
     """The adaptive strategy: the real controller, fed simulated measurements."""
 
@@ -81,14 +93,7 @@ class NereusStrategy:
     def begin(self, world: World) -> Move:
         tr = world.trace
         self.state = ControllerState.initial(self.model, self.profile, self.settings, stages=PPO_STAGES)
-        obs = Observation(
-            step=0,
-            remaining_steps=tr.steps,
-            devices=int(tr.devices[0]),
-            memory_per_device=tr.memory_bytes(0),
-            workload=tr.workloads[0],
-        )
-        d, charged, wall = self._decide(obs)
+        d, charged, wall = self._decide(first_observation(world))
         if d.plan is None:
             raise SimError(f"trace {tr.name}: no plan fits at step 0: {d.reason}")
         self.plan = d.plan
@@ -239,17 +244,10 @@ class StaticStrategy(FixedStrategy):
         self.model, self.profile, self.settings = model, profile, settings
 
     def initial_plan(self, world: World) -> GlobalPlan:
-        tr = world.trace
-        obs = Observation(
-            step=0,
-            remaining_steps=tr.steps,
-            devices=int(tr.devices[0]),
-            memory_per_device=tr.memory_bytes(0),
-            workload=tr.workloads[0],
-        )
-        d = decide(obs, ControllerState.initial(self.model, self.profile, self.settings, stages=PPO_STAGES))
+        state = ControllerState.initial(self.model, self.profile, self.settings, stages=PPO_STAGES)
+        d = decide(first_observation(world), state)
         if d.plan is None:
-            raise SimError(f"trace {tr.name}: no plan fits at step 0: {d.reason}")
+            raise SimError(f"trace {world.trace.name}: no plan fits at step 0: {d.reason}")
         return d.plan
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
