@@ -109,8 +109,8 @@ class RewardConfig(_Frozen):
     model_path: str | None = Field(
         default=None,
         description="A reward model: a one-label LlamaFor/Qwen2ForSequenceClassification directory of the "
-        "actor's vocabulary (its other shapes its own). Its score at each sequence's last real token is PPO's reward; "
-        "reward.function still scores validation and is logged as rule_score.",
+        "actor's vocabulary (its other shapes its own). Its score at each sequence's last real token is "
+        "PPO's reward; reward.function still scores validation and is logged as rule_score.",
     )
 
     @field_validator("function")
