@@ -15,9 +15,8 @@ and steps, per strategy the mean over seeds of mean_step_s, throughput_tokens_pe
 transitions, transition_s_total, transition_overhead_frac (and the controller's share,
 retunes, per-seed values; nereus_core/sim/results.py defines each), and ``compare``: the
 adaptive strategy's throughput ratio and step-latency change against every other
-strategy. Everything in
-it is deterministic in the config and seeds; wall time and the controller's measured
-time go to timing.json.
+strategy. Everything in it is deterministic in the config and seeds; wall time and the
+controller's measured time go to timing.json.
 """
 
 from __future__ import annotations

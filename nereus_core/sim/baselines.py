@@ -31,7 +31,7 @@ in its ``ray_trainer.py``) and the reference's only with a KL term (``Role.RefPo
 when ``use_kl_loss`` or ``use_kl_in_reward``), and keeps every role it builds colocated in
 the one pool; OpenRLHF creates the critic's Ray group only with ``--critic_pretrain``
 (``train_ppo_ray.py``), so its pools (``POOLS``) lose the critic's and keep the others,
-and with a rule reward (``--remote_rm_url`` or a reward function) no reward model runs.
+and with a rule reward (``--remote_rm_url`` naming a reward function) no reward model runs.
 """
 
 from __future__ import annotations
