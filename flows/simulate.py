@@ -10,13 +10,13 @@
            --> build_summary --> write_outputs (task): summary.json, steps.parquet,
                plans.json, timing.json, plots/
 
-summary.json: per trace, its devices and steps, per strategy the mean over seeds of
-mean_step_s, throughput_tokens_per_s, transitions, transition_s_total,
-transition_overhead_frac (and the controller's share, retunes, per-seed values;
-nereus_core/sim/results.py defines each), and ``compare``: the adaptive strategy's
-throughput ratio and step-latency change against every other strategy. Everything in
-it is deterministic in the config and seeds; wall time and the controller's measured
-time go to timing.json.
+summary.json: the job (algorithm, group_size, its model-stages), per trace its devices
+and steps, per strategy the mean over seeds of mean_step_s, throughput_tokens_per_s,
+transitions, transition_s_total, transition_overhead_frac (and the controller's share,
+retunes, per-seed values; nereus_core/sim/results.py defines each), and ``compare``: the
+adaptive strategy's throughput ratio and step-latency change against every other
+strategy. Everything in it is deterministic in the config and seeds; wall time and the
+controller's measured time go to timing.json.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from nereus_core.config import ConfigError
 from nereus_core.sim.config import SimConfig, parse_sim_config
 from nereus_core.sim.job import SimJob
 from nereus_core.sim.results import build_summary
+from nereus_core.sim.trace import Trace
 from tasks.sim_tasks import SweepCluster, load_traces, simulate_run, write_outputs
 
 
@@ -52,6 +53,16 @@ def read_sim_config(path: Path) -> SimConfig:
     return parse_sim_config(data)
 
 
+def check_groups(config: SimConfig, traces: dict[str, Trace]) -> None:
+    """``ConfigError`` naming the first trace and step whose batch (the step's sequences) does not
+    split into whole groups of ``algorithm.group_size`` responses per prompt (``batch_error``'s rule)."""
+    for name, trace in traces.items():
+        for k, batch in enumerate(trace.batch.tolist()):
+            problem = config.algorithm.batch_error(int(batch), 1)
+            if problem:
+                raise ConfigError(f"traces.{name}: step {k}, column batch: {problem}")
+
+
 def _header(config: SimConfig) -> dict[str, Any]:
     adaptive = next((n for n, s in config.strategies.items() if s.kind == "nereus"), None)
     m = config.model
@@ -64,6 +75,9 @@ def _header(config: SimConfig) -> dict[str, Any]:
             "kv_heads": m.num_key_value_heads,
             "vocab": m.vocab_size,
         },
+        "algorithm": config.algorithm.name,
+        "group_size": config.algorithm.group_size,
+        "stages": [str(s) for s in config.stages],
         "profile": config.profile,
         "seeds": list(config.seeds),
         "adaptive": adaptive,
@@ -113,7 +127,7 @@ def run_simulation(config_path: Path, out_dir: Path) -> dict[str, Any]:
     """Read the config and run the flow, with as many task threads as runs can be in flight."""
     config = read_sim_config(config_path)
     config_dir = str(config_path.resolve().parent)
-    load_traces.fn(config, config_dir)  # bad trace files fail here, before Prefect starts
+    check_groups(config, load_traces.fn(config, config_dir))  # bad traces fail here, before Prefect starts
     workers = config.sweep.workers if config.sweep.mode != "inprocess" else 1
     runner = ThreadPoolTaskRunner(max_workers=max(1, workers))
     return simulate_flow.with_options(task_runner=runner)(

@@ -1,4 +1,5 @@
-"""The trace-driven simulator: a PPO job replayed step by step through the real controller and cost model.
+"""The trace-driven simulator: a PPO or GRPO job replayed step by step through the real controller and
+cost model (the job's model-stages: ``SimConfig.stages``).
 
 Boundary: a trace (devices, capacity and lengths per step) and a hidden "truth"
 (the analytic cost model times seeded per-term factors and per-stage noise) go in;

@@ -24,6 +24,14 @@ waves, verl's dynamic batch size) are re-picked every step at the true cost.
   when colocated. Within a step: generation, then the inference stages, then training;
   models on different GPUs run those phases concurrently (OpenRLHF calls their Ray
   actors together), models sharing GPUs one after another, and pools idle otherwise.
+
+Both place only the model-stages the job has (``World.stages``). For GRPO that is what
+each does: verl builds the critic's worker group only for GAE advantages (``need_critic``
+in its ``ray_trainer.py``) and the reference's only with a KL term (``Role.RefPolicy``
+when ``use_kl_loss`` or ``use_kl_in_reward``), and keeps every role it builds colocated in
+the one pool; OpenRLHF creates the critic's Ray group only with ``--critic_pretrain``
+(``train_ppo_ray.py``), so its pools (``POOLS``) lose the critic's and keep the others,
+and with a rule reward (``--remote_rm_url`` naming a reward function) no reward model runs.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import numpy as np
 from nereus_core.controller import ControllerSettings
 from nereus_core.cost_model import Scales, Workload
 from nereus_core.layout import Layout
-from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan, Placement
+from nereus_core.plan import GENERATE, GlobalPlan, Placement
 from nereus_core.plan_estimate import step_seconds
 from nereus_core.plan_search import Searcher, SearchSpace
 from nereus_core.sim.config import StrategySpec
@@ -62,6 +70,13 @@ POOLS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 Combine = Callable[[GlobalPlan, Mapping[str, float], float], float]
+
+
+def job_pools(placement: str, stages: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """The pools of ``POOLS[placement]`` holding the job's ``stages``: each keeps only the job's stages,
+    and a pool left with none (GRPO's critic pool) is not created."""
+    pools = {p: tuple(s for s in held if s in stages) for p, held in POOLS[placement].items()}
+    return {p: held for p, held in pools.items() if held}
 
 
 def sample_steps(steps: int, count: int) -> list[int]:
@@ -117,7 +132,7 @@ class VerlStrategy(FixedStrategy):
         )
         candidates: dict[str, GlobalPlan] = {}
         for work in sorted(picks, key=lambda w: w.response_mean):
-            found = Searcher(space, work, world.models, world.profile, Scales(), stages=MODEL_STAGES).run()
+            found = Searcher(space, work, world.models, world.profile, Scales(), stages=world.stages).run()
             for f in found.feasible[:3]:
                 for plan in self._rollout_variants(world, f.plan, n, work.batch):
                     candidates.setdefault(plan.plan_id, plan)
@@ -181,7 +196,7 @@ class OpenRLHFStrategy(FixedStrategy):
             found = (
                 self._colocated(world, n, works, usable)
                 if placement == "colocated"
-                else self._pooled(world, POOLS[placement], n, works, usable)
+                else self._pooled(world, job_pools(placement, world.stages), n, works, usable)
             )
             if found is not None and (best is None or found[0] < best[0]):
                 best = found
@@ -196,7 +211,7 @@ class OpenRLHFStrategy(FixedStrategy):
     ) -> tuple[float, GlobalPlan]:
         batch, best = works[0].batch, (INF, None)
         for vllm_tp, ds_tp in itertools.product(tp_options(world, n), repeat=2):
-            layouts = {s: Layout.contiguous(tp=ds_tp, dp=largest_dp(batch, n // ds_tp)) for s in MODEL_STAGES}
+            layouts = {s: Layout.contiguous(tp=ds_tp, dp=largest_dp(batch, n // ds_tp)) for s in world.stages}
             layouts[GENERATE] = Layout.contiguous(tp=vllm_tp, dp=largest_dp(batch, n // vllm_tp))
             plan = GlobalPlan.model_construct(placement="colocated", layouts=layouts)
             seconds = oracle_seconds(world, plan, works, usable, self.combine)
@@ -248,7 +263,7 @@ class OpenRLHFStrategy(FixedStrategy):
         if best is None or best[0] == INF:
             return None
         total, chosen, ds_tp = best
-        return total, self._assemble(pools, chosen, gen_tp[chosen["G"]], ds_tp, works[0].batch)
+        return total, self._assemble(world, pools, chosen, gen_tp[chosen["G"]], ds_tp, works[0].batch)
 
     def _generation(
         self, world: World, sizes: list[int], n: int, works: list[Workload], usable: float
@@ -272,7 +287,13 @@ class OpenRLHFStrategy(FixedStrategy):
         return best, best_tp
 
     def _assemble(
-        self, pools: dict[str, tuple[str, ...]], sizes: dict[str, int], gen_tp: int, ds_tp: int, batch: int
+        self,
+        world: World,
+        pools: dict[str, tuple[str, ...]],
+        sizes: dict[str, int],
+        gen_tp: int,
+        ds_tp: int,
+        batch: int,
     ) -> GlobalPlan:
         """Pools on consecutive slots, largest first (each starts on a node boundary or inside one node)."""
         layouts: dict[str, Layout] = {}
@@ -283,7 +304,7 @@ class OpenRLHFStrategy(FixedStrategy):
                 layouts[s] = Layout.contiguous(tp=tp, dp=largest_dp(batch, sizes[p] // tp), first=first)
             first += sizes[p]
         placement: Placement = "disaggregated"
-        return GlobalPlan.model_construct(placement=placement, layouts={s: layouts[s] for s in MODEL_STAGES})
+        return GlobalPlan.model_construct(placement=placement, layouts={s: layouts[s] for s in world.stages})
 
 
 def _phase(

@@ -13,8 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from nereus_core.algorithm import AlgorithmConfig
 from nereus_core.config import LLAMA_3_8B, ConfigError, ModelConfig
 from nereus_core.controller import ControllerSettings
+from nereus_core.plan import ModelStage, stages_for
 
 StrategyKind = Literal["nereus", "static", "openrlhf", "verl"]
 OpenRLHFPlacement = Literal["separate", "paired", "colocated"]
@@ -119,7 +121,16 @@ class SimConfig(_Frozen):
     """Everything one ``nereus simulate`` run needs."""
 
     name: str = Field(default="nereus-sim", min_length=1, description="Name of the simulation.")
-    model: ModelConfig = Field(default=LLAMA_3_8B, description="Shapes of every PPO model (8B by default).")
+    model: ModelConfig = Field(default=LLAMA_3_8B, description="Shapes of the job's models (8B by default).")
+    algorithm: AlgorithmConfig = Field(
+        default=AlgorithmConfig(),
+        description="ppo (the default) or grpo with its group_size: which model-stages the job has.",
+    )
+    kl: bool = Field(
+        default=True,
+        description="A KL term is used (reward penalty or loss), so reference/infer runs; PPO runs it anyway "
+        "(AlgorithmConfig.uses_reference).",
+    )
     profile: Literal["h100", "cpu"] = Field(default="h100", description="Hardware profile (hardware.py).")
     seeds: tuple[int, ...] = Field(default=(0,), min_length=1, description="Seeds; each draws its own truth.")
     ppo_epochs: int = Field(default=1, ge=1, le=64, description="Passes of the train stages per step.")
@@ -147,6 +158,15 @@ class SimConfig(_Frozen):
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={list(self.seeds)} repeats a seed; list each once")
         return self
+
+    @property
+    def stages(self) -> tuple[ModelStage, ...]:
+        """The simulated job's model-stages (``plan.stages_for``): every strategy and the world ask this.
+        A reward model scores PPO's responses and a rule GRPO's (``AlgorithmConfig.uses_reward_model``)."""
+        a = self.algorithm
+        return stages_for(
+            critic=a.uses_critic, reference=a.uses_reference(kl=self.kl), reward_model=a.uses_reward_model
+        )
 
     def strategies_for(self, trace: TraceSpec) -> tuple[str, ...]:
         return trace.strategies or tuple(self.strategies)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from nereus_core.cost_model import Workload
-from nereus_core.plan import MODEL_STAGES, GlobalPlan
+from nereus_core.plan import GlobalPlan
 from nereus_core.sim.world import World
 
 MoveKind = Literal["start", "keep", "switch", "retune", "rescale", "none"]
@@ -132,7 +132,7 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
                 "placement": plan.placement,
                 "devices_used": len(plan.devices),
                 "fits": bool(fits),
-                **{stage_column(s): measured.get(s, 0.0) for s in MODEL_STAGES},
+                **{stage_column(s): measured.get(s, 0.0) for s in world.stages},
                 "sync_s": sync,
                 "stages_s": stage_s,
                 "decide_s": decide_s,

@@ -59,6 +59,6 @@ def run_job(job: SimJob) -> SimResult:
     """Simulate one (trace, strategy, seed)."""
     cfg = job.config
     trace = replace(job.trace, ppo_epochs=cfg.ppo_epochs)
-    world = World(trace, cfg.model, get_profile(cfg.profile), cfg.noise, job.seed)
+    world = World(trace, cfg.model, get_profile(cfg.profile), cfg.noise, job.seed, stages=cfg.stages)
     records, plans = simulate(world, make_strategy(cfg, job.strategy), trace=trace.name, seed=job.seed)
     return SimResult(trace.name, job.strategy, job.seed, records, plans, summarize_run(records))

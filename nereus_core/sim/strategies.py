@@ -10,6 +10,8 @@
   (and its slots) is scaled with them, and that rescale costs a transition like any
   other. Micro-batch counts (generation waves) are re-picked every step with the true
   cost, in its favour: vLLM admits what fits and trainers tune micro-batches.
+Every strategy plans the job's model-stages and no others (``World.stages``, which
+``SimConfig.stages`` sets: PPO's six, GRPO's actor pair and the reference with a KL term).
 Every strategy has the same memory option: a train stage that would not fit otherwise
 turns on full activation recomputation at its time cost (``World.run_plan``, ``World.tune``).
 """
@@ -32,7 +34,7 @@ from nereus_core.controller import (
 from nereus_core.cost_model import Workload
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
-from nereus_core.plan import PPO_STAGES, GlobalPlan  # the simulator runs PPO jobs
+from nereus_core.plan import GlobalPlan
 from nereus_core.plan_estimate import step_seconds
 from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.engine import Move, Prepared, SimError, StepRun
@@ -92,7 +94,7 @@ class NereusStrategy:
 
     def begin(self, world: World) -> Move:
         tr = world.trace
-        self.state = ControllerState.initial(self.model, self.profile, self.settings, stages=PPO_STAGES)
+        self.state = ControllerState.initial(self.model, self.profile, self.settings, stages=world.stages)
         d, charged, wall = self._decide(first_observation(world))
         if d.plan is None:
             raise SimError(f"trace {tr.name}: no plan fits at step 0: {d.reason}")
@@ -244,7 +246,7 @@ class StaticStrategy(FixedStrategy):
         self.model, self.profile, self.settings = model, profile, settings
 
     def initial_plan(self, world: World) -> GlobalPlan:
-        state = ControllerState.initial(self.model, self.profile, self.settings, stages=PPO_STAGES)
+        state = ControllerState.initial(self.model, self.profile, self.settings, stages=world.stages)
         d = decide(first_observation(world), state)
         if d.plan is None:
             raise SimError(f"trace {world.trace.name}: no plan fits at step 0: {d.reason}")

@@ -1,8 +1,9 @@
-"""A trace: what the cluster and the data do to a PPO job, step by step.
+"""A trace: what the cluster and the data do to a job (PPO or GRPO), step by step.
 
 Boundary: CSV text in (the caller reads the file), a validated ``Trace`` out.
 Each step gives the devices available, the usable memory per device (memory
-pressure events lower it), the batch, the mean prompt length, and the response-length
+pressure events lower it), the batch (the step's sequences: prompts x responses per
+prompt, a GRPO job's ``group_size``), the mean prompt length, and the response-length
 distribution (mean, p90, max). How the shipped traces were derived from public
 data is in data/traces/README.md and benchmarks/build_traces.py.
 

@@ -25,7 +25,7 @@ from nereus_core.cost_model import Workload, stage_kind
 from nereus_core.cost_terms import PERSISTENT, Geometry, layout_geometry, model_stats, stage_tables
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
-from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan, model_of, models_for
+from nereus_core.plan import GENERATE, MODEL_STAGES, PPO_STAGES, GlobalPlan, ModelStage, model_of, models_for
 from nereus_core.sim import stage_world as sw
 from nereus_core.sim import transitions
 from nereus_core.sim.config import NoiseSettings
@@ -59,15 +59,26 @@ def model_size(m: ModelConfig) -> sw.ModelSize:
 
 
 class World:
-    """One (trace, seed): the sequences of every step, the noise, and the true cost of anything run."""
+    """One (trace, seed) of a job whose model-stages are ``stages`` (``SimConfig.stages``; default a PPO
+    job's): the sequences of every step, the noise, and the true cost of anything run. Strategies plan
+    ``stages`` and nothing else, so only those are ever timed."""
 
     def __init__(
-        self, trace: Trace, model: ModelConfig, profile: HardwareProfile, noise: NoiseSettings, seed: int
+        self,
+        trace: Trace,
+        model: ModelConfig,
+        profile: HardwareProfile,
+        noise: NoiseSettings,
+        seed: int,
+        *,
+        stages: tuple[ModelStage, ...] = PPO_STAGES,
     ) -> None:
-        self.trace, self.profile, self.seed = trace, profile, seed
-        self.models = models_for(model)
+        self.trace, self.profile, self.seed, self.stages = trace, profile, seed, stages
+        self.models = {m: v for m, v in models_for(model).items() if m in {model_of(s) for s in stages}}
         self.sizes = {name: model_size(m) for name, m in self.models.items()}
         self.constants = sw.FITTED
+        # One noise column per model-stage there is (and the sync), whichever the job has: a stage meets
+        # the same noise in a PPO and a GRPO run of one (trace, seed).
         rng = np.random.default_rng([seed, 20_260_117])
         self.stage_noise = np.exp(rng.normal(0.0, noise.stage_sigma, size=(trace.steps, SYNC + 1)))
         self.transition_noise = np.exp(rng.normal(0.0, noise.transition_sigma, size=trace.steps))
