@@ -30,6 +30,7 @@ the low bits every step adds to it. Parameters take the model's dtype; the rest 
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
@@ -87,18 +88,40 @@ class TensorSpec:
         return SliceSpec(self.shape, piece.box)
 
 
-@dataclass(frozen=True)
+Recipe = tuple[ModelConfig, Layout, bool, int | None]  # what a shard map is a function of
+
+
+@dataclass(frozen=True, eq=False)
 class ShardMap:
-    """Every tensor of one model-stage under one layout, in a fixed order (params in HF order first)."""
+    """Every tensor of one model-stage under one layout, in a fixed order (params in HF order first).
+
+    A shard map is a function of its ``recipe`` (config, layout, train, uniform item size if any):
+    ``shard_map`` builds it, maps of one recipe are equal, and a map pickles as its recipe, so
+    that sending one to a device costs a few hundred bytes and each process builds it once.
+    """
 
     config: ModelConfig
     layout: Layout
     train: bool
     tensors: tuple[TensorSpec, ...]
+    dtype_bytes: int | None = None
     _index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {t.name: t for t in self.tensors})
+
+    @property
+    def recipe(self) -> Recipe:
+        return (self.config, self.layout, self.train, self.dtype_bytes)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ShardMap) and self.recipe == other.recipe
+
+    def __hash__(self) -> int:
+        return hash(self.recipe)
+
+    def __reduce__(self) -> tuple[object, Recipe]:
+        return (_shard_map, self.recipe)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -184,7 +207,13 @@ def shard_map(
     """The shard map of a model-stage under ``layout``; ``train`` adds AdamW state (ZeRO-1 over dp).
 
     Item sizes: the parameters' from ``model.dtype``, fp32 for the optimizer's state;
-    ``dtype_bytes`` sets one size for every tensor instead (a uniform estimate)."""
+    ``dtype_bytes`` sets one size for every tensor instead (a uniform estimate). Each process keeps
+    the maps it built last (a map is a value of its arguments; see ``ShardMap``)."""
+    return _shard_map(config, layout, train, dtype_bytes)
+
+
+@functools.lru_cache(maxsize=32)
+def _shard_map(config: ModelConfig, layout: Layout, train: bool, dtype_bytes: int | None) -> ShardMap:
     for problem in (config.tp_error(layout.tp), config.pp_error(layout.pp)):
         if problem:
             raise ValueError(f"layout {layout.key}: {problem}")
@@ -207,7 +236,7 @@ def shard_map(
     if train:
         steps = tuple(Piece(d, c, Box((), ())) for d, c in coords)
         moments.append(TensorSpec(STEP, "", "step", (), None, None, state_bytes, steps))
-    return ShardMap(config, layout, train, tuple(params + moments))
+    return ShardMap(config, layout, train, tuple(params + moments), dtype_bytes)
 
 
 def bytes_per_device(
@@ -252,14 +281,28 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True)
 class ReshardPlan:
-    """Cross-device ``transfers`` and same-device ``local`` copies that build the new placement."""
+    """Cross-device ``transfers`` and same-device ``local`` copies that build the new placement.
 
-    old_key: str
-    new_key: str
+    A function of its two shard maps (``plan_reshard``); it pickles as them, as they do as their
+    recipes, so a device is sent a few hundred bytes and plans once per pair of maps."""
+
+    old_map: ShardMap = field(repr=False)
+    new_map: ShardMap = field(repr=False)
     transfers: tuple[Transfer, ...]
     local: tuple[Transfer, ...]
     bytes_moved: int
     bytes_local: int
+
+    @property
+    def old_key(self) -> str:
+        return self.old_map.layout.key
+
+    @property
+    def new_key(self) -> str:
+        return self.new_map.layout.key
+
+    def __reduce__(self) -> tuple[object, tuple[ShardMap, ShardMap]]:
+        return (plan_reshard, (self.old_map, self.new_map))
 
     def sent_bytes(self) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
@@ -328,7 +371,14 @@ def plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
     A region already on the destination device is a local copy (no bytes over a link);
     otherwise its source is the holder with the fewest bytes sent so far (ties: lowest
     device), which spreads replicated tensors (dp replicas, norms across tp) over their holders.
+    Each process keeps the plans it made last: a transition or weight sync that recurs (every
+    step's sync, a round trip) is planned once, on the driver and on each device.
     """
+    return _plan_reshard(old_map, new_map)
+
+
+@functools.lru_cache(maxsize=16)
+def _plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
     _check_compatible(old_map, new_map)
     sent: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
@@ -346,8 +396,8 @@ def plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
                     sent[src] += nbytes
                     transfers.append(move)
     return ReshardPlan(
-        old_key=old_map.layout.key,
-        new_key=new_map.layout.key,
+        old_map=old_map,
+        new_map=new_map,
         transfers=tuple(transfers),
         local=tuple(local),
         bytes_moved=sum(t.nbytes for t in transfers),
