@@ -23,7 +23,8 @@ end (``vs_p2p``), on the devices (``device_vs_p2p``: allocating the new stage, t
 installing) and in the exchange alone; and the transfer floor of each plan (its bytes per
 device pair moved at once as warm contiguous buffers, all pairs sharing the cores as in the
 reshard) over the live path's device time. Before measuring, one small reshard per worker pays
-the first-use costs (imports, DeepSpeed's op build), as a running job has. Live figures are
+the first-use costs (imports, DeepSpeed's first engine, the new groups' gloo connections),
+as a running job has. Live figures are
 medians of ``--repeats`` round trips (old -> new -> old; all seconds listed), the durable path
 and the baseline run once each; the load average is reported with them, since on a shared
 machine other work competes for the same cores. ``--thp`` backs the workers' large tensors
@@ -274,7 +275,7 @@ def bench_baseline(
 
 
 def warm_up(pool: DevicePool) -> float:
-    """First use on each worker: import the reshard modules, build DeepSpeed's op (seconds, once)."""
+    """First use on each worker: imports, DeepSpeed's first engine, the groups' connections (seconds)."""
     start = time.perf_counter()
     tiny = ModelConfig(num_attention_heads=8, num_key_value_heads=4)
     old, new = Layout.contiguous(tp=2), Layout.contiguous(tp=4)
