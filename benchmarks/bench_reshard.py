@@ -12,11 +12,12 @@ One run measures, side by side on the same machine and pool:
 - with ``--train`` (default) also tp2 -> tp4 of a train stage (AdamW moments and step move too).
 
 Where the live path's time goes (issue 16): ``call_s`` is the end-to-end time outside the devices
-(planning on the driver, the call to the actors), ``prepare_s`` reading the old pieces, packing and
-posting the sends and allocating the new shard, ``exchange_s`` the messages (and the first touch
-of the new shard's memory), ``install_s`` making it resident. ``--compare-thp`` runs the live
-parameter-only reshards on a second pool whose workers back large tensors with transparent huge
-pages, interleaved repeat by repeat with the first so that the machine's load hits both alike.
+(planning on the driver, the call to the actors), ``prepare_s`` allocating the new shard and
+posting its receives, then reading the old pieces, packing and posting the sends, ``exchange_s``
+the local copies and the messages, ``install_s`` making the new shard resident. ``--compare-thp``
+runs the live parameter-only reshards on a second pool whose workers back large tensors with
+transparent huge pages, interleaved repeat by repeat with the first so that the machine's load
+hits both alike.
 Every reshard is checked bit for bit against the seeded weights. Ratios: baseline/live, and
 the live path's bytes moved per second against the measured point-to-point bandwidth: end to
 end (``vs_p2p``), on the devices (``device_vs_p2p``: allocating the new stage, the exchange,
