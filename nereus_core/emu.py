@@ -88,22 +88,17 @@ class TensorSpec:
         return SliceSpec(self.shape, piece.box)
 
 
-Recipe = tuple[ModelConfig, Layout, bool, int | None]  # what a shard map is a function of
-
-
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class ShardMap:
     """Every tensor of one model-stage under one layout, in a fixed order (params in HF order first).
 
-    A shard map is a function of its ``recipe`` (config, layout, train, uniform item size if any):
-    ``shard_map`` builds it, maps of one recipe are equal, and a map pickles as its recipe, so
-    that sending one to a device costs a few hundred bytes and each process builds it once.
-    """
+    A function of its ``recipe`` (``shard_map``'s arguments): equal recipes, equal maps; it pickles
+    as its recipe (a few hundred bytes to a device, which builds it once)."""
 
     config: ModelConfig
     layout: Layout
     train: bool
-    tensors: tuple[TensorSpec, ...]
+    tensors: tuple[TensorSpec, ...] = field(compare=False)  # a function of the other fields
     dtype_bytes: int | None = None
     _index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
 
@@ -111,16 +106,10 @@ class ShardMap:
         object.__setattr__(self, "_index", {t.name: t for t in self.tensors})
 
     @property
-    def recipe(self) -> Recipe:
+    def recipe(self) -> tuple[ModelConfig, Layout, bool, int | None]:
         return (self.config, self.layout, self.train, self.dtype_bytes)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ShardMap) and self.recipe == other.recipe
-
-    def __hash__(self) -> int:
-        return hash(self.recipe)
-
-    def __reduce__(self) -> tuple[object, Recipe]:
+    def __reduce__(self) -> tuple[object, tuple[ModelConfig, Layout, bool, int | None]]:
         return (_shard_map, self.recipe)
 
     @property
@@ -207,8 +196,7 @@ def shard_map(
     """The shard map of a model-stage under ``layout``; ``train`` adds AdamW state (ZeRO-1 over dp).
 
     Item sizes: the parameters' from ``model.dtype``, fp32 for the optimizer's state;
-    ``dtype_bytes`` sets one size for every tensor instead (a uniform estimate). Each process keeps
-    the maps it built last (a map is a value of its arguments; see ``ShardMap``)."""
+    ``dtype_bytes`` sets one size for every tensor instead (a uniform estimate). Cached per process."""
     return _shard_map(config, layout, train, dtype_bytes)
 
 
@@ -281,10 +269,8 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True)
 class ReshardPlan:
-    """Cross-device ``transfers`` and same-device ``local`` copies that build the new placement.
-
-    A function of its two shard maps (``plan_reshard``); it pickles as them, as they do as their
-    recipes, so a device is sent a few hundred bytes and plans once per pair of maps."""
+    """Cross-device ``transfers`` and same-device ``local`` copies that build the new placement;
+    a function of its two shard maps (``plan_reshard``), it pickles as them."""
 
     old_map: ShardMap = field(repr=False)
     new_map: ShardMap = field(repr=False)
@@ -292,14 +278,6 @@ class ReshardPlan:
     local: tuple[Transfer, ...]
     bytes_moved: int
     bytes_local: int
-
-    @property
-    def old_key(self) -> str:
-        return self.old_map.layout.key
-
-    @property
-    def new_key(self) -> str:
-        return self.new_map.layout.key
 
     def __reduce__(self) -> tuple[object, tuple[ShardMap, ShardMap]]:
         return (plan_reshard, (self.old_map, self.new_map))
@@ -364,6 +342,7 @@ def _check_compatible(old: ShardMap, new: ShardMap) -> None:
             )
 
 
+@functools.lru_cache(maxsize=16)
 def plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
     """The slice transfers that turn ``old_map``'s placement into ``new_map``'s.
 
@@ -374,11 +353,6 @@ def plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
     Each process keeps the plans it made last: a transition or weight sync that recurs (every
     step's sync, a round trip) is planned once, on the driver and on each device.
     """
-    return _plan_reshard(old_map, new_map)
-
-
-@functools.lru_cache(maxsize=16)
-def _plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
     _check_compatible(old_map, new_map)
     sent: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []

@@ -41,7 +41,7 @@ def test_a_job_and_its_plan_travel_as_recipes_and_are_rebuilt_exactly(
     assert len(payload) < 2048 < len(pickle.dumps(plan.transfers))
 
     emu._shard_map.cache_clear()  # as in a worker process that never built them
-    emu._plan_reshard.cache_clear()
+    emu.plan_reshard.cache_clear()
     job_there, plan_there = pickle.loads(payload)
     assert plan_there is not plan and job_there.old_map is not old_map
     assert job_there.old_map.tensors == old_map.tensors and job_there.new_map.tensors == new_map.tensors
