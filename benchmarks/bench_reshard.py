@@ -12,18 +12,20 @@ One run measures, side by side on the same machine and pool:
 - with ``--train`` (default) also tp2 -> tp4 of a train stage (AdamW moments and step move too).
 
 Where the live path's time goes (issue 16): ``call_s`` is the end-to-end time outside the devices
-(planning on the driver, the call to the actors), ``prepare_s`` reading the old pieces, packing and
-posting the sends and allocating the new shard, ``exchange_s`` the messages (and the first touch
-of the new shard's memory), ``install_s`` making it resident. ``--compare-thp`` runs the live
-parameter-only reshards on a second pool whose workers back large tensors with transparent huge
-pages, interleaved repeat by repeat with the first so that the machine's load hits both alike.
+(planning on the driver, the call to the actors), ``prepare_s`` allocating the new shard and
+posting its receives, then reading the old pieces, packing and posting the sends, ``exchange_s``
+the local copies and the messages, ``install_s`` making the new shard resident. ``--compare-thp``
+runs the live parameter-only reshards on a second pool whose workers back large tensors with
+transparent huge pages, interleaved repeat by repeat with the first so that the machine's load
+hits both alike.
 Every reshard is checked bit for bit against the seeded weights. Ratios: baseline/live, and
 the live path's bytes moved per second against the measured point-to-point bandwidth: end to
 end (``vs_p2p``), on the devices (``device_vs_p2p``: allocating the new stage, the exchange,
 installing) and in the exchange alone; and the transfer floor of each plan (its bytes per
 device pair moved at once as warm contiguous buffers, all pairs sharing the cores as in the
 reshard) over the live path's device time. Before measuring, one small reshard per worker pays
-the first-use costs (imports, DeepSpeed's op build), as a running job has. Live figures are
+the first-use costs (imports, DeepSpeed's first engine, the new groups' gloo connections),
+as a running job has. Live figures are
 medians of ``--repeats`` round trips (old -> new -> old; all seconds listed), the durable path
 and the baseline run once each; the load average is reported with them, since on a shared
 machine other work competes for the same cores. ``--thp`` backs the workers' large tensors
@@ -274,7 +276,7 @@ def bench_baseline(
 
 
 def warm_up(pool: DevicePool) -> float:
-    """First use on each worker: import the reshard modules, build DeepSpeed's op (seconds, once)."""
+    """First use on each worker: imports, DeepSpeed's first engine, the groups' connections (seconds)."""
     start = time.perf_counter()
     tiny = ModelConfig(num_attention_heads=8, num_key_value_heads=4)
     old, new = Layout.contiguous(tp=2), Layout.contiguous(tp=4)

@@ -175,7 +175,7 @@ def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) 
 
 
 def warm_up(pool: DevicePool) -> float:
-    """First use on each worker (imports, DeepSpeed's op build, the gloo pairs of the sync)."""
+    """First use on each worker (imports, DeepSpeed's first engine, the gloo pairs of the sync)."""
     start = time.perf_counter()
     tiny = ModelConfig(num_attention_heads=8, num_key_value_heads=4)
     for train, copy in SCENARIOS.values():

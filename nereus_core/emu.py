@@ -30,6 +30,7 @@ the low bits every step adds to it. Parameters take the model's dtype; the rest 
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
@@ -89,16 +90,27 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ShardMap:
-    """Every tensor of one model-stage under one layout, in a fixed order (params in HF order first)."""
+    """Every tensor of one model-stage under one layout, in a fixed order (params in HF order first).
+
+    A function of its ``recipe`` (``shard_map``'s arguments): equal recipes, equal maps; it pickles
+    as its recipe (a few hundred bytes to a device, which builds it once)."""
 
     config: ModelConfig
     layout: Layout
     train: bool
-    tensors: tuple[TensorSpec, ...]
+    tensors: tuple[TensorSpec, ...] = field(compare=False)  # a function of the other fields
+    dtype_bytes: int | None = None
     _index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {t.name: t for t in self.tensors})
+
+    @property
+    def recipe(self) -> tuple[ModelConfig, Layout, bool, int | None]:
+        return (self.config, self.layout, self.train, self.dtype_bytes)
+
+    def __reduce__(self) -> tuple[object, tuple[ModelConfig, Layout, bool, int | None]]:
+        return (_shard_map, self.recipe)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -184,7 +196,12 @@ def shard_map(
     """The shard map of a model-stage under ``layout``; ``train`` adds AdamW state (ZeRO-1 over dp).
 
     Item sizes: the parameters' from ``model.dtype``, fp32 for the optimizer's state;
-    ``dtype_bytes`` sets one size for every tensor instead (a uniform estimate)."""
+    ``dtype_bytes`` sets one size for every tensor instead (a uniform estimate). Cached per process."""
+    return _shard_map(config, layout, train, dtype_bytes)
+
+
+@functools.lru_cache(maxsize=32)
+def _shard_map(config: ModelConfig, layout: Layout, train: bool, dtype_bytes: int | None) -> ShardMap:
     for problem in (config.tp_error(layout.tp), config.pp_error(layout.pp)):
         if problem:
             raise ValueError(f"layout {layout.key}: {problem}")
@@ -207,7 +224,7 @@ def shard_map(
     if train:
         steps = tuple(Piece(d, c, Box((), ())) for d, c in coords)
         moments.append(TensorSpec(STEP, "", "step", (), None, None, state_bytes, steps))
-    return ShardMap(config, layout, train, tuple(params + moments))
+    return ShardMap(config, layout, train, tuple(params + moments), dtype_bytes)
 
 
 def bytes_per_device(
@@ -252,14 +269,18 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True)
 class ReshardPlan:
-    """Cross-device ``transfers`` and same-device ``local`` copies that build the new placement."""
+    """Cross-device ``transfers`` and same-device ``local`` copies that build the new placement;
+    a function of its two shard maps (``plan_reshard``), it pickles as them."""
 
-    old_key: str
-    new_key: str
+    old_map: ShardMap = field(repr=False)
+    new_map: ShardMap = field(repr=False)
     transfers: tuple[Transfer, ...]
     local: tuple[Transfer, ...]
     bytes_moved: int
     bytes_local: int
+
+    def __reduce__(self) -> tuple[object, tuple[ShardMap, ShardMap]]:
+        return (plan_reshard, (self.old_map, self.new_map))
 
     def sent_bytes(self) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
@@ -321,6 +342,7 @@ def _check_compatible(old: ShardMap, new: ShardMap) -> None:
             )
 
 
+@functools.lru_cache(maxsize=16)
 def plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
     """The slice transfers that turn ``old_map``'s placement into ``new_map``'s.
 
@@ -328,6 +350,8 @@ def plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
     A region already on the destination device is a local copy (no bytes over a link);
     otherwise its source is the holder with the fewest bytes sent so far (ties: lowest
     device), which spreads replicated tensors (dp replicas, norms across tp) over their holders.
+    Each process keeps the plans it made last: a transition or weight sync that recurs (every
+    step's sync, a round trip) is planned once, on the driver and on each device.
     """
     _check_compatible(old_map, new_map)
     sent: dict[int, int] = defaultdict(int)
@@ -346,8 +370,8 @@ def plan_reshard(old_map: ShardMap, new_map: ShardMap) -> ReshardPlan:
                     sent[src] += nbytes
                     transfers.append(move)
     return ReshardPlan(
-        old_key=old_map.layout.key,
-        new_key=new_map.layout.key,
+        old_map=old_map,
+        new_map=new_map,
         transfers=tuple(transfers),
         local=tuple(local),
         bytes_moved=sum(t.nbytes for t in transfers),

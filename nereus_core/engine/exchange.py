@@ -98,10 +98,11 @@ class Exchange:
     """One exchange in flight: ``send`` posts sends (each as soon as it is packed), ``recv`` posts
     receives, ``wait`` awaits them all under one deadline and unpacks.
 
-    Posting the sends before preparing the receive side lets the bytes flow while this rank is
-    still busy (e.g. allocating what it will receive into). With gloo every op is posted at
-    once; other backends (NCCL) get them as one ``batch_isend_irecv`` in ``wait``, since their
-    separately posted point-to-point ops could deadlock.
+    With gloo every op is posted at once, but a send's bytes move only once the peer has posted
+    the matching receive (gloo's TCP pairs announce a send and wait for the receiver's ready), so
+    callers post their receives as early as they can. Other backends (NCCL) get the ops as one
+    ``batch_isend_irecv`` in ``wait``, since their separately posted point-to-point ops could
+    deadlock.
     """
 
     def __init__(

@@ -3,13 +3,13 @@
 A reshard moves a model-stage's whole state (parameters; for train stages also AdamW's
 moments and step count) from one layout to another, as ``nereus_core.emu.plan_reshard`` says:
 
-- live: every device of either layout runs ``live_reshard`` at once. Old devices read their
-  pieces (``state.extract_state``; weights, and moments in their own ZeRO partition, without
-  a copy) and post their sends; new devices build the new shard (``state.new_shard``; for a
-  train stage with its DeepSpeed engine, so that pieces land in the engine's own buffers) and
-  post their receives; same-device regions are copied; one point-to-point exchange
-  (``engine.exchange``: runs of small slices packed per peer, large ones sent in place)
-  carries the rest. Then the old shard is dropped and the new one installed.
+- live: every device of either layout runs ``live_reshard`` at once. New devices build the
+  new shard (``state.new_shard``; for a train stage with its DeepSpeed engine, so that pieces
+  land in the engine's own buffers) and post their receives; old devices read their pieces
+  (``state.extract_state``; weights, and moments in their own ZeRO partition, without a
+  copy) and post their sends; same-device regions are copied while one point-to-point
+  exchange (``engine.exchange``: runs of small slices packed per peer, large ones sent in
+  place) carries the rest. Then the old shard is dropped and the new one installed.
 - durable: old devices write their pieces to a ``StateStore`` (``durable_write``; each box of
   a replicated tensor by one holder only, ``write_assignment``), the caller commits the
   snapshot, and every device runs ``durable_read``: the old shard is dropped, new devices read
@@ -107,11 +107,14 @@ def live_reshard_wave(
     """Run several reshards of different model-stages at once on this device (every device of any of
     their layouts runs this with the same ``units`` in the same order); one figures dict per unit.
 
-    Each phase goes over the units in the given order: read the old pieces and post the sends,
-    build the new shards and post the receives, copy locally, then await every exchange, then
-    drop the old shards and install the new ones. Every collective (ZeRO's DP-group exchanges,
-    DeepSpeed's engine set-up) is thus entered by its members in one global order, so none can
-    wait on a device busy in another; each unit's point-to-point messages carry their own tags
+    Each phase goes over the units in the given order: build the new shards and post the
+    receives, read the old pieces and post the sends, copy locally, then await every exchange,
+    then drop the old shards and install the new ones. Receives go first because a peer's send
+    moves no bytes before its receive is posted (gloo waits for it), and a device that both
+    sends and receives would otherwise hold its peers up while it packs its own sends. Every
+    collective (DeepSpeed's engine set-up, ZeRO's DP-group exchanges) is thus entered by its
+    members in one global order, so none can wait on a device busy in another; each unit's
+    point-to-point messages carry their own tags
     (``LIVE_TAG + i * UNIT_TAGS``), so the units' bytes between one pair never match each other's.
     Memory: every new shard of the wave is allocated before any old one is freed, which is what
     the GTG's replay of a wave counts (nereus_core/gtg/execution.py).
@@ -121,20 +124,18 @@ def live_reshard_wave(
     if len(units) * UNIT_TAGS > LIVE_TAG:
         raise ValueError(f"at most {LIVE_TAG // UNIT_TAGS} units per wave; got {len(units)}")
     start = time.perf_counter()
-    moves, sources = [], []
-    for i, (job, plan) in enumerate(units):  # sends first: bytes flow while the new shards are built
-        sources.append(_old_state(ctx, job).pieces)
+    moves, targets = [], []
+    for i, (job, plan) in enumerate(units):  # receives first: a peer's send moves once they are posted
+        targets.append(_new_target(ctx, job))
         moves.append(Exchange(tag=LIVE_TAG + i * UNIT_TAGS, timeout_s=job.timeout_s))
-        moves[-1].send(sends_of(ctx.rank, plan, sources[-1]))
-    prepared = [time.perf_counter() - start]
-    targets = []
-    for (job, plan), source, exch in zip(units, sources, moves, strict=True):
-        t0 = time.perf_counter()
-        shard, target = _new_target(ctx, job)
-        prepared.append(time.perf_counter() - t0)
-        targets.append((shard, target))
-        exch.recv(receives_of(ctx.rank, plan, target.pieces))
-        copy_local(ctx.rank, plan, source, target.pieces)
+        moves[-1].recv(receives_of(ctx.rank, plan, targets[-1][1].pieces))
+    sources = []
+    for (job, plan), exch in zip(units, moves, strict=True):
+        sources.append(_old_state(ctx, job).pieces)
+        exch.send(sends_of(ctx.rank, plan, sources[-1]))
+    prepared = time.perf_counter() - start
+    for (_, plan), source, (_, target) in zip(units, sources, targets, strict=True):
+        copy_local(ctx.rank, plan, source, target.pieces)  # while the bytes move
     moved = [exch.wait() for exch in moves]
     del sources
     exchanged = time.perf_counter()
@@ -150,8 +151,8 @@ def live_reshard_wave(
             "received": m.received,
             "messages": m.messages,
             # The wave's shared phases are charged to every unit: they ran at once.
-            "prepare_s": sum(prepared),
-            "exchange_s": exchanged - start - sum(prepared),
+            "prepare_s": prepared,
+            "exchange_s": exchanged - start - prepared,
             "install_s": sum(installs),
         }
         for m in moved

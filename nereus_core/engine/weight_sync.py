@@ -83,11 +83,12 @@ def sync_weights(ctx: DeviceContext, *, job: SyncJob, plan: ReshardPlan) -> dict
     must be rebuilt (a gloo pair that timed out is closed); the copy may be half written.
     """
     start = time.perf_counter()
-    source = _source_pieces(ctx, job)
-    moves = Exchange(tag=SYNC_TAG, timeout_s=job.timeout_s)
-    moves.send(sends_of(ctx.rank, plan, source))  # sends first: bytes flow while the copy side prepares
+    # Receives first: a peer's send moves no bytes before they are posted (engine.exchange).
     shard, target = _copy_target(ctx, job)
+    moves = Exchange(tag=SYNC_TAG, timeout_s=job.timeout_s)
     moves.recv(receives_of(ctx.rank, plan, target.pieces))
+    source = _source_pieces(ctx, job)
+    moves.send(sends_of(ctx.rank, plan, source))
     posted = time.perf_counter()
     copy_local(ctx.rank, plan, source, target.pieces)
     moved = moves.wait()

@@ -240,10 +240,12 @@ class _FailingExchange:
     def __init__(self, **kwargs: Any) -> None:
         pass
 
-    def send(self, outgoing: Any) -> None:
+    def recv(self, segments: Any) -> None:  # the first call of a reshard's transfers; send: the same
         if self.die:
             os._exit(1)
         raise RuntimeError(f"pid {os.getpid()} fails mid-transfer")
+
+    send = recv
 
 
 class _DyingExchange(_FailingExchange):
