@@ -104,3 +104,20 @@ def write_tokenizer(path: Path, *, template: bool = True, vocab_size: int = 300)
         tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     return tokenizer
+
+
+def directory_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory's safetensors files (one or several), by name."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in path.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """``got`` holds ``expected``'s tensors, all and only those, each of the same dtype and bitwise equal."""
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

@@ -34,6 +34,7 @@ from nereus_core.transition_cost import (
     transition_cost,
     weight_sync_s,
 )
+from tests.core.model_configs import MID
 
 TINY = ModelConfig()
 IDEAL = H100_SXM.model_copy(
@@ -218,15 +219,7 @@ NO_CALL_COSTS = H100_SXM.model_copy(
 
 def _synthetic(hidden: np.ndarray, noise: float, rng: np.random.Generator) -> tuple[list, list]:
     """Samples from many layouts and workloads of a mid-size model on the H100 profile."""
-    model = ModelConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5504,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-    )
+    model = MID.model_copy(update={"max_position_embeddings": 4096})
     layouts = [
         (t, p, d) for t in (1, 2, 4, 8) for p in (1, 2, 4) for d in (1, 2, 4, 8, 16) if t * p * d <= 64
     ]

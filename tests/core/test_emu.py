@@ -24,16 +24,9 @@ from nereus_core.emu import (
 )
 from nereus_core.layout import Layout
 from nereus_core.model.weights import param_shapes, shard_dim
+from tests.core.model_configs import SHARDABLE
 
-# Small enough to count element by element; 2 layers so pp=2 splits them one each.
-SMALL = ModelConfig(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-)
+SMALL = SHARDABLE
 # Heads, kv heads, vocab and ffn divisible by every tp up to 8; 8 layers for pp up to 8.
 WIDE = ModelConfig(
     vocab_size=64,

@@ -26,16 +26,9 @@ from nereus_core.gtg import (
 )
 from nereus_core.layout import Layout
 from nereus_core.model.weights import param_shapes
+from tests.core.model_configs import SHARDABLE
 
-# Heads, kv heads, vocab and ffn divisible by tp in {1, 2, 4}; 2 layers for pp in {1, 2}.
-LM = ModelConfig(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-)
+LM = SHARDABLE
 VALUE = LM.model_copy(update={"head": "value"})
 MODELS = {
     "actor/train": (LM, True),

@@ -20,16 +20,9 @@ from nereus_core.model.llama import LlamaStage
 from nereus_core.model.weights import hf_config, init_full_state, param_dtype, param_shapes
 from nereus_core.parallel.device import DeviceContext
 from tests.core.dist_utils import run_world
+from tests.core.model_configs import TWO_HEADS
 
-FP32 = ModelConfig(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    seed=4,
-)
+FP32 = TWO_HEADS
 BF16 = FP32.model_copy(update={"dtype": "bf16"})
 ADAMW = OptimizerSettings(lr=1e-2, eps=1e-6)
 LAYOUTS = {

@@ -10,7 +10,8 @@ from nereus_core.controller import ControllerSettings, ControllerState, evaluate
 from nereus_core.cost_model import TERMS, Scales, Workload
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, PPO_STAGES, GlobalPlan
-from tests.core.test_controller import H100, MID
+from tests.core.controller_setup import H100
+from tests.core.model_configs import MID
 
 GB = 10**9
 PLAN = GlobalPlan(placement="colocated", layouts=dict.fromkeys(MODEL_STAGES, Layout.contiguous(tp=2, dp=4)))

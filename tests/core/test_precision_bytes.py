@@ -24,16 +24,9 @@ from nereus_core.hardware import CPU_WORKERS, H100_SXM
 from nereus_core.layout import Layout
 from nereus_core.parallel.device import DeviceContext
 from tests.core.dist_utils import run_world
+from tests.core.model_configs import SHARDABLE
 
-# Heads, kv heads, vocab and ffn divisible by tp in {1, 2, 4}; 2 layers for pp in {1, 2}.
-FP32 = ModelConfig(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-)
+FP32 = SHARDABLE
 BF16 = FP32.model_copy(update={"dtype": "bf16"})
 LAYOUTS = [
     Layout.contiguous(),

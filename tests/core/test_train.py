@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from nereus_core.config import ModelConfig
 from nereus_core.engine.dispatch import per_device_batch
 from nereus_core.engine.forward import position_ids
 from nereus_core.engine.optimizer import OptimizerSettings
@@ -24,16 +23,9 @@ from nereus_core.parallel.device import DeviceContext
 from nereus_core.ppo import PPOSettings
 from nereus_core.rollout import actor_objective
 from tests.core.dist_utils import run_world
+from tests.core.model_configs import TWO_HEADS
 
-STATS_MODEL = ModelConfig(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    seed=4,
-)
+STATS_MODEL = TWO_HEADS
 PROMPT, RESPONSE, ROWS = 3, 5, 4
 ACTOR = PPOSettings(clip_ratio=0.2)
 # name -> (layout, ZeRO stage). Each layout cuts the 4 rows into the same two chunks of two (two

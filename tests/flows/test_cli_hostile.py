@@ -3,7 +3,6 @@ distributed unimportable, must refuse each case in one line before anything star
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -18,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from benchmarks.bench_bad_input import alias_bomb
 from flows.cli import MAX_DEVICES_ENV, SCHEDULER_ENV
 from nereus_core.config import NereusConfig
 
@@ -79,15 +79,6 @@ def assert_refused(done: subprocess.CompletedProcess[str], seconds: float, *need
 
 def files_under(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-
-
-def alias_bomb() -> str:
-    """About 400 bytes that expand to 9**9 values (the "billion laughs"), the last level as the run's
-    name so that validating or showing it would walk every value."""
-    names = "abcdefghi"
-    lines = [f"{names[0]}: &{names[0]} [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
-    lines += [f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]" for p, n in itertools.pairwise(names)]
-    return "\n".join([*lines, "name: *i"]) + "\n"
 
 
 EX = str(EXAMPLE)

@@ -15,110 +15,38 @@ bitwise unchanged after recovery.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 from prefect.testing.utilities import prefect_test_harness
-from transformers import LlamaForCausalLM
 
-from flows.cli import FAULT_ENV as ENV
 from flows.ppo_job import ppo_job
 from nereus_core import faults
 from nereus_core.config import parse_config
-from storage import list_snapshots, read_full_state
-from storage.export import export_hf
+from storage import list_snapshots
 from storage.journal import journals
 from storage.run_dir import RunDir
-
-ROOT = Path(__file__).resolve().parents[2]
-
-# The demo's model and first plan; 8 MiB per slot fits it at 6-token responses, not at 24 (the cost
-# model's memory estimate), so the response-length event before step 1 forces a live switch.
-BASE = {
-    "name": "fault-test",
-    "cluster": {"devices": 4, "memory_per_device": "8MiB"},
-    "model": {
-        "vocab_size": 32,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
-    "job": {
-        "steps": 3,
-        "batch_size": 16,
-        "prompt_len": 4,
-        "response_len": 6,
-        "scenario": [{"step": 1, "response_len": 24}],
-    },
-    "ppo": {"reward_fit_steps": 4, "reward_fit_batch": 8, "ppo_epochs": 1, "mini_batches": 2},
-    "plan": {
-        "actor/generate": {"pp": 2, "devices": [0, 1]},
-        "actor/train": {"pp": 2, "devices": [0, 1]},
-        "critic/train": {"pp": 2, "devices": [0, 1]},
-        "critic/infer": {"pp": 2, "devices": [0, 1]},
-        "reference/infer": {"devices": [0]},
-        "reward/infer": {"pp": 2, "devices": [0, 1]},
-    },
-}
-
-
-CLI = [sys.executable, "-m", "flows.cli"]
-
-
-def _cli_env(tmp_path: Path, fault: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    env["NEREUS_CACHE_DIR"] = str(tmp_path / "cache")
-    return env if fault is None else {**env, ENV: fault}
-
-
-def _start_run(tmp_path: Path, data: dict, fault: str | None = None) -> tuple[subprocess.Popen, Path]:
-    """``nereus run`` of ``data`` in its own session (so that its workers can be killed with it)."""
-    config = tmp_path / "config.yaml"
-    config.write_text(json.dumps(data))  # JSON is YAML
-    out = tmp_path / "run"
-    driver = subprocess.Popen(
-        [*CLI, "run", str(config), "--out", str(out)],
-        cwd=ROOT,
-        env=_cli_env(tmp_path, fault),
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "driver.log").open("w"),  # a pipe would stay open in its orphans
-        start_new_session=True,
-    )
-    return driver, out
-
-
-def _kill_session(driver: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):  # its Dask workers and Prefect server go too
-        os.killpg(driver.pid, signal.SIGKILL)
-    driver.wait()
-
-
-def _resume(tmp_path: Path, out: Path, *extra: str) -> None:
-    done = subprocess.run(
-        [*CLI, "resume", str(out), *extra],
-        cwd=ROOT,
-        env=_cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+from tests.flows.job_runs import (
+    CLI,
+    ROOT,
+    assert_rollout_made_by_checkpoint,
+    cli_env,
+    digests,
+    kill_after_checkpoint,
+    killed_mid_move,
+    plans_by_step,
+    resume_from_checkpoint,
+    start_run,
+)
+from tests.job_configs import FAULT_JOB
 
 
 def _config(**job: object) -> dict:
-    data = copy.deepcopy(BASE)
+    data = copy.deepcopy(FAULT_JOB)
     data["job"].update(job)
     return data
 
@@ -137,32 +65,6 @@ def _run(
     return out
 
 
-def _assert_rollout_made_by_checkpoint(run_dir: Path, step: int, tmp_path: Path) -> None:
-    """Rollout ``step``'s stored old log-probs == transformers on the actor checkpointed at ``step``."""
-    export_hf(run_dir, model="actor", step=step, out=tmp_path / f"hf{step}")
-    hf = LlamaForCausalLM.from_pretrained(tmp_path / f"hf{step}", torch_dtype=torch.float32).eval()
-    rollout = RunDir(run_dir).read_rollout(step)
-    ids = torch.cat([torch.tensor(rollout["prompts"]), torch.tensor(rollout["responses"])], dim=1)
-    with torch.no_grad():
-        logp = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    t = len(rollout["responses"][0])
-    assert (logp[:, -t:] - torch.tensor(rollout["old_logp"])).abs().max().item() <= 1e-4
-
-
-def _digests(run_dir: Path, step: int) -> dict[str, dict[str, bytes]]:
-    return {
-        model: {
-            k: v.numpy().tobytes() for k, v in read_full_state(run_dir, model, step, optimizer=True).items()
-        }
-        for model in ("actor", "critic", "reference", "reward")
-    }
-
-
-def _plans_by_step(run_dir: Path) -> dict[int, str]:
-    rows = pq.read_table(run_dir / "metrics" / "steps.parquet").to_pylist()
-    return {r["step"]: r["plan_id"] for r in rows}
-
-
 def test_failing_snapshot_writer_keeps_plan_a_and_the_job_goes_on(tmp_path, monkeypatch):
     run_dir = _run(tmp_path, monkeypatch, _config(snapshot_every=2), "fail-snapshot-write")
     summary = RunDir(run_dir).read_summary()
@@ -170,13 +72,13 @@ def test_failing_snapshot_writer_keeps_plan_a_and_the_job_goes_on(tmp_path, monk
     rows = pq.read_table(run_dir / "metrics" / "transitions.parquet").to_pylist()
     assert [r["status"] for r in rows] == ["aborted"]
     assert "checkpoint could not be written" in rows[0]["reason"]
-    plans = _plans_by_step(run_dir)
+    plans = plans_by_step(run_dir)
     assert plans[0] == plans[1] == plans[2]  # plan A stayed in force
     # The half-written snapshot never became visible; the final one is complete and readable.
     assert all(ref.step != 1 for ref in list_snapshots(run_dir, "actor"))
-    assert any(":exp_avg" in name for name in _digests(run_dir, 3)["actor"])
+    assert any(":exp_avg" in name for name in digests(run_dir, 3)["actor"])
     # Plan A's state went on training: the checkpoint of step 2 is the actor that scored rollout 2.
-    _assert_rollout_made_by_checkpoint(run_dir, 2, tmp_path)
+    assert_rollout_made_by_checkpoint(run_dir, 2, tmp_path)
 
 
 def test_worker_killed_during_rehydration_is_replaced_and_the_job_completes(tmp_path, monkeypatch):
@@ -199,19 +101,12 @@ def test_worker_killed_during_rehydration_is_replaced_and_the_job_completes(tmp_
     assert row["route"] == "durable" and row["verified_bitwise"] and row["verified_max_diff"] <= 1e-5
     # The state rehydrated after the kill is the checkpoint's: the actor it made scored rollout 1
     # exactly as transformers does on the checkpoint.
-    _assert_rollout_made_by_checkpoint(run_dir, 1, tmp_path)
+    assert_rollout_made_by_checkpoint(run_dir, 1, tmp_path)
 
 
 @pytest.mark.timeout(600)
 def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_path):
-    crashed, out = _start_run(tmp_path, _config(verify_transitions=True), fault="kill-driver:move")
-    try:
-        crashed.wait(timeout=240)
-    finally:
-        _kill_session(crashed)
-    assert crashed.returncode == -signal.SIGKILL, (tmp_path / "driver.log").read_text()[-2000:]
-    (journal,) = [j for j in journals(out) if j.transition_id.startswith("t000")]
-    assert journal.status() == "interrupted"
+    out, journal = killed_mid_move(tmp_path, _config(verify_transitions=True), timeout_s=240)
     # The driver died half way: units moved state (bytes transferred, their done lines written), while
     # work remained (units of later waves, or the inference copies' relinks). The live state is gone
     # with the workers; resume finishes the switch from the checkpoint, trusting no unit of the dead
@@ -220,24 +115,20 @@ def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_pat
     done = [e for e in journal.entries() if e["phase"] == "done"]
     assert done and done[0]["op"] in schedule and done[0]["bytes_moved"] > 0
     assert not any(e["op"].startswith("relink:") for e in done)
-    before = _digests(out, 1)
     assert not (out / "summary.json").exists()
 
-    _resume(tmp_path, out)
-    summary = RunDir(out).read_summary()
-    assert summary["status"] == "completed" and summary["resumed_from_step"] == 1
-    assert summary["resume_verified_bitwise"]  # rehydrated on plan B == the checkpoint, bitwise
+    # Rehydrated on plan B == the checkpoint plan A was safe in, bitwise; that checkpoint untouched.
+    resume_from_checkpoint(tmp_path, out, 1)
     finished = [e for e in journal.entries() if e["op"] == "transition" and e["phase"] == "commit"]
     assert finished and finished[0]["finished_by"] == "resume"
-    assert _digests(out, 1) == before  # the checkpoint plan A was safe in is untouched
     (resumed,) = [j for j in journals(out) if j.transition_id.startswith("resume-step1")]
     redone = {e["op"] for e in resumed.entries() if e["phase"] == "done"}
     assert {
         f"rehydrate:{s}#1" for s in ("actor/train", "critic/train", "reference/infer", "reward/infer")
     } <= redone
-    plans = _plans_by_step(out)
+    plans = plans_by_step(out)
     assert sorted(plans) == [0, 1, 2] and plans[1] != plans[0]  # plan B from step 1 on
-    _assert_rollout_made_by_checkpoint(out, 1, tmp_path)
+    assert_rollout_made_by_checkpoint(out, 1, tmp_path)
 
 
 @pytest.mark.timeout(900)
@@ -245,26 +136,14 @@ def test_resume_on_fewer_devices_replans_and_completes(tmp_path):
     """A run on 4 slots killed after its checkpoint at step 2 resumes on 2: the controller re-plans."""
     data = _config(steps=5, snapshot_every=2, scenario=[], verify_transitions=True)
     data["cluster"]["memory_per_device"] = "64MiB"
-    run, out = _start_run(tmp_path, data)
-    try:
-        ready = out / "state" / "checkpoints" / "step=2.json"
-        for _ in range(2400):  # the driver dies as soon as the checkpoint of step 2 is complete
-            if ready.exists() or run.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert ready.exists(), (tmp_path / "driver.log").read_text()[-2000:]
-    finally:
-        _kill_session(run)
-    before = _digests(out, 2)
-    _resume(tmp_path, out, "--devices", "2")
-    summary = RunDir(out).read_summary()
-    assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
-    assert summary["resume_verified_bitwise"] and _digests(out, 2) == before
+    run, out = start_run(tmp_path, data)
+    kill_after_checkpoint(run, out, 2, tmp_path)  # the driver dies once that checkpoint is complete
+    summary = resume_from_checkpoint(tmp_path, out, 2, "--devices", "2")
     plans = {r["step"]: r for r in pq.read_table(out / "metrics" / "steps.parquet").to_pylist()}
     assert sorted(plans) == [0, 1, 2, 3, 4]
     final = json.loads((out / "plans" / f"{summary['final_plan_id']}.json").read_text())
     assert max(max(layout["devices"]) for layout in final.values()) <= 1  # on slots 0..1 only
-    _assert_rollout_made_by_checkpoint(out, 2, tmp_path)
+    assert_rollout_made_by_checkpoint(out, 2, tmp_path)
 
 
 @pytest.mark.slow
@@ -275,21 +154,9 @@ def test_resume_on_more_devices_runs_on_the_checkpoint_s_until_the_new_workers_a
     pause is the state movement, priced without starting or warming a worker."""
     data = _config(steps=14, snapshot_every=2, scenario=[], verify_transitions=True)
     data["cluster"].update(devices=2, memory_per_device="64MiB")
-    run, out = _start_run(tmp_path, data)
-    try:
-        ready = out / "state" / "checkpoints" / "step=2.json"
-        for _ in range(2400):  # the driver dies as soon as the checkpoint of step 2 is complete
-            if ready.exists() or run.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert ready.exists(), (tmp_path / "driver.log").read_text()[-2000:]
-    finally:
-        _kill_session(run)
-    before = _digests(out, 2)
-    _resume(tmp_path, out, "--devices", "4")
-    summary = RunDir(out).read_summary()
-    assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
-    assert summary["resume_verified_bitwise"] and _digests(out, 2) == before
+    run, out = start_run(tmp_path, data)
+    kill_after_checkpoint(run, out, 2, tmp_path)  # the driver dies once that checkpoint is complete
+    resume_from_checkpoint(tmp_path, out, 2, "--devices", "4")
     rows = pq.read_table(out / "metrics" / "transitions.parquet").to_pylist()
     grows = [r for r in rows if r["status"] == "committed" and r["devices"] == 4]
     # Recorded "after step k", before step k + 1: the first resumed step is 2, so a grow whose workers
@@ -328,9 +195,9 @@ def test_a_really_full_disk_aborts_the_switch_and_the_job_goes_on(tmp_path, monk
     errors = [r.getMessage() for r in caplog.records if "could not be written" in r.getMessage()]
     assert errors and "No space left on device" in errors[0] and "injected" not in errors[0]
     assert all(ref.step != 1 for ref in list_snapshots(run_dir, "actor"))  # nothing half-written shows
-    plans = _plans_by_step(run_dir)
+    plans = plans_by_step(run_dir)
     assert plans[0] == plans[1] == plans[2]  # plan A stayed in force
-    assert any(":exp_avg" in name for name in _digests(run_dir, 3)["actor"])
+    assert any(":exp_avg" in name for name in digests(run_dir, 3)["actor"])
 
 
 @pytest.mark.timeout(900)
@@ -347,7 +214,7 @@ def test_a_really_full_disk_before_a_device_change_stops_the_run_and_resume_comp
     failed = subprocess.run(
         [*CLI, "run", str(config), "--out", str(out)],
         cwd=ROOT,
-        env=_cli_env(tmp_path, "fill-disk:switch"),
+        env=cli_env(tmp_path, "fill-disk:switch"),
         capture_output=True,
         text=True,
         timeout=400,
@@ -356,10 +223,6 @@ def test_a_really_full_disk_before_a_device_change_stops_the_run_and_resume_comp
     (line,) = [x for x in failed.stderr.splitlines() if x.startswith("nereus: error: ")]
     assert "device set changed" in line and "nereus resume" in line
     assert RunDir(out).checkpoint_steps() == [2] and not (out / "summary.json").exists()
-    before = _digests(out, 2)
-    _resume(tmp_path, out)
-    summary = RunDir(out).read_summary()
-    assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
-    assert summary["resume_verified_bitwise"] and _digests(out, 2) == before
+    resume_from_checkpoint(tmp_path, out, 2)
     rows = pq.read_table(out / "metrics" / "transitions.parquet").to_pylist()
     assert [r["route"] for r in rows if r["status"] == "committed"] == ["durable"]

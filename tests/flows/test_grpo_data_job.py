@@ -10,8 +10,6 @@ and each group's advantages are its rewards relative to the group's mean.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,9 +23,9 @@ from nereus_core.config import parse_config
 from nereus_core.dataset.sampler import Sampler
 from storage.datasets import read_examples
 from storage.run_dir import RunDir
+from tests.flows.job_runs import ROOT, gsm8k_files
 from tests.hf_models import write_model, write_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
 GROUP, PROMPTS, MAX_PROMPT, SEED = 4, 2, 256, 3
 
 
@@ -38,10 +36,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     model = root / "qwen2"
     write_model("qwen2", model, vocab_size=320, max_position_embeddings=512)
     write_tokenizer(model)
-    cmd = [sys.executable, "-m", "flows.cli", "data", "gsm8k", "--out", str(root / "gsm8k")]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    train = root / "gsm8k" / "train.parquet"
+    train = gsm8k_files(root)["train"]
     cfg = {
         "name": "grpo-gsm8k",
         "cluster": {"devices": 2},

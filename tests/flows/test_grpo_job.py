@@ -15,19 +15,13 @@ from flows.ppo_job import ppo_job
 from nereus_core.config import parse_config
 from storage import read_full_state
 from storage.run_dir import RunDir
+from tests.job_configs import SMALL_MODEL
 
 GROUP = 4
 SMALL_GRPO = {
     "name": "grpo-test",
     "cluster": {"devices": 2},
-    "model": {
-        "vocab_size": 32,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
+    "model": dict(SMALL_MODEL),
     "job": {"steps": 3, "batch_size": 16, "prompt_len": 4, "response_len": 4, "snapshot_every": 1},
     "algorithm": {"name": "grpo", "group_size": GROUP},
     # a KL loss and no KL penalty: the reference runs, for the loss term only

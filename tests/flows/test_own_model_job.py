@@ -12,9 +12,6 @@ bitwise, and a resume after the driver is killed, with the same checks after the
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +29,9 @@ from storage import read_full_state
 from storage.datasets import read_examples
 from storage.export import export_hf
 from storage.run_dir import STEPS_TABLE, RunDir
+from tests.flows.job_runs import gsm8k_files, kill_after_checkpoint, resume, start_run
 from tests.hf_models import write_model, write_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
 VAL_KEY = "val-core/openai/gsm8k/reward/mean@1"
 MAX_PROMPT = 256  # this tokenizer's GSM8K prompts: 108 to 503 tokens, median 214
 
@@ -45,18 +42,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model = root / "qwen2"
     write_model("qwen2", model, vocab_size=320, max_position_embeddings=512)
     write_tokenizer(model)  # 300 tokens: the model's 320 rows take every id
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "data", "gsm8k", "--out", str(root / "gsm8k")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return {
-        "model": model,
-        "train": root / "gsm8k" / "train.parquet",
-        "test": root / "gsm8k" / "test.parquet",
-    }
+    return {"model": model, **gsm8k_files(root)}
 
 
 def config(files: dict[str, Path], **job: Any) -> dict[str, Any]:
@@ -229,19 +215,9 @@ def test_own_qwen2_on_gsm8k_through_a_live_and_a_durable_switch(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_own_qwen2_on_gsm8k_resumes_after_a_kill(files: dict[str, Path], tmp_path: Path) -> None:
-    from .test_faults import _kill_session, _resume, _start_run
-
-    driver, out = _start_run(tmp_path, config(files, steps=4))
-    try:
-        ready = out / "state" / "checkpoints" / "step=2.json"
-        for _ in range(3000):  # the driver dies as soon as the checkpoint of step 2 is complete
-            if ready.exists() or driver.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert ready.exists(), (tmp_path / "driver.log").read_text()[-2000:]
-    finally:
-        _kill_session(driver)
-    _resume(tmp_path, out)
+    driver, out = start_run(tmp_path, config(files, steps=4))
+    kill_after_checkpoint(driver, out, 2, tmp_path, limit_s=300.0)  # as soon as step 2's is complete
+    resume(tmp_path, out)
     summary = RunDir(out).read_summary()
     assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
     check_tables(out, 4)

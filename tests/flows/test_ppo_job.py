@@ -6,13 +6,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from prefect.testing.utilities import prefect_test_harness
-from transformers import LlamaForCausalLM
 
 from flows.ppo_job import ppo_job
 from nereus_core.config import parse_config
 from storage import read_full_state
-from storage.export import export_hf
 from storage.run_dir import RunDir
+from tests.flows.job_runs import assert_rollout_made_by_checkpoint
 
 SMALL = {
     "name": "ppo-test",
@@ -87,15 +86,7 @@ def test_stage_times_add_up_to_at_most_the_step_wall_time(run_dir):
 
 def test_stored_old_logprobs_match_transformers_on_the_exported_actor(run_dir, tmp_path):
     """The actor trained on tp=2, pp=2; its snapshot of step 1 generated rollout 1."""
-    export_hf(run_dir, model="actor", step=1, out=tmp_path / "hf")
-    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
-    rollout = RunDir(run_dir).read_rollout(1)
-    ids = torch.cat([torch.tensor(rollout["prompts"]), torch.tensor(rollout["responses"])], dim=1)
-    with torch.no_grad():
-        logp = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    t = len(rollout["responses"][0])
-    stored = torch.tensor(rollout["old_logp"])
-    assert (logp[:, -t:] - stored).abs().max().item() <= 1e-4
+    assert_rollout_made_by_checkpoint(run_dir, 1, tmp_path)
 
 
 def test_snapshots_differ_between_steps_and_reference_stays_put(run_dir):

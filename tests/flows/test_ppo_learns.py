@@ -7,18 +7,12 @@ from prefect.testing.utilities import prefect_test_harness
 
 from flows.ppo_job import ppo_job
 from nereus_core.config import parse_config
+from tests.job_configs import DEMO_MODEL
 
 CONFIG = {
     "name": "ppo-learns",
     "cluster": {"devices": 2},
-    "model": {
-        "vocab_size": 32,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
+    "model": dict(DEMO_MODEL),
     "job": {"steps": 10, "batch_size": 64, "prompt_len": 4, "response_len": 6},
     "ppo": {"kl_coef": 0.005, "actor_lr": 2e-3, "critic_lr": 2e-3, "reward_fit_steps": 150},
     "plan": {

@@ -23,6 +23,7 @@ from storage.run_dir import RunDir
 from tasks import job_ops
 from tasks import ppo_stages as st
 from tasks.device_pool import DevicePool
+from tests.job_configs import SMALL_MODEL
 
 T = 8
 # Three non-digit ids of 32: a near-uniform random policy ends a row early about as often as not.
@@ -30,14 +31,7 @@ STOP = ro.Stopping(eos_ids=(11, 12, 13), pad_id=0)
 CONFIG = {
     "name": "ppo-eos",
     "cluster": {"devices": 2},
-    "model": {
-        "vocab_size": 32,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
+    "model": dict(SMALL_MODEL),
     "job": {"steps": 1, "batch_size": 8, "prompt_len": 4, "response_len": T},
     "ppo": {"ppo_epochs": 1, "mini_batches": 2},
     "plan": {

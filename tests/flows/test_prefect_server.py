@@ -1,12 +1,10 @@
-"""Nereus as Prefect's users run it (issue 13): against a Prefect server, and with the temporary one.
+"""Nereus as Prefect's users run it (issue 13), against a Prefect server (tests/flows/test_killed_driver.py:
+``nereus run`` with its temporary one, killed).
 
 - A flow run whose process is killed becomes Crashed on its own (heartbeats every 30 s and the
   automation in prefect-automations.yaml), so that the UI offers Retry; a run that completes stays
   Completed. Against a real ``prefect server start`` on a free loopback port, PREFECT_HOME in a
   temporary folder; skipped, with the reason, when the server does not start within 120 s.
-- ``nereus run`` killed with SIGKILL leaves no process behind: its temporary Prefect server, Dask
-  workers and watchdog all end within seconds.
-
 - (slow) A deployed ``nereus-ppo`` run (prefect.yaml's ``ppo-demo`` with a small config, a work
   pool, a worker) killed with SIGKILL after its first checkpoint is shown Crashed (by its worker,
   within seconds); ``prefect flow-run retry`` runs the same flow run again, which resumes its own
@@ -36,7 +34,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.flows.test_faults import BASE
+from tests.flows.processes import running, wait_for
+from tests.job_configs import FAULT_JOB
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_START_SECONDS = 120.0
@@ -155,14 +154,6 @@ def _start_tiny_run(env: dict[str, str], tmp: Path, seconds: float) -> tuple[sub
     return proc, run_id
 
 
-def _wait_for(what: str, check, limit: float, every: float = 1.0) -> float:
-    started = time.monotonic()
-    while not check():
-        assert time.monotonic() - started < limit, f"{what}: not within {limit:.0f} s"
-        time.sleep(every)
-    return time.monotonic() - started
-
-
 def test_a_killed_flow_run_becomes_crashed_and_a_finished_one_stays_completed(
     server: dict[str, str], tmp_path: Path
 ) -> None:
@@ -186,116 +177,29 @@ def test_a_killed_flow_run_becomes_crashed_and_a_finished_one_stays_completed(
     killed, killed_id = _start_tiny_run(server, tmp_path, seconds=600)
     finished, finished_id = _start_tiny_run(server, tmp_path, seconds=40)  # > one heartbeat, then done
     try:
-        _wait_for("a heartbeat", lambda: _heartbeats(api, killed_id) >= 1, limit=60)
-        _wait_for("Running", lambda: _state(api, killed_id) == "RUNNING", limit=30)
+        wait_for("a heartbeat", lambda: _heartbeats(api, killed_id) >= 1, limit=60)
+        wait_for("Running", lambda: _state(api, killed_id) == "RUNNING", limit=30)
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
-        seconds = _wait_for(
+        seconds = wait_for(
             "Crashed", lambda: _state(api, killed_id) == "CRASHED", limit=CRASHED_WITHIN, every=2
         )
         print(f"\nkilled flow run shown as Crashed {seconds:.0f} s after SIGKILL")
         assert "No heartbeat for 90 s" in _get(f"{api}/flow_runs/{killed_id}", timeout=30)["state"]["message"]
         assert finished.wait(timeout=120) == 0
-        _wait_for("Completed", lambda: _state(api, finished_id) == "COMPLETED", limit=30)
+        wait_for("Completed", lambda: _state(api, finished_id) == "COMPLETED", limit=30)
         time.sleep(max(0.0, 95 - seconds))  # give the automation its 90 s to misfire on the completed run
-        _wait_for("Completed", lambda: _state(api, finished_id) == "COMPLETED", limit=30)
+        wait_for("Completed", lambda: _state(api, finished_id) == "COMPLETED", limit=30)
     finally:
         for proc in (killed, finished):
             _stop_group(proc)
-
-
-# ------------------------------------------------------------------ a killed driver leaves nothing
-
-
-def _session(sid: int) -> list[psutil.Process]:
-    out = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getsid(proc.pid) == sid:
-                out.append(proc)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return out
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _names(procs: list[psutil.Process]) -> list[str]:
-    names = []
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            names.append(" ".join(proc.cmdline())[:120])
-    return names
-
-
-def test_a_killed_driver_leaves_no_process(tmp_path: Path) -> None:
-    """``nereus run`` in a session of its own, SIGKILL of the driver only: its temporary Prefect
-    server, its Dask workers and its watchdog end within seconds."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "NEREUS_"))}
-    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(ROOT)}
-    driver = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "run",
-            str(ROOT / "examples" / "tiny_ppo.yaml"),
-            "--steps",
-            "50",
-            "--out",
-            str(tmp_path / "run"),
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    watched: list[psutil.Process] = []
-    try:
-
-        def server_and_workers_up() -> bool:
-            assert driver.poll() is None, "the run ended before it could be killed"
-            kids = psutil.Process(driver.pid).children(recursive=True)
-            lines = _names(kids)
-            watched[:] = kids
-            return (
-                any("uvicorn" in line for line in lines)
-                and sum("spawn" in line or "forkserver" in line for line in lines) >= 1
-            )
-
-        _wait_for("the temporary server and the workers", server_and_workers_up, limit=300, every=1)
-        time.sleep(3)
-        watched[:] = psutil.Process(driver.pid).children(recursive=True)
-        names = _names(watched)
-        assert any("flows.cli_watchdog" in line for line in names), names
-        os.kill(driver.pid, signal.SIGKILL)
-        driver.wait()
-        started = time.monotonic()
-
-        def all_gone() -> bool:
-            return not [p for p in watched if _running(p)] and not _session(driver.pid)
-
-        seconds = _wait_for("every process of the run to end", all_gone, limit=30, every=0.5)
-        gone = time.monotonic() - started
-        print(f"\n{len(watched)} processes of the killed driver all ended {gone:.1f} s after SIGKILL")
-        assert seconds < 30
-    finally:
-        for proc in [*_session(driver.pid), *watched]:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
 
 
 # ------------------------------------------------------- a deployed run killed, Crashed, retried
 
 # The fault tests' small job (the demo's model), on 2 slots, long enough to be killed mid-run, a
 # checkpoint every step, no scenario.
-TINY_PPO = copy.deepcopy(BASE) | {"name": "deployed"}
+TINY_PPO = copy.deepcopy(FAULT_JOB) | {"name": "deployed"}
 TINY_PPO["cluster"]["devices"] = 2
 TINY_PPO["job"].update(steps=20, snapshot_every=1, adapt=False, scenario=[])
 
@@ -372,8 +276,8 @@ def test_a_retry_of_a_crashed_deployed_run_resumes_its_run_directory(
             assert worker.poll() is None, "the worker ended"
             return bool(_checkpoint_steps(run_dir)) and _checkpoint_steps(run_dir)[-1] >= 1
 
-        _wait_for("a checkpoint at step >= 1", checkpointed, limit=420)
-        _wait_for("a heartbeat of the deployed run", lambda: _heartbeats(api, run_id) >= 1, limit=60)
+        wait_for("a checkpoint at step >= 1", checkpointed, limit=420)
+        wait_for("a heartbeat of the deployed run", lambda: _heartbeats(api, run_id) >= 1, limit=60)
         engine = _flow_run_process(worker, run_id)
         assert engine is not None, "no process of the worker runs the flow run"
         family = [engine, *engine.children(recursive=True)]
@@ -381,7 +285,7 @@ def test_a_retry_of_a_crashed_deployed_run_resumes_its_run_directory(
         killed = time.monotonic()
         killed_at = _checkpoint_steps(run_dir)[-1]
         assert killed_at < TINY_PPO["job"]["steps"], "the run had finished before it was killed"
-        crashed_s = _wait_for(
+        crashed_s = wait_for(
             "Crashed", lambda: _state(api, run_id) == "CRASHED", limit=CRASHED_WITHIN, every=0.5
         )
         message = _get(f"{api}/flow_runs/{run_id}", timeout=30)["state"]["message"] or ""
@@ -390,12 +294,12 @@ def test_a_retry_of_a_crashed_deployed_run_resumes_its_run_directory(
             f"\ndeployed flow run shown as Crashed {crashed_s:.1f} s after SIGKILL, by {by}: {message[:80]}"
         )
         assert "SIGKILL" in message or "No heartbeat" in message, message
-        _wait_for("the killed run's Dask workers to end", lambda: not any(map(_running, family)), limit=60)
+        wait_for("the killed run's Dask workers to end", lambda: not any(map(running, family)), limit=60)
         assert not (run_dir / "summary.json").exists()
         # A retry must wait for the worker to be done with the killed run: the worker reports the
         # crash once more when its on_crashed hooks have run, and that report would turn a retry
         # (Scheduled) made before it back into Crashed.
-        _wait_for(
+        wait_for(
             "the worker to be done with the killed run",
             lambda: _heartbeats(api, run_id, "prefect.worker.executed-flow-run") >= 1,
             limit=120,
@@ -406,7 +310,7 @@ def test_a_retry_of_a_crashed_deployed_run_resumes_its_run_directory(
 
         retried = time.monotonic()
         _prefect(env, project, "flow-run", "retry", run_id)
-        _wait_for(
+        wait_for(
             "the retry to end",
             lambda: _state(api, run_id) in ("COMPLETED", "FAILED", "CRASHED"),
             limit=600,

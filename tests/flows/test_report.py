@@ -9,24 +9,11 @@ import pytest
 from matplotlib.colors import to_hex
 from matplotlib.container import BarContainer
 
+from benchmarks.bench_tracking import STAGES
 from flows import report
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 
-# The stages of a PPO step as flows/ppo_job.py records them (model, stage).
-STAGES = [
-    ("actor", "generate"),
-    ("task", "rule_score"),
-    ("reward", "infer"),
-    ("reference", "infer"),
-    ("actor", "infer"),
-    ("critic", "infer"),
-    ("ppo", "advantages"),
-    ("actor", "train"),
-    ("actor", "sync"),
-    ("critic", "train"),
-    ("critic", "sync"),
-    ("rollout", "write"),
-]
+# STAGES: the (model, stage) rows of a PPO step as flows/ppo_job.py records them.
 EVENTS = [{"step": 3, "devices": 4}, {"step": 5, "response_len": 12}]
 
 

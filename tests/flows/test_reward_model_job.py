@@ -11,8 +11,6 @@ still computed and stored as ``rule_score``; the reward model runs as reward/inf
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +21,10 @@ from flows.ppo_job import ppo_job
 from nereus_core.config import parse_config
 from nereus_core.engine.forward import position_ids
 from storage.run_dir import STEPS_TABLE, RunDir
+from tests.flows.job_runs import gsm8k_files
 from tests.flows.test_own_model_job import config
 from tests.hf_models import SIZES, randomize, write_model, write_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {**SIZES, "vocab_size": 320, "max_position_embeddings": 512}
 
 
@@ -64,19 +62,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     write_reward_model(root / "reward", pad_token_id=tokenizer.eos_token_id, shapes=SHAPES)
     write_reward_model(root / "reward-own-shapes", pad_token_id=tokenizer.eos_token_id, shapes=OWN_SHAPES)
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "data", "gsm8k", "--out", str(root / "gsm8k")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
     return {
         "model": model,
         "reward": root / "reward",
         "reward-own-shapes": root / "reward-own-shapes",
-        "train": root / "gsm8k" / "train.parquet",
-        "test": root / "gsm8k" / "test.parquet",
+        **gsm8k_files(root),
     }
 
 

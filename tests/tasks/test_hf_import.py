@@ -25,7 +25,7 @@ from storage.export import export_hf
 from storage.run_dir import RunDir
 from tasks import job_ops, model_ops
 from tasks.device_pool import DevicePool
-from tests.hf_models import SIZES, write_model, write_tokenizer
+from tests.hf_models import SIZES, assert_same_tensors, directory_tensors, write_model, write_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 NAME = "reference/infer"
@@ -156,14 +156,9 @@ def test_job_loads_from_model_path_and_exports_it_bitwise_at_step_0(
             model_ops.unload_model(pool, layout, name=stage)
 
     # The actor exported at step 0: the directory's tensors, every one, bitwise, under the same names.
-    original = {}
-    for file in path.glob("*.safetensors"):
-        original.update(load_file(file))
+    original = directory_tensors(path)
     out = export_hf(run.root, model="actor", step=0, out=tmp_path / "actor")
-    exported = load_file(out / "model.safetensors")
-    assert sorted(exported) == sorted(original)
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    assert_same_tensors(load_file(out / "model.safetensors"), original)
     back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(back).__name__ == type(model).__name__
     torch.testing.assert_close(_hf_logprobs(back, ids), expected, atol=0, rtol=0)

@@ -17,7 +17,7 @@ from storage.export import export_hf
 from storage.run_dir import RunDir
 from tasks import job_ops, model_ops
 from tasks.device_pool import DevicePool
-from tests.hf_models import SIZES, write_model
+from tests.hf_models import SIZES, assert_same_tensors, directory_tensors, write_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,15 +52,10 @@ def test_bf16_directory_imports_and_exports_bitwise_in_bf16(pool: DevicePool, tm
         for stage, layout in state.layouts.items():
             model_ops.unload_model(pool, layout, name=stage)
 
-    original = {}
-    for file in path.glob("*.safetensors"):
-        original.update(load_file(file))
+    original = directory_tensors(path)
+    assert all(tensor.dtype == torch.bfloat16 for tensor in original.values())
     out = export_hf(run.root, model="actor", step=0, out=tmp_path / "actor")
-    exported = load_file(out / "model.safetensors")
-    assert sorted(exported) == sorted(original)
-    for name, tensor in original.items():
-        assert tensor.dtype == torch.bfloat16
-        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], tensor), name
+    assert_same_tensors(load_file(out / "model.safetensors"), original)  # bf16 as well, then
 
     # Outputs of the bf16 stages against transformers' bf16 model (bf16 arithmetic: a loose bound).
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()

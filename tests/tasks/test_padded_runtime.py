@@ -16,21 +16,12 @@ from nereus_core.config import ModelConfig
 from nereus_core.engine.forward import position_ids
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.engine.train import lm_loss
-from nereus_core.layout import Layout
 from nereus_core.model.weights import hf_config, init_full_state
 from nereus_core.rollout import response_mask
 from tasks import model_ops
-from tasks.device_pool import DevicePool
+from tests.tasks.runtime_setup import GQA_MODEL, contiguous_layout, token_logprobs
 
-LLAMA = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    seed=11,
-)
+LLAMA = GQA_MODEL.model_copy(update={"seed": 11})
 # Qwen2 as its larger sizes: q/k/v biases, untied embeddings (tied ones cannot be pipelined).
 QWEN2 = LLAMA.model_copy(
     update={
@@ -46,10 +37,6 @@ ROWS, PROMPT, RESPONSE = 4, 7, 5
 LEFT_PADS = (0, 3, 1, 6)  # pads before each prompt (the last row keeps a single real prompt token)
 RESPONSE_LENS = (5, 2, 4, 1)
 PAD = 0
-
-
-def _layout(tp: int, pp: int, dp: int) -> Layout:
-    return Layout.contiguous(tp=tp, pp=pp, dp=dp, micro_batches=2 if pp > 1 else 1)
 
 
 def _layout_id(dims: tuple[int, int, int]) -> str:
@@ -90,25 +77,15 @@ def _hf_values(cfg: ModelConfig, ids: torch.Tensor, mask: torch.Tensor) -> torch
         return model.score(hidden).squeeze(-1)
 
 
-def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with DevicePool(4) as pool:
-        yield pool
-
-
 @pytest.mark.parametrize("dims", LAYOUTS, ids=_layout_id)
 @pytest.mark.parametrize("model", list(MODELS))
 def test_padded_logprobs_and_values_match_transformers(pool, model: str, dims: tuple[int, int, int]) -> None:
-    cfg, layout = MODELS[model], _layout(*dims)
+    cfg, layout = MODELS[model], contiguous_layout(*dims)
     value_cfg = cfg.model_copy(update={"head": "value", "tie_word_embeddings": False})
     ids, mask = _padded_batch()
     with torch.no_grad():
         logits = _hf_lm(cfg)(ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-    expected_logp, expected_values = _token_logprobs(logits, ids), _hf_values(cfg, ids, mask)
+    expected_logp, expected_values = token_logprobs(logits, ids), _hf_values(cfg, ids, mask)
     model_ops.load_model(pool, layout, name="actor/infer", config=cfg)
     model_ops.load_model(pool, layout, name="critic/infer", config=value_cfg)
     try:
@@ -131,7 +108,7 @@ def _hf_after_one_step(cfg: ModelConfig, ids: torch.Tensor, mask: torch.Tensor) 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
     logits = model(ids, attention_mask=mask, position_ids=position_ids(mask)).logits
     targets = _real_targets(mask).float()
-    loss = -(_token_logprobs(logits, ids) * targets).sum() / targets.sum()
+    loss = -(token_logprobs(logits, ids) * targets).sum() / targets.sum()
     loss.backward()
     opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
@@ -141,7 +118,7 @@ def _hf_after_one_step(cfg: ModelConfig, ids: torch.Tensor, mask: torch.Tensor) 
 def test_padded_train_step_matches_transformers(pool, dims: tuple[int, int, int]) -> None:
     """One AdamW step on the mean log-likelihood of the real tokens of the whole batch (``lm_loss``),
     though micro-batches and replicas hold different numbers of them."""
-    layout, cfg = _layout(*dims), LLAMA
+    layout, cfg = contiguous_layout(*dims), LLAMA
     ids, mask = _padded_batch()
     expected = _hf_after_one_step(cfg, ids, mask)
     optimizer = OptimizerSettings(lr=1e-3, eps=1e-6, weight_decay=0.01)
@@ -196,7 +173,7 @@ def _eos_case(model: str, stops: str) -> dict[str, Any]:
 def test_greedy_generation_with_eos_matches_transformers(
     pool, model: str, stops: str, dims: tuple[int, int, int]
 ) -> None:
-    layout, case = _layout(*dims), _eos_case(model, stops)
+    layout, case = contiguous_layout(*dims), _eos_case(model, stops)
     model_ops.load_model(pool, layout, name="actor/generate", config=MODELS[model])
     try:
         tokens = model_ops.sample(

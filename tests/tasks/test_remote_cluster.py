@@ -30,6 +30,7 @@ from flows.ppo_job import ppo_job
 from nereus_core.config import parse_config
 from storage.run_dir import RunDir
 from tasks.device_pool import DevicePool, DevicePoolError
+from tests.job_configs import SMALL_MODEL
 
 # The helpers below travel to the workers by value: the workers cannot import this module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -39,19 +40,12 @@ pytestmark = [pytest.mark.timeout(300)]
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 
-# The demo's model at two slots, a checkpoint every step, and the pool shrinking to one slot
+# A small model at two slots, a checkpoint every step, and the pool shrinking to one slot
 # before step 2: a forced durable switch through the checkpoint of step 1.
 CONFIG = {
     "name": "remote-test",
     "cluster": {"devices": 2, "memory_per_device": "64MiB"},
-    "model": {
-        "vocab_size": 32,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
+    "model": dict(SMALL_MODEL),
     "job": {
         "steps": 3,
         "batch_size": 8,

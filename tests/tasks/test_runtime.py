@@ -6,24 +6,14 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
-from nereus_core.config import ModelConfig
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.engine.train import score_mse_loss
 from nereus_core.layout import Layout
 from nereus_core.model.weights import hf_config, init_full_state
 from tasks import model_ops
-from tasks.device_pool import DevicePool
+from tests.tasks.runtime_setup import GQA_MODEL, contiguous_layout, token_logprobs
 
-# 8 query heads / 4 KV heads so that tp=4 still splits the KV heads (GQA kept).
-CONFIG = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    seed=7,
-)
+CONFIG = GQA_MODEL
 FORWARD_LAYOUTS = [(tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2) for dp in (1, 2) if tp * pp * dp <= 4]
 TRAIN_LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1)]
 # AdamW's step g/(sqrt(v)+eps) turns rounding in near-zero gradients into lr*|dg|/eps; with
@@ -32,24 +22,10 @@ TRAIN_LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1)]
 ADAMW = OptimizerSettings(lr=1e-3, eps=1e-6, weight_decay=0.01)
 
 
-def _layout(tp: int, pp: int, dp: int) -> Layout:
-    return Layout.contiguous(tp=tp, pp=pp, dp=dp, micro_batches=2 if pp > 1 else 1)
-
-
 def _hf() -> LlamaForCausalLM:
     model = LlamaForCausalLM(hf_config(CONFIG))
     model.load_state_dict(init_full_state(CONFIG), strict=not CONFIG.tie_word_embeddings)
     return model.float()
-
-
-def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with DevicePool(4) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +39,13 @@ PERMUTED = Layout(tp=2, pp=2, dp=1, devices=(3, 1, 2, 0), micro_batches=2)
 
 @pytest.mark.parametrize(
     "layout",
-    [_layout(*dims) for dims in FORWARD_LAYOUTS] + [PERMUTED],
+    [contiguous_layout(*dims) for dims in FORWARD_LAYOUTS] + [PERMUTED],
     ids=lambda layout: layout.key,
 )
 def test_logprobs_and_greedy_generation_match_transformers(pool, ids, layout):
     hf = _hf().eval()
     with torch.no_grad():
-        expected_logp = _token_logprobs(hf(ids).logits, ids)
+        expected_logp = token_logprobs(hf(ids).logits, ids)
         prompts = ids[:, :6]
         expected_tokens = hf.generate(
             prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6, do_sample=False
@@ -92,7 +68,7 @@ def _reference_after_steps(ids: torch.Tensor, steps: int) -> dict[str, torch.Ten
     )
     for _ in range(steps):
         opt.zero_grad()
-        loss = -_token_logprobs(model(ids).logits, ids).mean()
+        loss = -token_logprobs(model(ids).logits, ids).mean()
         loss.backward()
         opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
@@ -100,7 +76,7 @@ def _reference_after_steps(ids: torch.Tensor, steps: int) -> dict[str, torch.Ten
 
 @pytest.mark.parametrize(("tp", "pp", "dp"), TRAIN_LAYOUTS)
 def test_two_adamw_steps_match_single_process_reference(pool, ids, tp, pp, dp):
-    layout = _layout(tp, pp, dp)
+    layout = contiguous_layout(tp, pp, dp)
     expected = _reference_after_steps(ids, steps=2)
     model_ops.load_model(pool, layout, name="actor/train", config=CONFIG, optimizer=ADAMW)
     try:
@@ -121,7 +97,7 @@ VALUE_CONFIG = CONFIG.model_copy(update={"head": "value"})
 
 @pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 1), (2, 1, 2)])
 def test_value_head_forward_and_training_match_transformers(pool, ids, tp, pp, dp):
-    layout = _layout(tp, pp, dp)
+    layout = contiguous_layout(tp, pp, dp)
     hf = LlamaForSequenceClassification(hf_config(VALUE_CONFIG))
     hf.load_state_dict(init_full_state(VALUE_CONFIG))
     score = torch.linspace(0.0, 1.0, ids.shape[0])
