@@ -187,8 +187,8 @@ WARM_UP_MODEL = ModelConfig(
 def warm_up(pool: DevicePool, ranks: Sequence[int] | None = None) -> float:
     """Build and drop a tiny DeepSpeed engine over ``ranks`` (None: every device); returns seconds.
 
-    The first engine on a fresh worker costs seconds (DeepSpeed's imports, its communication
-    backend, its ops: ~8 s on a small CPU machine), later ones a tenth of a second. Paying it when
+    The first engine on a fresh worker costs seconds (DeepSpeed's imports and its communication
+    backend), later ones a tenth of a second. Paying it when
     devices join keeps it out of the first step, and out of the first transition onto new devices;
     workers prepared for a grow (``DevicePool.prepare`` with ``warm_device``) have paid it already."""
     start = time.perf_counter()
