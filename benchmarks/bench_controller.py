@@ -23,7 +23,7 @@ from nereus_core.config import LLAMA_3_8B as LLAMA_8B
 from nereus_core.controller import ControllerState, Decision, Observation, StageTiming, decide
 from nereus_core.cost_model import Workload, estimate
 from nereus_core.hardware import H100_SXM
-from nereus_core.plan import PPO_STAGES, model_of
+from nereus_core.plan import PPO_STAGES, model_of, models_for
 
 # 256 prompts x 4 samples; responses of ~1,000 tokens as in NeMo RL's 8B GRPO run (hardware.md).
 WORKLOAD = Workload(batch=1024, prompt_len=1024, response_mean=1024, response_high=2048)
@@ -44,7 +44,9 @@ def observation(devices: int, timings: tuple[StageTiming, ...] = ()) -> Observat
 
 def running_state(devices: int) -> tuple[ControllerState, tuple[StageTiming, ...]]:
     """A controller 100 steps into a job: its plan, 512 samples, and one step's six timings."""
-    first = decide(observation(devices), ControllerState.initial(LLAMA_8B, H100_SXM, stages=PPO_STAGES))
+    first = decide(
+        observation(devices), ControllerState.initial(models_for(LLAMA_8B), H100_SXM, stages=PPO_STAGES)
+    )
     state = first.state
     timings = tuple(
         StageTiming(stage=s, layout=layout, seconds=1.3 * first.chosen.stages[s].seconds)
@@ -81,7 +83,9 @@ def decision_time(devices: int, calls: int) -> dict[str, object]:
 
 def plan_row(devices: int) -> dict[str, object]:
     start = time.perf_counter()
-    d = decide(observation(devices), ControllerState.initial(LLAMA_8B, H100_SXM, stages=PPO_STAGES))
+    d = decide(
+        observation(devices), ControllerState.initial(models_for(LLAMA_8B), H100_SXM, stages=PPO_STAGES)
+    )
     elapsed = time.perf_counter() - start
     if d.chosen is None:
         return {"devices": devices, "plan": None, "reason": d.reason}

@@ -16,7 +16,7 @@ from nereus_core.controller import ControllerSettings, ControllerState, Observat
 from nereus_core.cost_model import Workload, estimate
 from nereus_core.hardware import CPU_WORKERS
 from nereus_core.layout import Layout
-from nereus_core.plan import PPO_STAGES
+from nereus_core.plan import PPO_STAGES, models_for
 
 CONFIG = ModelConfig(num_attention_heads=8, num_key_value_heads=4)
 WORKLOAD = Workload(batch=8, prompt_len=16, response_mean=16, response_high=16)
@@ -57,7 +57,7 @@ def calibrate(raw: dict[str, Any], profile: Any, only: list | None, prior: float
     settings = ControllerSettings()
     if prior is not None:
         settings = settings.model_copy(update={"calibration": CalibrationSettings(prior=prior)})
-    state = ControllerState.initial(CONFIG, profile, settings, stages=PPO_STAGES)
+    state = ControllerState.initial(models_for(CONFIG), profile, settings, stages=PPO_STAGES)
     work = Workload(**raw["workload"])
     obs = Observation(
         step=0,

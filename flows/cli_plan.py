@@ -28,7 +28,7 @@ def print_plan(cfg: NereusConfig, *, profile: str) -> int:
         memory_per_device=int(cfg.cluster.memory_per_device),
         workload=Workload.from_config(cfg),
     )
-    fresh = ControllerState.initial(cfg.model, hardware, stages=cfg.stages, models=cfg.models)
+    fresh = ControllerState.initial(cfg.models, hardware, stages=cfg.stages)
     decision = decide(obs, fresh)
     print(_plan_header(cfg, hardware.name, obs, fresh.settings.headroom))
     if decision.chosen is None:
@@ -38,7 +38,7 @@ def print_plan(cfg: NereusConfig, *, profile: str) -> int:
     initial = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))  # the plan `nereus run` starts on
     if decision.chosen is not None and initial != decision.chosen.plan:
         started = ControllerState.initial(
-            cfg.model, hardware, stages=cfg.stages, plan=initial, devices=obs.devices, models=cfg.models
+            cfg.models, hardware, stages=cfg.stages, plan=initial, devices=obs.devices
         )
         from_config = decide(obs, started)
         current = from_config.current

@@ -19,7 +19,7 @@ from nereus_core.config import ModelConfig
 from nereus_core.cost_model import Scales, Workload
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
-from nereus_core.plan import GlobalPlan, ModelStage, models_for
+from nereus_core.plan import GlobalPlan, ModelStage
 from nereus_core.plan_estimate import PlanEstimate
 from nereus_core.transition_cost import TransitionEstimate, TransitionScales
 
@@ -195,20 +195,19 @@ class ControllerState(_Frozen):
     @classmethod
     def initial(
         cls,
-        model: ModelConfig,
+        models: Mapping[str, ModelConfig],
         profile: HardwareProfile,
         settings: ControllerSettings | None = None,
         *,
         stages: tuple[ModelStage, ...],
         plan: GlobalPlan | None = None,
         devices: int | None = None,
-        models: Mapping[str, ModelConfig] | None = None,
     ) -> ControllerState:
-        """The controller before a job's first step: ``models`` are the job's (``NereusConfig.models``,
-        where a critic or reward model has shapes of its own); default ``models_for(model)``."""
+        """The controller before a job's first step; ``models``: model -> its config (a job's
+        ``NereusConfig.models``, or ``plan.models_for`` of one model config)."""
         settings = settings or ControllerSettings()
         return cls(
-            models=dict(models) if models is not None else models_for(model),
+            models=dict(models),
             stages=stages,
             profile=profile,
             settings=settings,

@@ -108,13 +108,12 @@ def start(config: NereusConfig, layouts: Mapping[str, Layout] | None = None) -> 
     plan = default_plan(config.plan if layouts is None else layouts, config.stages)
     devices = config.cluster.devices
     controller = ControllerState.initial(
-        config.model,
+        config.models,
         get_profile(config.job.profile),
         JOB_CONTROLLER,  # moves priced as the transition flow runs them
         stages=config.stages,
         plan=GlobalPlan.of(plan),
         devices=devices,
-        models=config.models,
     )
     return JobState(config=config, layouts=plan, devices=devices, controller=controller)
 

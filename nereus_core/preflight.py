@@ -127,9 +127,7 @@ def plan_memory_problem(cfg: NereusConfig) -> str | None:
     ``cluster.memory_per_device``, by the memory model ``nereus plan`` and the controller use; or None.
     Checked whether or not ``job.adapt`` is on: the first step always runs on this plan."""
     plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))
-    state = ControllerState.initial(
-        cfg.model, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan, models=cfg.models
-    )
+    state = ControllerState.initial(cfg.models, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan)
     capacity = int(cfg.cluster.memory_per_device)
     usable = int(capacity * (1.0 - state.settings.headroom))
     estimate = evaluate_plan(plan, Workload.from_config(cfg), state, usable)
@@ -157,9 +155,7 @@ def host_memory_problem(cfg: NereusConfig, machine: Machine) -> str | None:
     if cfg.cluster.scheduler_address or machine.available_memory is None:
         return None
     plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))
-    state = ControllerState.initial(
-        cfg.model, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan, models=cfg.models
-    )
+    state = ControllerState.initial(cfg.models, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan)
     estimate = evaluate_plan(plan, Workload.from_config(cfg), state, int(cfg.cluster.memory_per_device))
     need = sum(memory_per_device(plan, {s: e.memory for s, e in estimate.stages.items()}).values())
     if need <= machine.available_memory:

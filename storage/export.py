@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from nereus_core.config import parse_config
 from nereus_core.model.weights import hf_config
-from nereus_core.plan import MODELS
+from nereus_core.plan import MODELS, state_stages
 from storage.run_dir import RunDir
 from storage.snapshot import read_full_state
 
@@ -45,7 +45,7 @@ def export_hf(
         raise ValueError(f"model {model!r} is unknown; valid: {', '.join(MODELS)}")
     run = RunDir(run_dir)
     job = parse_config(run.read_config())  # RunDirError: not a run dir
-    held = sorted({stage.model for stage in job.stages})
+    held = sorted(state_stages(job.stages))  # the models whose state the run keeps
     if model not in held:
         raise ValueError(
             f"this {job.algorithm.name} run has no {model} model; export one of: {', '.join(held)}"

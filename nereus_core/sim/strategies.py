@@ -34,7 +34,7 @@ from nereus_core.controller import (
 from nereus_core.cost_model import Workload
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
-from nereus_core.plan import GlobalPlan
+from nereus_core.plan import GlobalPlan, models_for
 from nereus_core.plan_estimate import step_seconds
 from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.engine import Move, Prepared, SimError, StepRun
@@ -94,7 +94,9 @@ class NereusStrategy:
 
     def begin(self, world: World) -> Move:
         tr = world.trace
-        self.state = ControllerState.initial(self.model, self.profile, self.settings, stages=world.stages)
+        self.state = ControllerState.initial(
+            models_for(self.model), self.profile, self.settings, stages=world.stages
+        )
         d, charged, wall = self._decide(first_observation(world))
         if d.plan is None:
             raise SimError(f"trace {tr.name}: no plan fits at step 0: {d.reason}")
@@ -246,7 +248,9 @@ class StaticStrategy(FixedStrategy):
         self.model, self.profile, self.settings = model, profile, settings
 
     def initial_plan(self, world: World) -> GlobalPlan:
-        state = ControllerState.initial(self.model, self.profile, self.settings, stages=world.stages)
+        state = ControllerState.initial(
+            models_for(self.model), self.profile, self.settings, stages=world.stages
+        )
         d = decide(first_observation(world), state)
         if d.plan is None:
             raise SimError(f"trace {world.trace.name}: no plan fits at step 0: {d.reason}")

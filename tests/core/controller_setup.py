@@ -7,7 +7,7 @@ from nereus_core.config import ModelConfig
 from nereus_core.controller import ControllerSettings, ControllerState, Observation
 from nereus_core.cost_model import Workload
 from nereus_core.hardware import H100_SXM
-from nereus_core.plan import PPO_STAGES
+from nereus_core.plan import PPO_STAGES, models_for
 from tests.core.model_configs import MID
 
 GB = 10**9
@@ -39,4 +39,6 @@ H100 = H100_SXM.model_copy(
 
 
 def fresh(model: ModelConfig = MID, profile=H100, **settings_kw) -> ControllerState:
-    return ControllerState.initial(model, profile, ControllerSettings(**settings_kw), stages=PPO_STAGES)
+    return ControllerState.initial(
+        models_for(model), profile, ControllerSettings(**settings_kw), stages=PPO_STAGES
+    )

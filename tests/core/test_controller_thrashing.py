@@ -14,7 +14,7 @@ from nereus_core.controller import (
 )
 from nereus_core.cost_model import estimate
 from nereus_core.layout import Layout
-from nereus_core.plan import MODEL_STAGES, PPO_STAGES, GlobalPlan, model_of
+from nereus_core.plan import MODEL_STAGES, PPO_STAGES, GlobalPlan, model_of, models_for
 from tests.core.controller_setup import GB, H100, fresh, observe, work
 from tests.core.model_configs import MID
 
@@ -51,7 +51,7 @@ def _flip_world(steps: int, slow_after: int) -> list[str]:
     at its prediction, then measures 1.5x slower from ``slow_after`` (a noisy, shared machine). The
     workload never changes. Returns the plan ids switched to, in order."""
     start = GlobalPlan(placement="colocated", layouts=dict.fromkeys(MODEL_STAGES, Layout.contiguous(dp=8)))
-    state = ControllerState.initial(MID, H100, stages=PPO_STAGES, plan=start, devices=8)
+    state = ControllerState.initial(models_for(MID), H100, stages=PPO_STAGES, plan=start, devices=8)
     w, path = work(batch=64, prompt=256, mean=512, high=1024), []
     for k in range(steps):
         own = start.plan_id == state.plan.plan_id

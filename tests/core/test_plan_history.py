@@ -9,7 +9,7 @@ from nereus_core import plan_history as ph
 from nereus_core.controller import ControllerSettings, ControllerState, evaluate_plan
 from nereus_core.cost_model import TERMS, Scales, Workload
 from nereus_core.layout import Layout
-from nereus_core.plan import MODEL_STAGES, PPO_STAGES, GlobalPlan
+from nereus_core.plan import MODEL_STAGES, PPO_STAGES, GlobalPlan, models_for
 from tests.core.controller_setup import H100
 from tests.core.model_configs import MID
 
@@ -27,7 +27,7 @@ WORK = Workload(batch=64, prompt_len=256, response_mean=512, response_high=1024)
 def test_a_measurement_is_re_priced_with_the_scales_of_the_day(then, now, wire) -> None:
     """A plan's measured/predicted ratio must not drift when calibration moves after it was measured
     (else a plan left for being slower looks fast again once the scales rise)."""
-    state = ControllerState.initial(MID, H100, ControllerSettings(), stages=PPO_STAGES)
+    state = ControllerState.initial(models_for(MID), H100, ControllerSettings(), stages=PPO_STAGES)
     old = state.model_copy(update={"scales": Scales.from_array(then)})
     kept = ph.Pricing(old.scales, 1.0, False).terms(evaluate_plan(PLAN, WORK, old, 72 * GB))
     new = state.model_copy(update={"scales": Scales.from_array(now)})

@@ -126,7 +126,7 @@ def _controller_says_fits(cfg: NereusConfig) -> bool:
         workload=Workload.from_config(cfg),
     )
     state = ControllerState.initial(
-        cfg.model, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan, devices=obs.devices
+        cfg.models, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan, devices=obs.devices
     )
     current = decide(obs, state).current
     assert current is not None
@@ -197,7 +197,7 @@ def test_the_host_check_sums_the_memory_model_over_the_plan_s_slots() -> None:
     """The bound is the cost model's per-slot memory added over the slots, not a guess."""
     cfg = _llama_8b()
     plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))
-    state = ControllerState.initial(cfg.model, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan)
+    state = ControllerState.initial(cfg.models, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan)
     estimate = evaluate_plan(plan, Workload.from_config(cfg), state, int(cfg.cluster.memory_per_device))
     need = sum(memory_per_device(plan, {s: e.memory for s, e in estimate.stages.items()}).values())
     assert host_memory_problem(cfg, Machine(cpus=64, available_memory=need)) is None
