@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import storage
-from nereus_core.config import ModelConfig
 from nereus_core.engine import reshard as core_reshard
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
@@ -23,20 +22,12 @@ from nereus_core.parallel.device import DeviceContext
 from tasks import model_ops
 from tasks.device_pool import DevicePool, DeviceRunError
 from tasks.reshard import PATHS, gather_state, reshard, reshard_wave
+from tests.tasks.runtime_setup import GQA_MODEL
 
 # The per-rank helpers below travel to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-# 8 query heads / 4 KV heads so that tp=4 still splits the KV heads (GQA kept).
-CONFIG = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    seed=7,
-)
+CONFIG = GQA_MODEL  # 8 query / 4 KV heads: tp=4 still splits the KV heads
 # eps=1e-6: see tests/tasks/test_runtime.py (AdamW amplifies summation-order noise by lr/eps).
 ADAMW = OptimizerSettings(lr=1e-3, eps=1e-6, weight_decay=0.01)
 NAME = "actor/train"

@@ -9,20 +9,13 @@ import pickle
 import pytest
 
 from nereus_core import emu
-from nereus_core.config import ModelConfig
 from nereus_core.emu import plan_reshard, shard_map
 from nereus_core.engine.reshard import ReshardJob
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
+from tests.tasks.runtime_setup import GQA_MODEL
 
-CONFIG = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-)
+CONFIG = GQA_MODEL
 MOVES = [
     (Layout.contiguous(tp=2), Layout.contiguous(tp=4), False),
     (Layout.contiguous(tp=2, pp=2, micro_batches=2), Layout.contiguous(tp=4), False),

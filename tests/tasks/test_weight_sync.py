@@ -9,23 +9,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from nereus_core.config import ModelConfig
 from nereus_core.emu import min_bytes, shard_map
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from tasks import model_ops, ppo_stages
 from tasks.device_pool import DevicePool, DeviceRunError
 from tasks.reshard import gather_state, sync_copy
+from tests.tasks.runtime_setup import GQA_MODEL
 
-CONFIG = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    seed=5,
-)
+CONFIG = GQA_MODEL.model_copy(update={"seed": 5})
 ADAMW = OptimizerSettings(lr=1e-3, eps=1e-6)
 IDS = torch.randint(0, CONFIG.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
 TRAIN, COPY = "actor/train", "actor/generate"
