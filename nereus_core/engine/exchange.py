@@ -68,6 +68,11 @@ def _messages(views: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
         yield run
 
 
+def _in_place(message: list[torch.Tensor]) -> bool:
+    """Whether ``message`` travels straight from its tensor (one contiguous segment: no packing)."""
+    return len(message) == 1 and message[0].is_contiguous()
+
+
 def _send_buffer(message: list[torch.Tensor]) -> torch.Tensor:
     if len(message) == 1:
         return message[0].contiguous().view(-1)
@@ -81,7 +86,7 @@ def _send_buffer(message: list[torch.Tensor]) -> torch.Tensor:
 
 def _recv_buffer(message: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """The buffer to receive ``message`` into and what to do with it afterwards (None: nothing)."""
-    if len(message) == 1 and message[0].is_contiguous():
+    if _in_place(message):
         return message[0].view(-1), None
     buffer = torch.empty(sum(v.numel() for v in message), dtype=message[0].dtype, device=message[0].device)
 
@@ -117,7 +122,7 @@ class Exchange:
         self.eager = dist.get_backend(group) == dist.Backend.GLOO
         self.ops: list[dist.P2POp] = []
         self.works: list[Any] = []
-        self.unpacks: list[Callable[[], None]] = []
+        self.unpacks: dict[int, Callable[[], None]] = {}  # by op index: run once that receive is in
         self.keep: list[torch.Tensor] = []  # send buffers must outlive their ops
         self.sent = self.received = 0
 
@@ -128,13 +133,22 @@ class Exchange:
                 self.works.append(op.op(op.tensor, op.peer, op.group, op.tag))
 
     def send(self, outgoing: Segments) -> None:
-        """Post ``outgoing[peer]``'s segments to each peer (world ranks)."""
-        for peer in sorted(outgoing):
-            for i, message in enumerate(_messages(outgoing[peer])):
-                buffer = _send_buffer(message)
-                self.keep.append(buffer)
-                self.sent += buffer.numel() * buffer.element_size()
-                self._post(dist.P2POp(dist.isend, buffer, peer, self.group, tag=self.tag + i))
+        """Post ``outgoing[peer]``'s segments to each peer (world ranks). Eager (gloo): first the
+        messages sent in place, peer by peer in turn, so that bytes move while the rest are packed
+        (tags match them up). A batch (NCCL matches by order, not tag) keeps each peer's order."""
+        messages = [
+            (peer, i, message)
+            for peer in sorted(outgoing)
+            for i, message in enumerate(_messages(outgoing[peer]))
+        ]
+        if self.eager:
+            in_place = sorted((m for m in messages if _in_place(m[2])), key=lambda m: m[1])
+            messages = in_place + [m for m in messages if not _in_place(m[2])]
+        for peer, i, message in messages:
+            buffer = _send_buffer(message)
+            self.keep.append(buffer)
+            self.sent += buffer.numel() * buffer.element_size()
+            self._post(dist.P2POp(dist.isend, buffer, peer, self.group, tag=self.tag + i))
 
     def recv(self, incoming: Segments) -> None:
         """Post receives that fill ``incoming[peer]``'s segments from each peer."""
@@ -142,9 +156,9 @@ class Exchange:
             for i, message in enumerate(_messages(incoming[peer])):
                 buffer, unpack = _recv_buffer(message)
                 self.received += buffer.numel() * buffer.element_size()
-                self._post(dist.P2POp(dist.irecv, buffer, peer, self.group, tag=self.tag + i))
                 if unpack is not None:
-                    self.unpacks.append(unpack)
+                    self.unpacks[len(self.ops)] = unpack
+                self._post(dist.P2POp(dist.irecv, buffer, peer, self.group, tag=self.tag + i))
 
     def wait(self) -> ExchangeStats:
         """Await every op (raises ``ExchangeError`` past the deadline), then unpack the receives."""
@@ -152,9 +166,12 @@ class Exchange:
         with self._failures():
             if not self.eager and self.ops:
                 self.works = dist.batch_isend_irecv(self.ops)
-            for work in self.works:
+            one_each = len(self.works) == len(self.ops)  # a batch may give one work for all its ops
+            for index, work in enumerate(self.works):  # each receive unpacked while later ones arrive
                 work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        for unpack in self.unpacks:
+                if one_each and index in self.unpacks:
+                    self.unpacks.pop(index)()
+        for unpack in self.unpacks.values():
             unpack()
         self.keep.clear()
         return ExchangeStats(self.sent, self.received, len(self.ops), time.perf_counter() - self.start)
