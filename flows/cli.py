@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; each help line fits one line of ``nereus --help``."""
     parser = _Parser(
         prog="nereus",
-        description="PPO post-training whose parallel layouts change while the job runs.",
+        description="RL post-training (PPO, GRPO) whose parallel layouts change while the job runs.",
         formatter_class=_CommandsFormatter,
     )
     parser.add_argument("--version", action="version", version=f"nereus {__version__}")
@@ -274,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(handler=handler)
         return cmd
 
-    run = command("run", cmd_run, "run the PPO job of CONFIG", "Run the PPO job of CONFIG.")
+    run = command(
+        "run",
+        cmd_run,
+        "run the PPO or GRPO job of CONFIG",
+        "Run the RL post-training job of CONFIG: PPO, or GRPO with algorithm.name: grpo.",
+    )
     _flow_args(run, out="run directory (default runs/NAME-TIMESTAMP)", steps="run")
 
     resume = command(

@@ -133,26 +133,36 @@ class ModelConfig(_Frozen):
             )
         return self
 
-    def tp_error(self, tp: int) -> str | None:
-        """Why ``tp`` cannot shard this model, or None if it can."""
+    def tp_error(self, tp: int, whose: str | None = None) -> str | None:
+        """Why ``tp`` cannot shard this model, or None if it can. ``whose``: the model-stage's model
+        when its config is not the job's ``model:`` section (a critic or reward model of its own)."""
         for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
             value = getattr(self, name)
             if value % tp:
                 valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
-                source = f" (from {self.path}/config.json)" if self.path else ""
-                return f"tp={tp} does not divide model.{name}={value}{source}; valid tp: {valid}"
+                field = self._field(name, whose)
+                return f"tp={tp} does not divide {field}={value}{self._source}; valid tp: {valid}"
         return None
 
-    def pp_error(self, pp: int) -> str | None:
-        """Why ``pp`` cannot split this model, or None if it can."""
+    def pp_error(self, pp: int, whose: str | None = None) -> str | None:
+        """Why ``pp`` cannot split this model, or None if it can (``whose`` as in ``tp_error``)."""
         if pp > self.num_hidden_layers:
-            return f"pp={pp} exceeds model.num_hidden_layers={self.num_hidden_layers}; use pp <= layers"
+            layers = self._field("num_hidden_layers", whose)
+            return f"pp={pp} exceeds {layers}={self.num_hidden_layers}{self._source}; use pp <= layers"
         if self.tie_word_embeddings and self.head == "lm" and pp > 1:
             return (
-                "pp>1 with model.tie_word_embeddings=true is not supported yet; "
+                f"pp>1 with {self._field('tie_word_embeddings', whose)}=true is not supported yet; "
                 "set tie_word_embeddings: false or pp: 1"
             )
         return None
+
+    @staticmethod
+    def _field(name: str, whose: str | None) -> str:
+        return f"model.{name}" if whose is None else f"the {whose} model's {name}"
+
+    @property
+    def _source(self) -> str:
+        return f" (from {self.path}/config.json)" if self.path else ""
 
 
 # Llama-3.1-8B's shapes (Meta's config.json; shared/reference/hardware.md "Model (Llama-3-8B)").

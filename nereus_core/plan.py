@@ -195,11 +195,9 @@ def layout_problems(stage: str, layout: Layout, rules: PlanRules) -> list[str]:
     """Why ``stage`` cannot run on ``layout`` under ``rules`` (empty if it can), prefixed by the stage."""
     stage = ModelStage(stage)
     model = rules.models[stage.model]
-    out = [
-        p
-        for p in (model.tp_error(layout.tp), model.pp_error(layout.pp), layout.devices_error(rules.devices))
-        if p
-    ]
+    whose = None if model == rules.models.get("actor") else stage.model  # a model of its own shapes
+    checks = (model.tp_error(layout.tp, whose), model.pp_error(layout.pp, whose))
+    out = [p for p in (*checks, layout.devices_error(rules.devices)) if p]
     if stage.trains and rules.batch % rules.mini_batches:
         out.append(f"batch {rules.batch} is not divisible by ppo.mini_batches={rules.mini_batches}")
     else:

@@ -138,6 +138,15 @@ def test_critic_path_takes_a_one_label_classifier_of_its_own_shapes_and_the_acto
     for path, needle in bad:
         message = _error({"model": {"path": llama}, "critic": {"path": str(path)}})
         assert message.startswith("critic.path: ") and needle in message, message
+    # A plan's degrees are checked against the critic's own heads, and the refusal names them as the
+    # critic's (its directory), not as the job's model: section.
+    own, _ = _value_dir(root, "Token", hidden_size=48, num_attention_heads=6, num_key_value_heads=3)
+    plan = {"critic/train": {"tp": 2, "devices": [0, 1]}}
+    message = _error(
+        {"cluster": {"devices": 2}, "model": {"path": llama}, "critic": {"path": str(own)}, "plan": plan}
+    )
+    assert "critic/train: tp=2 does not divide the critic model's num_key_value_heads=3; valid tp" in message
+    assert "model.num_key_value_heads" not in message
 
 
 def test_reward_model_path_takes_a_one_label_classifier_of_the_actors_vocabulary(
