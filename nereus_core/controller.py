@@ -45,7 +45,6 @@ from nereus_core.plan_estimate import PlanEstimate, fill_cache
 from nereus_core.plan_estimate import evaluate_plan as plan_estimate
 from nereus_core.plan_search import Searcher, SearchSpace
 from nereus_core.transition_cost import (
-    DurableCosts,
     TransferLike,
     TransitionEstimate,
     TransitionScales,
@@ -181,7 +180,7 @@ def _transition(
     if durable:  # a new world: every stage rehydrates from the checkpoint, whether its layout changes or not
         old = dict(current.layouts) if current is not None else {}
         args = (old, dict(new.layouts), state.models, state.profile, state.transition_scales)
-        return analytic_transition_cost(*args, durable=DurableCosts())
+        return analytic_transition_cost(*args, durable=True)
     if current is None or current == new:
         return TransitionEstimate.of(0.0, 0.0, None, critical_bytes=0, transfers=0, analytic=True)
     if planner is not None:

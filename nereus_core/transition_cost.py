@@ -2,7 +2,10 @@
 
 Boundary: pure arithmetic over layouts, model configs and a ``HardwareProfile`` (or the transfer
 list of a reshard plan), scaled by factors calibrated on the job's own measured transitions
-(``TransitionScales``). Per-stage step latency and memory are ``cost_model.py``'s.
+(``TransitionScales``). The per-operation and fixed costs of a transition on each hardware profile
+(``TransitionCosts``, ``costs_for``) live here, for the executed schedule's price
+(``transition_plan``) and the durable price from layouts alone. Per-stage step latency and memory
+are ``cost_model.py``'s.
 """
 
 from __future__ import annotations
@@ -47,20 +50,49 @@ class TransitionScales(_Frozen):
         return cls(wire=wire, ops=ops, durable=durable)
 
 
-class DurableCosts(_Frozen):
-    """The fixed costs of a durable switch before calibration (issue 16): the pool forms a new
-    world, and every model-stage is rehydrated from the checkpoint, train stages with a new
-    DeepSpeed engine. The job's measured durable switches scale their sum (``TransitionScales``)."""
+class TransitionCosts(_Frozen):
+    """Per-operation and fixed costs of running a transition on a device pool, before calibration
+    (issue 16): the executed schedule's (``transition_plan.executed_cost``) and a durable switch's
+    from layouts alone (``durable_seconds``) both read them."""
 
-    world_rebuild_s: float = Field(
-        default=0.5, ge=0, description="Every rank leaves the world and joins a new one, s."
+    call_s: float = Field(
+        default=0.02, ge=0, description="One device call: a wave of moves, an unload, a load, a relink, s."
     )
-    engine_build_s: float = Field(
-        default=0.1, ge=0, description="A train stage's DeepSpeed engine built again on its devices, s."
+    groups_s: float = Field(default=0.01, ge=0, description="A layout's process groups built, s.")
+    engine_s: float = Field(
+        default=0.07, ge=0, description="A train stage's DeepSpeed engine built on its new devices, s."
+    )
+    message_s: float = Field(default=1e-3, ge=0, description="One point-to-point message to a peer, s.")
+    world_rebuild_s: float = Field(
+        default=0.06, ge=0, description="Every rank leaves the world and joins a new one, s."
+    )
+    worker_start_s: float = Field(
+        default=3.0, ge=0, description="Workers of a grow started and their actors placed (at once), s."
+    )
+    warm_up_s: float = Field(
+        default=8.0, ge=0, description="DeepSpeed's first engine on new workers (at once), s."
     )
     store_read_bandwidth: float = Field(
-        default=200e6, gt=0, description="Bytes/s rehydration reads from the checkpoint store (all stages)."
+        default=200e6, gt=0, description="Bytes/s one device reads back from the checkpoint."
     )
+
+
+# The CPU runtime, from the demo's journals (journal/<id>.jsonl: seconds per unit; four runs on a
+# 2-core machine shared with other work, 2 and 4 slots): a wave moving two train stages 0.20-0.22 s,
+# one train and two inference stages 0.11 s, two inference stages 0.03 s; a train stage rehydrated
+# 0.05-0.09 s, an inference one 0.01-0.025 s; a relink (a call, maybe groups) 0.01-0.045 s; a
+# prepared 2 -> 4 world 0.055-0.06 s. Starting and warming workers: the pool's own start-up
+# (README: DeepSpeed's first engine ~8 s). The H100 figures are not measured here (placeholders of
+# the right order: NCCL communicators and engines cost seconds); calibration scales them.
+COSTS: dict[str, TransitionCosts] = {
+    "cpu-workers": TransitionCosts(),
+    "h100-sxm": TransitionCosts(call_s=0.005, engine_s=1.0, world_rebuild_s=5.0, store_read_bandwidth=2e9),
+}
+
+
+def costs_for(profile: HardwareProfile) -> TransitionCosts:
+    """The transition costs of ``profile`` (the CPU runtime's for a profile without its own)."""
+    return COSTS.get(profile.name, COSTS["cpu-workers"])
 
 
 class TransitionEstimate(_Frozen):
@@ -71,7 +103,7 @@ class TransitionEstimate(_Frozen):
     ops_s: float = Field(description="Unscaled per-operation overhead on the busiest device.")
     durable_s: float = Field(
         default=0.0,
-        description="Unscaled fixed cost of a durable switch (0 for a live one): ``DurableCosts``.",
+        description="Unscaled fixed cost of a durable switch (0 for a live one): ``durable_seconds``.",
     )
     critical_bytes: int = Field(description="Bytes through the busiest port.")
     transfers: int = Field(description="Operations counted (transfers, or changed layouts when analytic).")
@@ -172,20 +204,20 @@ def reshard_bytes(
 
 
 def durable_seconds(
-    new: dict[str, Layout], models: dict[str, ModelConfig], profile: HardwareProfile, costs: DurableCosts
+    new: dict[str, Layout], models: dict[str, ModelConfig], profile: HardwareProfile, costs: TransitionCosts
 ) -> float:
     """Unscaled fixed cost of a durable switch onto ``new``: one world rebuilt, one engine per train
-    stage, and every stage's state (weights, and optimizer state for train stages) read from the
-    checkpoint; the inference copies are relinked to their train stages, not read."""
-    engines, read = 0, 0.0
-    for stage in new:
+    stage, and every stage's state read from the checkpoint, its busiest device reading its whole
+    shard (``reshard_bytes`` of a device new to the stage; weights, and optimizer state for train
+    stages) at the store's bandwidth per device, stage after stage as ``rehydrate_all`` runs them;
+    the inference copies are relinked to their train stages, not read."""
+    engines, read = 0, 0
+    for stage, layout in new.items():
         if not ModelStage(stage).owns_state:
             continue
-        stats = model_stats(models[stage.partition("/")[0]])
-        per, trains = value_bytes(stats, profile), stage_kind(stage) == "train"
-        engines += trains
-        read += stats.total_params * (per.weight + (per.optimizer if trains else 0))
-    return costs.world_rebuild_s + engines * costs.engine_build_s + read / costs.store_read_bandwidth
+        engines += stage_kind(stage) == "train"
+        read += reshard_bytes(stage, None, layout, models[stage.partition("/")[0]], profile)
+    return costs.world_rebuild_s + engines * costs.engine_s + read / costs.store_read_bandwidth
 
 
 def setup_seconds(old: dict[str, Layout], new: dict[str, Layout], profile: HardwareProfile) -> float:
@@ -211,16 +243,18 @@ def analytic_transition_cost(
     profile: HardwareProfile,
     scales: TransitionScales | None = None,
     *,
-    durable: DurableCosts | None = None,
+    durable: bool = False,
+    costs: TransitionCosts | None = None,
 ) -> TransitionEstimate:
     """Transition cost from layouts alone (no transfer list): the sum over model-stages of the
     busiest device's receive bytes (an upper bound of one device's total) over the slowest link.
 
     ``durable`` (the device set changes, so the world is rebuilt): nothing moves device to device;
-    every model-stage is rehydrated or relinked (one operation each) at ``durable_seconds``."""
-    if durable is not None:
+    every model-stage is rehydrated or relinked (one operation each) at ``durable_seconds`` of
+    ``costs`` (the profile's, ``costs_for``, unless given)."""
+    if durable:
         ops_s = len(new) * profile.transition_op_overhead_s
-        fixed = durable_seconds(new, models, profile, durable)
+        fixed = durable_seconds(new, models, profile, costs or costs_for(profile))
         return TransitionEstimate.of(
             0.0, ops_s, scales, fixed, critical_bytes=0, transfers=len(new), analytic=True
         )

@@ -13,7 +13,8 @@
 
 Issue 16: the controller priced a transition by its bytes alone and was off by 2-20x; on a small
 model nearly all of a switch is per-operation cost (a train stage's engine, a relink's groups).
-``TransitionCosts`` holds those constants per hardware profile; the job's own transitions scale them.
+``transition_cost.TransitionCosts`` holds those constants per hardware profile (``costs_for``; the
+durable price from layouts alone reads the same ones); the job's own transitions scale them.
 
 Boundary: pure planning over layouts and model configs; ``analytic_transition_cost`` in
 ``transition_cost`` remains the estimate from layouts alone (the simulator's).
@@ -26,64 +27,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pydantic import Field
-
 from nereus_core.calibration import CalibrationSettings
 from nereus_core.config import ModelConfig
 from nereus_core.controller_state import ControllerSettings
-from nereus_core.cost_model import _Frozen
 from nereus_core.emu import bytes_per_device, plan_reshard, shard_map
 from nereus_core.gtg import TransitionGraph, TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule, stage_schedule
 from nereus_core.hardware import HardwareProfile
 from nereus_core.layout import Layout
 from nereus_core.plan import ModelStage, copies, own_state
-from nereus_core.transition_cost import TransitionEstimate, TransitionScales
+from nereus_core.transition_cost import TransitionCosts, TransitionEstimate, TransitionScales, costs_for
 
 Plan = Mapping[str, Layout]
-
-
-class TransitionCosts(_Frozen):
-    """Per-operation and fixed costs of running a transition on a device pool, before calibration."""
-
-    call_s: float = Field(
-        default=0.02, ge=0, description="One device call: a wave of moves, an unload, a load, a relink, s."
-    )
-    groups_s: float = Field(default=0.01, ge=0, description="A layout's process groups built, s.")
-    engine_s: float = Field(
-        default=0.07, ge=0, description="A train stage's DeepSpeed engine built on its new devices, s."
-    )
-    message_s: float = Field(default=1e-3, ge=0, description="One point-to-point message to a peer, s.")
-    world_rebuild_s: float = Field(
-        default=0.06, ge=0, description="Every rank leaves the world and joins a new one, s."
-    )
-    worker_start_s: float = Field(
-        default=3.0, ge=0, description="Workers of a grow started and their actors placed (at once), s."
-    )
-    warm_up_s: float = Field(
-        default=8.0, ge=0, description="DeepSpeed's first engine on new workers (at once), s."
-    )
-    store_read_bandwidth: float = Field(
-        default=200e6, gt=0, description="Bytes/s one device reads back from the checkpoint."
-    )
-
-
-# The CPU runtime, from the demo's journals (journal/<id>.jsonl: seconds per unit; four runs on a
-# 2-core machine shared with other work, 2 and 4 slots): a wave moving two train stages 0.20-0.22 s,
-# one train and two inference stages 0.11 s, two inference stages 0.03 s; a train stage rehydrated
-# 0.05-0.09 s, an inference one 0.01-0.025 s; a relink (a call, maybe groups) 0.01-0.045 s; a
-# prepared 2 -> 4 world 0.055-0.06 s. Starting and warming workers: the pool's own start-up
-# (README: DeepSpeed's first engine ~8 s). The H100 figures are not measured here (placeholders of
-# the right order: NCCL communicators and engines cost seconds); calibration scales them.
-COSTS: dict[str, TransitionCosts] = {
-    "cpu-workers": TransitionCosts(),
-    "h100-sxm": TransitionCosts(call_s=0.005, engine_s=1.0, world_rebuild_s=5.0, store_read_bandwidth=2e9),
-}
-
-
-def costs_for(profile: HardwareProfile) -> TransitionCosts:
-    """The transition costs of ``profile`` (the CPU runtime's for a profile without its own)."""
-    return COSTS.get(profile.name, COSTS["cpu-workers"])
 
 
 # The controller of a job on a device pool: moves priced as the transition flow runs them, and each

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from nereus_core.calibration import CalibrationSettings, Sample, fit_scales, relative_errors
 from nereus_core.config import LLAMA_3_8B as LLAMA_8B
 from nereus_core.config import ModelConfig
+from nereus_core.cost_geometry import value_bytes
 from nereus_core.cost_model import (
     TERMS,
     Scales,
@@ -25,11 +26,12 @@ from nereus_core.cost_model import (
 )
 from nereus_core.hardware import CPU_WORKERS, H100_SXM, get_profile
 from nereus_core.layout import Layout
-from nereus_core.plan import MODEL_STAGES
+from nereus_core.plan import MODEL_STAGES, ModelStage
 from nereus_core.transition_cost import (
-    DurableCosts,
+    TransitionCosts,
     TransitionScales,
     analytic_transition_cost,
+    costs_for,
     reshard_bytes,
     transition_cost,
     weight_sync_s,
@@ -190,24 +192,39 @@ def test_reshard_bytes_follow_hybridflow() -> None:
 
 def test_a_durable_switch_costs_its_fixed_costs_even_when_no_layout_changes() -> None:
     """Issue 16: a durable switch (the world is rebuilt) was priced by its changed layouts only: 0 s
-    for the demo's grow that keeps the plan. It now pays one world, one engine per train stage and
-    every stage's state read from the checkpoint; the inference copies are relinked, not read."""
-    plan = {s: Layout.contiguous(pp=2) for s in MODEL_STAGES}
+    for the demo's grow that keeps the plan. It now pays the profile's transition costs
+    (``costs_for``, as the executed schedule does): one world, one engine per train stage, and each
+    stage's busiest device reading its shard from the checkpoint (weights over tp*pp, optimizer
+    state over the whole world); the inference copies (actor/generate, critic/infer) are relinked,
+    not read."""
+    plan = {s: Layout.contiguous(tp=2, pp=2, dp=2) for s in MODEL_STAGES}
     models = dict.fromkeys(("actor", "critic", "reference", "reward"), LLAMA_8B)
-    costs = DurableCosts(world_rebuild_s=2.0, engine_build_s=0.5, store_read_bandwidth=1e9)
-    live = analytic_transition_cost(plan, plan, models, H100_SXM)
-    assert live.seconds == 0 and live.durable_s == 0
-    est = analytic_transition_cost(plan, plan, models, H100_SXM, durable=costs)
     params = model_stats(LLAMA_8B).total_params
-    read = 2 * params * (2 + 12) + 2 * params * 2  # actor and critic train, reference and reward infer
+    for profile in (CPU_WORKERS, H100_SXM):
+        costs, per = costs_for(profile), value_bytes(model_stats(LLAMA_8B), profile)
+        live = analytic_transition_cost(plan, plan, models, profile)
+        assert live.seconds == 0 and live.durable_s == 0
+        est = analytic_transition_cost(plan, plan, models, profile, durable=True)
+        trains, infers = 2, 2  # actor and critic train; reference and reward infer
+        read = trains * params * (per.weight / 4 + per.optimizer / 8) + infers * params * per.weight / 4
+        owners = [s for s in plan if ModelStage(s).owns_state]
+        assert read == pytest.approx(sum(reshard_bytes(s, None, plan[s], LLAMA_8B, profile) for s in owners))
+        fixed = costs.world_rebuild_s + trains * costs.engine_s
+        assert est.durable_s == pytest.approx(fixed + read / costs.store_read_bandwidth)
+        assert est.wire_s == 0 and est.ops_s == pytest.approx(len(plan) * profile.transition_op_overhead_s)
+        assert est.seconds == pytest.approx(est.durable_s + est.ops_s)
+        slower = analytic_transition_cost(
+            plan, plan, models, profile, TransitionScales(durable=3.0), durable=True
+        )
+        assert slower.seconds == pytest.approx(3.0 * est.durable_s + est.ops_s)
+        assert slower.terms == est.terms == (0.0, est.ops_s, est.durable_s)  # what calibration fits
+        small = analytic_transition_cost(plan, plan, dict.fromkeys(models, MID), profile, durable=True)
+        assert fixed < small.durable_s < est.durable_s  # the reads grow with the model
+    assert costs_for(H100_SXM).world_rebuild_s > costs_for(CPU_WORKERS).world_rebuild_s  # NCCL, not gloo
+    given = TransitionCosts(world_rebuild_s=2.0, engine_s=0.5, store_read_bandwidth=1e9)
+    est = analytic_transition_cost(plan, plan, models, H100_SXM, durable=True, costs=given)
+    read = 2 * params * (2 / 4 + 12 / 8) + 2 * params * 2 / 4
     assert est.durable_s == pytest.approx(2.0 + 2 * 0.5 + read / 1e9)
-    assert est.wire_s == 0 and est.ops_s == pytest.approx(len(plan) * H100_SXM.transition_op_overhead_s)
-    assert est.seconds == pytest.approx(est.durable_s + est.ops_s)
-    slower = analytic_transition_cost(
-        plan, plan, models, H100_SXM, TransitionScales(durable=3.0), durable=costs
-    )
-    assert slower.seconds == pytest.approx(3.0 * est.durable_s + est.ops_s)
-    assert slower.terms == est.terms == (0.0, est.ops_s, est.durable_s)  # what calibration fits
 
 
 # The H100 profile without its per-call fixed costs: at 13.8 s a call they would swamp the small

@@ -209,7 +209,7 @@ def test_transition_and_sync_bytes_follow_the_dtype() -> None:
     """The layouts-only transition estimates (reshard bytes, durable reads, weight sync) count bf16
     weights at 2 bytes and a train stage's optimizer state at 12 (masters and moments), as the shard
     maps do; fp32 keeps the profile's."""
-    from nereus_core.transition_cost import DurableCosts, durable_seconds, reshard_bytes, sync_seconds
+    from nereus_core.transition_cost import TransitionCosts, durable_seconds, reshard_bytes, sync_seconds
 
     old, new = Layout.contiguous(), Layout(tp=2, pp=1, dp=1, devices=(2, 3))  # new devices: all of it
     params = model_stats(FP32).total_params
@@ -221,7 +221,7 @@ def test_transition_and_sync_bytes_follow_the_dtype() -> None:
             assert reshard_bytes(stage, old, new, config, CPU_WORKERS) == pytest.approx(expected, abs=1)
     assert value_bytes(model_stats(BF16), CPU_WORKERS).weight == 2
     assert value_bytes(model_stats(BF16), CPU_WORKERS).optimizer == 12
-    costs = DurableCosts(world_rebuild_s=0.0, engine_build_s=0.0, store_read_bandwidth=1.0)
+    costs = TransitionCosts(world_rebuild_s=0.0, engine_s=0.0, store_read_bandwidth=1.0)
     plan = {"actor/train": old, "reference/infer": old}
     reads = {
         c.dtype: durable_seconds(plan, {"actor": c, "reference": c}, CPU_WORKERS, costs) for c in (FP32, BF16)
@@ -229,6 +229,9 @@ def test_transition_and_sync_bytes_follow_the_dtype() -> None:
     fp32 = CPU_WORKERS.weight_bytes
     assert reads["fp32"] == params * (2 * fp32 + CPU_WORKERS.optimizer_bytes)
     assert reads["bf16"] == params * (2 + 12 + 2)
+    wide = dict.fromkeys(plan, new)  # tp 2: each device reads half of every shard
+    halved = durable_seconds(wide, {"actor": BF16, "reference": BF16}, CPU_WORKERS, costs)
+    assert halved == pytest.approx(reads["bf16"] / 2, abs=2)
     sync = {c.dtype: sync_seconds(c, CPU_WORKERS, 1, 1, link=[0, 1]) for c in (FP32, BF16)}
     latency = CPU_WORKERS.collective_latency_s
     assert sync["bf16"] - latency == pytest.approx((sync["fp32"] - latency) / 2)

@@ -14,7 +14,8 @@ from nereus_core.emu import plan_reshard, shard_map
 from nereus_core.hardware import CPU_WORKERS
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, models_for
-from nereus_core.transition_plan import TransitionCosts, executed_cost, plan_moves
+from nereus_core.transition_cost import TransitionCosts
+from nereus_core.transition_plan import executed_cost, plan_moves
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_ppo.yaml"
 CFG = parse_config({**yaml.safe_load(EXAMPLE.read_text()), "job": {"scenario": []}})
