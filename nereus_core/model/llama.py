@@ -34,7 +34,7 @@ from nereus_core.model.tensor_parallel import (
     copy_to_tp,
     group_size,
 )
-from nereus_core.model.weights import shard_tensor, stage_param_names
+from nereus_core.model.weights import param_dtype, shard_tensor, stage_param_names
 
 
 class KVCache:
@@ -78,9 +78,9 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,11 +168,11 @@ class Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
-        tp = {"tp_size": tp_size, "tp_group": tp_group, "copy_input": False, "bias": config.attention_bias}
-        self.q_proj = ColumnParallelLinear(h, q_out, **tp)
-        self.k_proj = ColumnParallelLinear(h, kv_out, **tp)
-        self.v_proj = ColumnParallelLinear(h, kv_out, **tp)
-        tp = {"tp_size": tp_size, "tp_group": tp_group}
+        tp = {"tp_size": tp_size, "tp_group": tp_group, "dtype": param_dtype(config)}
+        qkv = {**tp, "copy_input": False, "bias": config.attention_bias}
+        self.q_proj = ColumnParallelLinear(h, q_out, **qkv)
+        self.k_proj = ColumnParallelLinear(h, kv_out, **qkv)
+        self.v_proj = ColumnParallelLinear(h, kv_out, **qkv)
         self.o_proj = RowParallelLinear(q_out, h, **tp)
         self.tp_group = tp_group
         self.head_dim = d
@@ -204,7 +204,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, *, tp_size: int, tp_group: Group) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        tp = {"tp_size": tp_size, "tp_group": tp_group}
+        tp = {"tp_size": tp_size, "tp_group": tp_group, "dtype": param_dtype(config)}
         self.gate_proj = ColumnParallelLinear(h, i, copy_input=False, **tp)
         self.up_proj = ColumnParallelLinear(h, i, copy_input=False, **tp)
         self.down_proj = RowParallelLinear(i, h, **tp)
@@ -220,8 +220,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, tp_size=tp_size, tp_group=tp_group)
         self.mlp = MLP(config, tp_size=tp_size, tp_group=tp_group)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = (config.hidden_size, config.rms_norm_eps, param_dtype(config))
+        self.input_layernorm = RMSNorm(*norm)
+        self.post_attention_layernorm = RMSNorm(*norm)
 
     def forward(
         self,
@@ -279,20 +280,22 @@ class LlamaStage(nn.Module):
         self.config, self.layer_range, self.first, self.last = config, layers, first, last
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.param_names = stage_param_names(config, layers, first, last)
-        tp = {"tp_size": tp_size, "tp_group": tp_group}
+        # Weights are allocated in model.dtype and left unwritten: the caller fills every one (a
+        # reshard's receives, a checkpoint's slices, or seeded weights).
+        tp, dtype = {"tp_size": tp_size, "tp_group": tp_group}, param_dtype(config)
         self.model = nn.Module()
         if first:
             self.model.embed_tokens = VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, tp_rank=tp_rank, **tp
+                config.vocab_size, config.hidden_size, tp_rank=tp_rank, dtype=dtype, **tp
             )
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(config, **tp) for i in layers})
         if last:
-            self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             if config.head == "value":
                 # Replicated on every tp rank: one row, its gradient is the same on all of them.
-                self.score = nn.Linear(config.hidden_size, 1, bias=False)
+                self.score = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype)
             else:
-                self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, **tp)
+                self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, dtype=dtype, **tp)
                 if config.tie_word_embeddings:
                     self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -123,13 +123,14 @@ class ColumnParallelLinear(nn.Module):
         tp_group: Group = None,
         copy_input: bool = True,
         bias: bool = False,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.copy_input = copy_input
         local = _local_size(out_features, tp_size, "out_features")
-        self.weight = _split_parameter(torch.zeros(local, in_features))
-        self.bias = _split_parameter(torch.zeros(local)) if bias else None
+        self.weight = _split_parameter(torch.empty(local, in_features, dtype=dtype))
+        self.bias = _split_parameter(torch.empty(local, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
@@ -141,12 +142,18 @@ class RowParallelLinear(nn.Module):
     """``y = sum_ranks x_local @ W_local.T`` with W split on input features (dim 1); no bias."""
 
     def __init__(
-        self, in_features: int, out_features: int, *, tp_size: int = 1, tp_group: Group = None
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_size: int = 1,
+        tp_group: Group = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.tp_group = tp_group
         local = _local_size(in_features, tp_size, "in_features")
-        self.weight = _split_parameter(torch.zeros(out_features, local))
+        self.weight = _split_parameter(torch.empty(out_features, local, dtype=dtype))
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp(F.linear(x_local, self.weight), self.tp_group)
@@ -163,12 +170,13 @@ class VocabParallelEmbedding(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group: Group = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.tp_group = tp_group
         local = _local_size(num_embeddings, tp_size, "num_embeddings")
         self.vocab_start = tp_rank * local
-        self.weight = _split_parameter(torch.zeros(local, embedding_dim))
+        self.weight = _split_parameter(torch.empty(local, embedding_dim, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
