@@ -12,13 +12,19 @@ measures, side by side on the same pool and model, per scenario (4 device worker
   of bytes from its largest peer; ``link_fraction`` = those bytes / that bandwidth / EMU seconds
   (end to end, driver wall clock) and ``exchange_link_fraction`` (the slowest device's exchange);
   ``all_bytes_fraction``: all the plan's bytes at that one pair's rate over EMU seconds (the floor
-  when the CPU cores, shared by every pair of loopback TCP, are the limit rather than one port).
+  when the CPU cores, shared by every pair of loopback TCP, are the limit rather than one port);
+- ``pattern``: the physical limit of the sync on this machine: the plan's bytes per pair as plain
+  gloo messages of warm buffers, receives first, its same-device bytes copied meanwhile (no
+  Nereus code); ``ceiling_link_fraction`` = the port's ideal seconds / pattern seconds (the most
+  ``link_fraction`` can be here) and ``of_ceiling`` = pattern seconds / EMU seconds.
 
 Scenarios: train tp2 on devices 0-1 -> generation tp1 dp2 on devices 2-3, train pp2 -> tp2 on
 devices 2-3, and tp2 -> tp1 dp2 on the same devices 0-1 (colocated: half of every tensor is
 already there and is copied locally). After each sync the copy is checked bit for bit against
-the train stage. Figures are medians over ``--repeats`` syncs of each path (all listed); the
-load average is reported with them, since on a shared machine other work takes the same cores.
+the train stage. Each repeat runs the EMU sync, the driver path, the link probe and the pattern
+one after another, so that the medians over ``--repeats`` (all values listed) share the machine's
+conditions; the load average is reported with them, since on a shared machine other work takes
+the same cores.
 
     python benchmarks/bench_weight_sync.py [--repeats 3] [--out FILE]
 """
@@ -86,6 +92,29 @@ def p2p_probe(ctx: DeviceContext, src: int, dst: int, nbytes: int, repeats: int 
     return nbytes / statistics.median(times[1:]) if ctx.rank == dst else None
 
 
+def pattern_probe(
+    ctx: DeviceContext, pairs: dict[tuple[int, int], int], local: dict[int, int], repeats: int = 5
+) -> float:
+    """The plan's bytes moved as plain gloo messages, one warm contiguous buffer per pair, receives
+    posted first, with this device's same-device bytes copied meanwhile; the median seconds of this
+    device (the first round warms the pairs up). The slowest device's figure is what this machine
+    can do for that pattern: the physical limit of the sync, with none of Nereus's work in it."""
+    wait = timedelta(seconds=300)
+    recvs = {src: torch.empty(n // 4) for (src, dst), n in pairs.items() if dst == ctx.rank}
+    sends = {dst: torch.ones(n // 4) for (src, dst), n in pairs.items() if src == ctx.rank}
+    copy = [torch.ones(local.get(ctx.rank, 0) // 4), torch.empty(local.get(ctx.rank, 0) // 4)]
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        works = [dist.irecv(buf, src, tag=700 + i) for src, buf in recvs.items()]
+        works += [dist.isend(buf, dst, tag=700 + i) for dst, buf in sends.items()]
+        copy[1].copy_(copy[0])
+        for work in works:
+            work.wait(wait)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def busiest_port(plan: ReshardPlan) -> dict[str, Any]:
     """The device that sends or receives the most bytes, those bytes, and its largest peer."""
     pair: dict[tuple[int, int], int] = defaultdict(int)
@@ -112,7 +141,19 @@ def _median(values: list[float]) -> dict[str, Any]:
 
 
 def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) -> dict[str, Any]:
-    """EMU and driver syncs of one train/copy pair, each checked bitwise; the busiest port's bandwidth."""
+    """EMU and driver syncs of one train/copy pair, each checked bitwise; the busiest port's bandwidth
+    and the plan's pattern as plain gloo. Each repeat measures all four, one after another, so that
+    every median is taken under the same conditions."""
+    plan = plan_reshard(shard_map(CONFIG, train, train=False), shard_map(CONFIG, copy, train=False))
+    port = busiest_port(plan)
+    ranks = [port["probe_src"], port["probe_dst"]]
+    pairs: dict[tuple[int, int], int] = defaultdict(int)
+    for t in plan.transfers:
+        pairs[(t.src, t.dst)] += t.nbytes
+    local: dict[int, int] = defaultdict(int)
+    for t in plan.local:
+        local[t.dst] += t.nbytes
+    devices = sorted({*train.devices, *copy.devices})
     model_ops.load_model(pool, train, name=TRAIN, config=CONFIG, optimizer=ADAMW)
     model_ops.load_model(pool, copy, name=COPY, config=CONFIG)
     ids = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -120,7 +161,7 @@ def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) 
         model_ops.train(pool, train, {"ids": ids}, name=TRAIN)  # the copy is now one step behind
         expected = _params(pool, train, TRAIN, train=True)
         stale = not _equal(expected, _params(pool, copy, COPY, train=False))
-        emu, driver, figures = [], [], []
+        emu, driver, figures, bandwidths, patterns = [], [], [], [], []
         for _ in range(repeats):
             start = time.perf_counter()
             stats = sync_copy(pool, CONFIG, source=TRAIN, source_layout=train, copy=COPY, copy_layout=copy)
@@ -131,18 +172,16 @@ def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) 
             model_ops.push_weights(pool, copy, state, name=COPY)
             driver.append(time.perf_counter() - start)
             del state
+            probe = pool.run_on(ranks, p2p_probe, src=ranks[0], dst=ranks[1], nbytes=port["bytes"], repeats=1)
+            bandwidths += [b for b in probe if b]
+            patterns.append(max(pool.run_on(devices, pattern_probe, pairs=dict(pairs), local=dict(local))))
         driver_equal = _equal(expected, _params(pool, copy, COPY, train=False))
         sync_copy(pool, CONFIG, source=TRAIN, source_layout=train, copy=COPY, copy_layout=copy)
         emu_equal = _equal(expected, _params(pool, copy, COPY, train=False))
     finally:
         model_ops.unload_model(pool, copy, name=COPY)
         model_ops.unload_model(pool, train, name=TRAIN)
-    plan = plan_reshard(shard_map(CONFIG, train, train=False), shard_map(CONFIG, copy, train=False))
-    port = busiest_port(plan)
-    ranks = [port["probe_src"], port["probe_dst"]]
-    bandwidth = [
-        b for b in pool.run_on(ranks, p2p_probe, src=ranks[0], dst=ranks[1], nbytes=port["bytes"]) if b
-    ]
+    bandwidth, ceiling = statistics.median(bandwidths), statistics.median(patterns)
     middle = sorted(figures, key=lambda f: f["seconds"])[len(figures) // 2]
     row: dict[str, Any] = {
         "train_layout": train.key,
@@ -158,19 +197,29 @@ def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) 
             "device_s": round(middle["device_s"], 4),
         },
         "driver": {**_median(driver), "bitwise_equal": driver_equal},
-        "link": {**port, "p2p_bytes_per_s": round(bandwidth[0])},
+        "link": {
+            **port,
+            "p2p_bytes_per_s": round(bandwidth),
+            "p2p_bytes_per_s_all": [round(b) for b in bandwidths],
+            "pattern_s_all": [round(c, 4) for c in patterns],
+        },
     }
     seconds = row["emu"]["seconds"]
     row["driver_over_emu"] = round(row["driver"]["seconds"] / seconds, 2)
-    ideal = port["bytes"] / bandwidth[0]
+    ideal = port["bytes"] / bandwidth
     row["link"]["ideal_s"] = round(ideal, 4)
     row["link_fraction"] = round(ideal / seconds, 3)
     row["exchange_link_fraction"] = round(ideal / middle["exchange_s"], 3)
     # On loopback TCP every byte costs CPU at both ends, so pairs moving at once share the cores:
     # all the plan's bytes at one pair's rate is the floor where the cores, not a port, are the limit.
-    floor = plan.bytes_moved / bandwidth[0]
+    floor = plan.bytes_moved / bandwidth
     row["link"]["all_bytes_one_pair_s"] = round(floor, 4)
     row["all_bytes_fraction"] = round(floor / seconds, 3)
+    # What this machine can do for the plan's pattern (plain gloo, warm buffers, local copies too):
+    # the physical limit. ``ceiling_link_fraction`` is the most ``link_fraction`` could be here.
+    row["link"]["pattern_s"] = round(ceiling, 4)
+    row["ceiling_link_fraction"] = round(ideal / ceiling, 3)
+    row["of_ceiling"] = round(ceiling / seconds, 3)
     return row
 
 
