@@ -31,6 +31,7 @@ from nereus_core.parallel.device import DeviceContext
 from tasks.cluster import ClusterError, DaskCluster, TlsFiles
 from tasks.device_pool import DevicePool, DevicePoolError, DeviceRunError
 from tasks.pool_workers import wait_until
+from tests.tasks.pool_checks import tp_sum, warm_note, world_sum
 
 # The per-rank helpers below travel to the workers by value: the workers need
 # not be able to import this test module.
@@ -40,21 +41,6 @@ pytestmark = pytest.mark.timeout(240)
 
 
 # ------------------------------------------------------------- per-rank helpers
-
-
-def world_sum(ctx: DeviceContext) -> tuple[int, int, float]:
-    """(rank, world size, sum over ranks of rank + 1)."""
-    t = torch.tensor([float(ctx.rank + 1)])
-    dist.all_reduce(t)
-    return ctx.rank, dist.get_world_size(), t.item()
-
-
-def tp_sum(ctx: DeviceContext, layout: Layout) -> tuple[tuple[int, ...], float]:
-    """(this rank's TP group, sum of world ranks over that group)."""
-    view = ctx.view(layout)
-    t = torch.tensor([float(ctx.rank)])
-    dist.all_reduce(t, group=view.tp_group)
-    return view.tp_ranks, t.item()
 
 
 def value_sum(ctx: DeviceContext, value: float) -> float:
@@ -67,10 +53,6 @@ def echo(ctx: DeviceContext, a: Any, *, b: Any = None) -> tuple[int, Any, Any]:
     return ctx.rank, a, b
 
 
-def keep(ctx: DeviceContext, key: str) -> None:
-    ctx.resident[key] = torch.full((2,), float(ctx.rank))
-
-
 def fail_on_odd(ctx: DeviceContext, word: str) -> int:
     if ctx.rank % 2:
         raise ValueError(f"{word} on rank {ctx.rank}")
@@ -79,26 +61,6 @@ def fail_on_odd(ctx: DeviceContext, word: str) -> int:
 
 def armed_here(ctx: DeviceContext) -> tuple[str, ...]:
     return faults.armed_points()
-
-
-def _children() -> set[int]:
-    """Child processes of the test process, except multiprocessing's resource tracker.
-
-    The tracker is started once per interpreter by the first spawned process and
-    lives until the interpreter exits; it is not a worker or a nanny.
-    """
-    out = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
-                out.add(p.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _pids(pool: DevicePool) -> dict[str, int]:
-    return {i["worker"]: i["pid"] for i in pool.info()}
 
 
 def _listeners(pids: set[int]) -> list[tuple[int, str, int]]:
@@ -172,96 +134,6 @@ def test_concurrent_callers_do_not_interleave_collectives(pool2: DevicePool) -> 
     with ThreadPoolExecutor(2) as ex:
         outs = list(ex.map(lambda v: [pool2.run_all(value_sum, value=v) for _ in range(10)], [1.0, 10.0]))
     assert outs == [[[2.0, 2.0]] * 10, [[20.0, 20.0]] * 10]
-
-
-def test_grow_and_shrink_in_one_driver() -> None:
-    # A handler of its own: a LocalCluster's silence_logs sets the level of the "distributed"
-    # logger's stream handlers, which under pytest include the capture handlers caplog reads.
-    said, pool_log = logging.handlers.BufferingHandler(10_000), logging.getLogger("tasks.device_pool")
-    level = pool_log.level
-    pool_log.addHandler(said)
-    pool_log.setLevel(logging.INFO)
-    before = _children()
-    with DevicePool(2) as pool:
-        pool.run_all(keep, key="shard")
-        first = _pids(pool)
-
-        pool.resize(4)
-        assert pool.run_all(world_sum) == [(r, 4, 10.0) for r in range(4)]
-        assert _pids(pool).items() >= first.items()  # survivors: same workers, same processes
-        assert pool.cold_ranks == (2, 3)  # started by the resize itself: nobody warmed them
-        assert list(pool.workers[:2]) == list(first)  # ... and the same ranks
-        infos = pool.info()
-        assert [i["resident"] for i in infos] == [["shard"], ["shard"], [], []]
-        layout = Layout.contiguous(tp=2, dp=2)
-        pool.build_groups(layout)
-        assert pool.run(layout, tp_sum, layout=layout) == [((0, 1), 1.0)] * 2 + [((2, 3), 5.0)] * 2
-
-        leaving = set(_pids(pool).values()) - set(first.values())
-        pool.resize(2)
-        assert pool.built_layouts == ()
-        assert pool.run_all(world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
-        assert _pids(pool) == first
-        # Issue 16: the workers that left the world retire after the switch, not during the resize.
-        assert leaving <= _children()
-        assert pool.retire_left() > 0 and pool.retire_left() == 0.0
-        assert wait_until(lambda: not leaving & _children(), 30.0)  # their processes exit
-        assert _children() - before == set(first.values())
-        assert [e for e, _ in pool.timings if e.startswith("rebuild")] == ["rebuild 2->4", "rebuild 4->2"]
-    assert _children() == before
-    pool_log.removeHandler(said)
-    pool_log.setLevel(level)
-    assert any(r.getMessage() == "device pool resized 2 -> 4" for r in said.buffer)
-
-
-def warm_note(ctx: DeviceContext) -> None:
-    """A warm-up that leaves a mark: its rank and world, and that world's sum of rank + 1."""
-    t = torch.tensor([float(ctx.rank + 1)])
-    dist.all_reduce(t)
-    ctx.resident["warmed"] = (ctx.rank, ctx.world_size, t.item())
-
-
-def warm_fails(ctx: DeviceContext) -> None:
-    raise RuntimeError(f"no warm-up on rank {ctx.rank}")
-
-
-def marks(pool: DevicePool) -> list[Any]:
-    return pool.run_all(lambda ctx: ctx.resident.get("warmed"))
-
-
-def test_a_prepared_grow_starts_and_warms_the_new_workers_while_the_world_runs() -> None:
-    before = _children()
-    with DevicePool(2) as pool:
-        pool.prepare(4, warm=warm_note)
-        # The pool's world of 2 keeps working while the new workers start and warm in their own.
-        for _ in range(5):
-            assert pool.run_all(world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
-        first = _pids(pool)
-        pool.resize(4)
-        assert pool.run_all(world_sum) == [(r, 4, 10.0) for r in range(4)]
-        assert pool.cold_ranks == ()  # every new rank was warmed before it joined
-        # Ranks 2 and 3 ran the warm-up as ranks 0 and 1 of a world of two: the new workers only.
-        assert marks(pool) == [None, None, (0, 2, 3.0), (1, 2, 3.0)]
-        assert _pids(pool).items() >= first.items()
-        assert _children() - before == set(_pids(pool).values())  # the prepared workers, no others
-        events = [e for e, _ in pool.timings]
-        assert events.index("prepare 4") < events.index("rebuild 2->4")
-    assert _children() == before
-
-
-def test_a_failed_or_unneeded_preparation_leaves_the_pool_correct() -> None:
-    before = _children()
-    with DevicePool(2) as pool:
-        pool.prepare(4, warm=warm_fails)
-        pool.resize(3)  # the warm-up failed: its workers still serve, cold; the one not needed goes
-        assert pool.run_all(world_sum) == [(r, 3, 6.0) for r in range(3)]
-        assert pool.cold_ranks == (2,)
-        workers = set(_pids(pool).values())
-        pool.retire_left()  # rank 3's worker, placed but not needed, retires
-        assert wait_until(lambda: _children() - before == workers, 15.0)
-        pool.prepare(2)  # no grow: nothing to prepare
-        pool.prepare(4, warm=warm_note)  # a grow that never comes: its worker goes when the pool closes
-    assert _children() == before
 
 
 def test_no_listener_of_a_local_pool_is_reachable_from_another_machine(pool2: DevicePool) -> None:
