@@ -36,6 +36,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -45,26 +46,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nereus_core.config import ModelConfig
-from nereus_core.emu import ReshardPlan, plan_reshard, shard_map
-from nereus_core.engine.shard import OptimizerSettings
-from nereus_core.layout import Layout
-from nereus_core.model.weights import param_shapes
-from nereus_core.parallel.device import DeviceContext
-from tasks import model_ops
-from tasks.device_pool import DevicePool
-from tasks.reshard import gather_state, sync_copy
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the reshard benchmark's model beside it
 
-CONFIG = ModelConfig(
-    vocab_size=32000,
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=12,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    seed=11,
-)
-ADAMW = OptimizerSettings(lr=1e-4, eps=1e-6)
+from benchmarks.bench_reshard import ADAMW, CONFIG  # noqa: E402  (one 70M model for both benchmarks)
+from nereus_core.config import ModelConfig  # noqa: E402
+from nereus_core.emu import ReshardPlan, plan_reshard, shard_map  # noqa: E402
+from nereus_core.layout import Layout  # noqa: E402
+from nereus_core.model.weights import param_shapes  # noqa: E402
+from nereus_core.parallel.device import DeviceContext  # noqa: E402
+from tasks import model_ops  # noqa: E402
+from tasks.device_pool import DevicePool  # noqa: E402
+from tasks.reshard import gather_state, sync_copy  # noqa: E402
+
 TRAIN, COPY = "bench/train", "bench/generate"
 SCENARIOS = {
     "tp2_to_tp1dp2": (Layout.contiguous(tp=2), Layout(tp=1, pp=1, dp=2, devices=(2, 3))),
