@@ -34,6 +34,7 @@ from flows.tracking import ProgressBar, Trackers, flat_params, progress_bar, ste
 from nereus_core.config import NereusConfig
 from nereus_core.controller import Decision, TransitionTiming
 from nereus_core.job import JobState, Switch
+from nereus_core.plan import layouts_json
 from nereus_core.transition_cost import TransitionEstimate
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 
@@ -229,6 +230,8 @@ class JobRecords:
         }
         self.transitions.append(row)
         self.run.write_rows(TRANSITIONS_TABLE, self.transitions)
+        if status == "committed":  # plans/ holds every plan the run used (DESIGN's run directory)
+            self.run.write_plan(switch.plan_id, layouts_json(switch.layouts))
         self.trackers.log(transition_metrics(row), step)
         keys = ("transition_id", "status", "route", "reason", "predicted_cost_s", "actual_s", "bytes_moved")
         keys += ("predicted_wire_s", "predicted_ops_s", "predicted_durable_s")

@@ -29,7 +29,7 @@ from nereus_core import job as jb
 from nereus_core.config import ConfigError, NereusConfig, parse_config
 from nereus_core.config_yaml import parse_yaml
 from nereus_core.engine.hf_load import hf_source
-from nereus_core.plan import ModelStage
+from nereus_core.plan import ModelStage, layouts_json
 from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.lock import run_lock
 from storage.run_dir import TRANSITIONS_TABLE, RunDir
@@ -94,7 +94,7 @@ def bring_up(
         state, verified = _resume(pool, run, cfg, point)
         return state, {"fit": {}, "resume_verified_bitwise": verified}
     state = jb.start(cfg)
-    run.write_plan(state.plan_id, {str(k): v.model_dump(mode="json") for k, v in state.layouts.items()})
+    run.write_plan(state.plan_id, layouts_json(state.layouts))
     reward = state.layouts.get(ModelStage.REWARD_INFER)
     # Nothing to fit when a rule scores the responses (GRPO's, or reward.function on text) or when
     # reward.model_path names the reward model (load_models reads it like any model directory).
@@ -140,7 +140,7 @@ def _resume(
         why += f" on {point.devices} devices (was {point.checkpoint_devices})"
     get_run_logger().info("%s: plan %s", why, state.plan_id)
     journal = Journal(run.root, f"resume-step{point.step}-{int(time.time())}")
-    new = {str(k): v.model_dump(mode="json") for k, v in state.layouts.items()}
+    new = layouts_json(state.layouts)
     journal.record(
         "transition", START, step=point.step, reason=why, route="durable", checkpoint_step=point.step, new=new
     )

@@ -157,6 +157,11 @@ def default_plan(given: Mapping[str, Layout], stages: Iterable[str]) -> dict[Mod
     return {ModelStage(s): given.get(ModelStage(s), Layout.contiguous()) for s in stages}
 
 
+def layouts_json(layouts: Mapping[str, Layout]) -> dict[str, Any]:
+    """``{model-stage: layout}`` as plain JSON: a run's ``plans/PLAN_ID.json`` and its records."""
+    return {str(k): v.model_dump(mode="json") for k, v in layouts.items()}
+
+
 def infer_placement(layouts: Mapping[str, Layout]) -> Placement:
     """colocated when every model-stage uses the same slots, else disaggregated."""
     sets = {frozenset(layout.devices) for layout in layouts.values()}
@@ -268,4 +273,4 @@ class GlobalPlan(BaseModel):
 
     def as_json(self) -> dict[str, Any]:
         """``{model-stage: layout}`` as plain JSON (a run's ``plans/PLAN_ID.json``)."""
-        return {str(k): v.model_dump(mode="json") for k, v in self.layouts.items()}
+        return layouts_json(self.layouts)

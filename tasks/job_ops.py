@@ -31,7 +31,7 @@ from nereus_core.engine.hf_load import hf_source
 from nereus_core.engine.memory import held_bytes as device_held_bytes
 from nereus_core.job import JobState, model_config, optimizer_settings
 from nereus_core.layout import Layout
-from nereus_core.plan import ModelStage, copies, load_order, state_stages
+from nereus_core.plan import ModelStage, copies, layouts_json, load_order, state_stages
 from nereus_core.task import make_prompts
 from storage.run_dir import RunDir
 from tasks import model_ops
@@ -159,7 +159,7 @@ def _checkpoint(pool: DevicePool, run_dir: str, state: JobState, step: int, *, d
         )
     record: dict[str, Any] = {
         "plan_id": state.plan_id,
-        "plan": {str(k): v.model_dump(mode="json") for k, v in state.layouts.items()},
+        "plan": layouts_json(state.layouts),
         "devices": state.devices,
         "response_len": state.config.job.response_len,
     }

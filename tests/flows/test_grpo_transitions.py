@@ -6,6 +6,7 @@ completes. The job's model-stages are GRPO's: actor/generate, actor/train, refer
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -14,6 +15,8 @@ from prefect.testing.utilities import prefect_test_harness
 
 from flows.ppo_job import ppo_job
 from nereus_core.config import parse_config
+from nereus_core.layout import Layout
+from nereus_core.plan import plan_id
 from storage.journal import journals
 from storage.run_dir import RunDir
 from tests.flows.job_runs import (
@@ -80,6 +83,11 @@ def test_a_forced_live_switch_and_a_durable_one_keep_grpo_state_bitwise(tmp_path
     _assert_grpo_state(run_dir)
     plans = plans_by_step(run_dir)
     assert plans[2] != plans[1]  # the forced live switch before step 2
+    # plans/ holds every plan the run used: the starting one and each committed switch's, by its id.
+    used = {committed[0]["from_plan_id"], *(r["to_plan_id"] for r in committed)}
+    files = {p.stem: json.loads(p.read_text()) for p in (run_dir / "plans").iterdir()}
+    assert set(files) == used and len(used) == 3
+    assert all(plan_id({s: Layout(**v) for s, v in f.items()}) == i for i, f in files.items())
     assert_rollout_made_by_checkpoint(run_dir, 2, tmp_path)  # the moved actor made rollout 2
 
 
