@@ -18,6 +18,7 @@ from flows import job_records, tracking
 from flows.job_records import HISTORY_TABLE, JobRecords
 from flows.job_start import reward_fit_cache_dir
 from nereus_core.config import ConfigError, parse_config
+from nereus_core.layout import Layout
 from nereus_core.transition_cost import TransitionEstimate
 from storage.run_dir import TRANSITIONS_TABLE, RunDir
 
@@ -89,7 +90,8 @@ def switch(forced: bool) -> SimpleNamespace:
         seconds=0.5, wire_s=0.3, ops_s=0.2, critical_bytes=4096, transfers=2, analytic=False
     )
     decision = SimpleNamespace(forced=forced, gain_per_step_s=0.25, horizon_steps=10, transition=predicted)
-    return SimpleNamespace(decision=decision, plan_id="p2", reason="why", devices=4)
+    layouts = {"actor/train": Layout.contiguous(dp=4)}
+    return SimpleNamespace(decision=decision, plan_id="p2", reason="why", devices=4, layouts=layouts)
 
 
 def config(*loggers: str, steps: int = 3):
