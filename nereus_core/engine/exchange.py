@@ -161,7 +161,7 @@ class Exchange:
                 self._post(dist.P2POp(dist.irecv, buffer, peer, self.group, tag=self.tag + i))
 
     def wait(self) -> ExchangeStats:
-        """Await every op (raises ``ExchangeError`` past the deadline), then unpack the receives."""
+        """Await every op (raises ``ExchangeError`` past the deadline), unpacking each receive once in."""
         deadline = time.monotonic() + self.timeout_s
         with self._failures():
             if not self.eager and self.ops:
