@@ -43,25 +43,27 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
-from collections import defaultdict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from nereus_core.config import ModelConfig
-from nereus_core.emu import plan_reshard, shard_map
-from nereus_core.engine.shard import OptimizerSettings
-from nereus_core.layout import Layout
-from nereus_core.model.weights import init_full_state, param_shapes
-from nereus_core.parallel.device import DeviceContext
-from tasks import model_ops
-from tasks.device_pool import DevicePool
-from tasks.reshard import reshard
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the link probes beside it
+
+from benchmarks.link_probes import p2p_probe, pattern_probe, plan_traffic  # noqa: E402
+from nereus_core.config import ModelConfig  # noqa: E402
+from nereus_core.emu import plan_reshard, shard_map  # noqa: E402
+from nereus_core.engine.shard import OptimizerSettings  # noqa: E402
+from nereus_core.layout import Layout  # noqa: E402
+from nereus_core.model.weights import init_full_state, param_shapes  # noqa: E402
+from nereus_core.parallel.device import DeviceContext  # noqa: E402
+from tasks import model_ops  # noqa: E402
+from tasks.device_pool import DevicePool  # noqa: E402
+from tasks.reshard import reshard  # noqa: E402
 
 CONFIG = ModelConfig(
     vocab_size=32000,
@@ -99,54 +101,16 @@ def memcpy_probe(ctx: DeviceContext, nbytes: int, repeats: int = 5) -> dict[str,
     return {"warm": nbytes / statistics.median(warm), "fresh": nbytes / statistics.median(fresh)}
 
 
-def p2p_probe(ctx: DeviceContext, nbytes: int, repeats: int = 5) -> float | None:
-    """Rank 0 sends ``nbytes`` to rank 1, which acknowledges; rank 0 returns the median bytes/s."""
-    buf = torch.ones(nbytes // 4)
-    ack = torch.zeros(1)
-    wait = timedelta(seconds=120)
-    times = []
-    for i in range(repeats + 1):  # the first round warms the connection up
-        start = time.perf_counter()
-        if ctx.rank == 0:
-            dist.isend(buf, 1, tag=900 + i).wait(wait)
-            dist.irecv(ack, 1, tag=950 + i).wait(wait)
-        else:
-            dist.irecv(buf, 0, tag=900 + i).wait(wait)
-            dist.isend(ack, 0, tag=950 + i).wait(wait)
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times[1:]) if ctx.rank == 0 else None
-
-
-def pattern_probe(ctx: DeviceContext, pairs: list[tuple[int, int, int]], repeats: int = 3) -> float:
-    """Seconds to move ``(src, dst, nbytes)`` all at once as one warm contiguous buffer per pair
-    (run on every device: the barriers are the world's): the transfer floor of a reshard plan."""
-    mine = [(s, d, torch.ones(n // 4)) for s, d, n in pairs if ctx.rank in (s, d)]
-    times = []
-    for i in range(repeats + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        works = [
-            dist.isend(b, d, tag=700 + i) if ctx.rank == s else dist.irecv(b, s, tag=700 + i)
-            for s, d, b in mine
-        ]
-        for work in works:
-            work.wait(timedelta(seconds=120))
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
 # ------------------------------------------------------------------------ driver
 
 
 def transfer_floor(pool: DevicePool, old: Layout, new: Layout, *, train: bool) -> float:
-    """``pattern_probe`` of the plan old -> new: its bytes per device pair, moved as raw buffers."""
+    """``pattern_probe`` of the plan old -> new: its bytes per device pair, moved as raw buffers (its
+    same-device copies left out); the slowest device's seconds."""
     plan = plan_reshard(shard_map(CONFIG, old, train=train), shard_map(CONFIG, new, train=train))
-    per_pair: dict[tuple[int, int], int] = defaultdict(int)
-    for t in plan.transfers:
-        per_pair[(t.src, t.dst)] += t.nbytes
-    pairs = [(s, d, n) for (s, d), n in sorted(per_pair.items())]
-    return pool.run_all(pattern_probe, pairs=pairs)[0]
+    pairs, _ = plan_traffic(plan)
+    devices = sorted({d for pair in pairs for d in pair})
+    return max(pool.run_on(devices, pattern_probe, pairs=pairs, local={}, repeats=3))
 
 
 def _check(pool: DevicePool, layout: Layout, name: str, expected: dict[str, torch.Tensor]) -> bool:
@@ -334,7 +298,7 @@ def main() -> None:
     try:
         report["machine"]["warm_up_s"] = round(warm_up(pool), 1)
         mem = pool.run_on([0], memcpy_probe, nbytes=PROBE_BYTES)[0]
-        p2p = pool.run_on([0, 1], p2p_probe, nbytes=PROBE_BYTES)[0]
+        p2p = pool.run_on([0, 1], p2p_probe, src=0, dst=1, nbytes=PROBE_BYTES, repeats=5)[1]
         report["limits"] = {
             "memcpy_bytes_per_s": round(mem["warm"]),
             "fresh_copy_bytes_per_s": round(mem["fresh"]),

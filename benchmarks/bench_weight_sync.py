@@ -38,23 +38,20 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the reshard benchmark's model beside it
 
 from benchmarks.bench_reshard import ADAMW, CONFIG  # noqa: E402  (one 70M model for both benchmarks)
+from benchmarks.link_probes import p2p_probe, pattern_probe, plan_traffic  # noqa: E402
 from nereus_core.config import ModelConfig  # noqa: E402
 from nereus_core.emu import ReshardPlan, plan_reshard, shard_map  # noqa: E402
 from nereus_core.layout import Layout  # noqa: E402
 from nereus_core.model.weights import param_shapes  # noqa: E402
-from nereus_core.parallel.device import DeviceContext  # noqa: E402
 from tasks import model_ops  # noqa: E402
 from tasks.device_pool import DevicePool  # noqa: E402
 from tasks.reshard import gather_state, sync_copy  # noqa: E402
@@ -67,53 +64,9 @@ SCENARIOS = {
 }
 
 
-def p2p_probe(ctx: DeviceContext, src: int, dst: int, nbytes: int, repeats: int = 3) -> float | None:
-    """``src`` sends ``nbytes`` to ``dst`` (which acknowledges), plain gloo; ``dst`` returns bytes/s
-    (median; the first round warms the connection up)."""
-    buf = torch.ones(max(nbytes // 4, 1))
-    ack = torch.zeros(1)
-    wait = timedelta(seconds=300)
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        if ctx.rank == src:
-            dist.isend(buf, dst, tag=900 + i).wait(wait)
-            dist.irecv(ack, dst, tag=950 + i).wait(wait)
-        else:
-            dist.irecv(buf, src, tag=900 + i).wait(wait)
-            dist.isend(ack, src, tag=950 + i).wait(wait)
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times[1:]) if ctx.rank == dst else None
-
-
-def pattern_probe(
-    ctx: DeviceContext, pairs: dict[tuple[int, int], int], local: dict[int, int], repeats: int = 5
-) -> float:
-    """The plan's bytes moved as plain gloo messages, one warm contiguous buffer per pair, receives
-    posted first, with this device's same-device bytes copied meanwhile; the median seconds of this
-    device (the first round warms the pairs up). The slowest device's figure is what this machine
-    can do for that pattern: the physical limit of the sync, with none of Nereus's work in it."""
-    wait = timedelta(seconds=300)
-    recvs = {src: torch.empty(n // 4) for (src, dst), n in pairs.items() if dst == ctx.rank}
-    sends = {dst: torch.ones(n // 4) for (src, dst), n in pairs.items() if src == ctx.rank}
-    copy = [torch.ones(local.get(ctx.rank, 0) // 4), torch.empty(local.get(ctx.rank, 0) // 4)]
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        works = [dist.irecv(buf, src, tag=700 + i) for src, buf in recvs.items()]
-        works += [dist.isend(buf, dst, tag=700 + i) for dst, buf in sends.items()]
-        copy[1].copy_(copy[0])
-        for work in works:
-            work.wait(wait)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
 def busiest_port(plan: ReshardPlan) -> dict[str, Any]:
     """The device that sends or receives the most bytes, those bytes, and its largest peer."""
-    pair: dict[tuple[int, int], int] = defaultdict(int)
-    for t in plan.transfers:
-        pair[(t.src, t.dst)] += t.nbytes
+    pair, _ = plan_traffic(plan)
     load = [(n, d, "sent") for d, n in plan.sent_bytes().items()]
     load += [(n, d, "received") for d, n in plan.received_bytes().items()]
     nbytes, device, way = max(load)
@@ -141,12 +94,7 @@ def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) 
     plan = plan_reshard(shard_map(CONFIG, train, train=False), shard_map(CONFIG, copy, train=False))
     port = busiest_port(plan)
     ranks = [port["probe_src"], port["probe_dst"]]
-    pairs: dict[tuple[int, int], int] = defaultdict(int)
-    for t in plan.transfers:
-        pairs[(t.src, t.dst)] += t.nbytes
-    local: dict[int, int] = defaultdict(int)
-    for t in plan.local:
-        local[t.dst] += t.nbytes
+    pairs, local = plan_traffic(plan)
     devices = sorted({*train.devices, *copy.devices})
     model_ops.load_model(pool, train, name=TRAIN, config=CONFIG, optimizer=ADAMW)
     model_ops.load_model(pool, copy, name=COPY, config=CONFIG)
@@ -168,7 +116,7 @@ def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) 
             del state
             probe = pool.run_on(ranks, p2p_probe, src=ranks[0], dst=ranks[1], nbytes=port["bytes"], repeats=1)
             bandwidths += [b for b in probe if b]
-            patterns.append(max(pool.run_on(devices, pattern_probe, pairs=dict(pairs), local=dict(local))))
+            patterns.append(max(pool.run_on(devices, pattern_probe, pairs=pairs, local=local)))
         driver_equal = _equal(expected, _params(pool, copy, COPY, train=False))
         sync_copy(pool, CONFIG, source=TRAIN, source_layout=train, copy=COPY, copy_layout=copy)
         emu_equal = _equal(expected, _params(pool, copy, COPY, train=False))
