@@ -9,12 +9,11 @@ process's peak RSS (``wait4``'s ``ru_maxrss``, the whole CLI process). Prints th
 the cases and the bomb's peak memory; a case that does not end in one line with exit 2 is listed
 under ``failed``.
 
-    python benchmarks/bench_bad_input.py
+    python -m benchmarks.bench_bad_input
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -32,18 +31,10 @@ from nereus_core.emu import Box, SliceSpec
 from storage import write_snapshot
 from storage.lock import run_lock
 from storage.run_dir import RunDir
+from tests.support.hostile_yaml import alias_bomb
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_ppo.yaml")
-
-
-def alias_bomb() -> str:
-    """About 400 bytes that expand to 9**9 values (the "billion laughs"), the last level as the run's
-    name so that validating or showing it would walk every value."""
-    names = "abcdefghi"
-    lines = [f"{names[0]}: &{names[0]} [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
-    lines += [f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]" for p, n in itertools.pairwise(names)]
-    return "\n".join([*lines, "name: *i"]) + "\n"
 
 
 def make_run(root: Path, *, summary: dict[str, Any] | None = None) -> Path:
@@ -64,8 +55,8 @@ def _truncate(path: Path) -> None:
 
 def cases(tmp: Path) -> dict[str, list[str]]:
     """Each case's argv, its inputs written under ``tmp``."""
-    (tmp / "bomb.yaml").write_text(alias_bomb())
-    flow_bomb = "{" + alias_bomb().strip().replace("\n", ", ") + "}"
+    (tmp / "bomb.yaml").write_text(alias_bomb(as_name=True))
+    flow_bomb = "{" + alias_bomb(as_name=True).strip().replace("\n", ", ") + "}"
     truncated = make_run(tmp / "truncated")
     _truncate(truncated / "state" / "checkpoints" / "step=2.json")
     edited = make_run(tmp / "edited")
@@ -104,7 +95,7 @@ def run_case(argv: list[str], cwd: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEREUS_")} | {"PYTHONPATH": str(ROOT)}
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", *argv], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "flows.cli.main", *argv], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True
     )
     assert proc.stderr is not None
     first = proc.stderr.readline()

@@ -18,8 +18,8 @@ calibration on two layouts.
 This script measures (its functions run on the pool's workers); the analysis of the timings,
 and the model, workloads and layouts they are taken on, are ``calibration_analysis.py``'s.
 
-    python benchmarks/bench_calibration.py [--repeats 7] [--save raw.json | --load raw.json]
-    python benchmarks/bench_calibration.py --profile
+    python -m benchmarks.bench_calibration [--repeats 7] [--save raw.json | --load raw.json]
+    python -m benchmarks.bench_calibration --profile
 """
 
 from __future__ import annotations
@@ -38,14 +38,7 @@ from typing import Any
 
 import torch
 
-from nereus_core.cost_model import Workload
-from nereus_core.hardware import CPU_WORKERS
-from nereus_core.layout import Layout
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the analysis beside it
-
-from benchmarks.calibration_analysis import (  # noqa: E402
+from benchmarks.calibration_analysis import (
     CONFIG,
     LAYOUTS,
     PROFILE_WORKLOAD,
@@ -54,6 +47,11 @@ from benchmarks.calibration_analysis import (  # noqa: E402
     calibrate,
     layout_of,
 )
+from nereus_core.cost.hardware import CPU_WORKERS
+from nereus_core.cost.stage_cost import Workload
+from nereus_core.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def timed(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -130,7 +128,7 @@ def _time_once(pool: Any, layout: Layout, ids: torch.Tensor, work: Workload) -> 
 def measure(repeats: int, work: Workload) -> dict[str, Any]:
     """All layouts stay loaded; rounds go over every layout in turn, so load from other processes on
     the machine falls on all of them alike. The first round is a warm-up and is dropped."""
-    from tasks.device_pool import DevicePool
+    from tasks.runtime.device_pool import DevicePool
 
     gen = torch.Generator().manual_seed(0)
     seq = work.prompt_len + work.response_high
@@ -258,7 +256,7 @@ def _host_constants() -> dict[str, float]:
 
 def measure_profile(repeats: int) -> dict[str, Any]:
     """The constants of ``hardware.CPU_WORKERS`` as measured on this machine, and its term scales."""
-    from tasks.device_pool import DevicePool
+    from tasks.runtime.device_pool import DevicePool
 
     out: dict[str, Any] = _host_constants()
     with quiet_stdout(), DevicePool(4) as pool:

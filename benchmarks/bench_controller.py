@@ -9,7 +9,7 @@ be shared; CPU time is what the decision itself costs). The target is <= 50 ms.
 Plan table: the plan picked from scratch for the same workload on 16, 64, 256 and
 1,024 H100s, with the predicted step time, tokens/s per GPU and memory per slot.
 
-    python benchmarks/bench_controller.py [--calls 20]
+    python -m benchmarks.bench_controller [--calls 20]
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import statistics
 import time
 
 from nereus_core.config import LLAMA_3_8B as LLAMA_8B
-from nereus_core.controller import ControllerState, Decision, Observation, StageTiming, decide
-from nereus_core.cost_model import Workload, estimate
-from nereus_core.hardware import H100_SXM
+from nereus_core.controller.decide import ControllerState, Decision, Observation, StageTiming, decide
+from nereus_core.cost.hardware import H100_SXM
+from nereus_core.cost.stage_cost import Workload, estimate
 from nereus_core.plan import PPO_STAGES, model_of, models_for
 
 # 256 prompts x 4 samples; responses of ~1,000 tokens as in NeMo RL's 8B GRPO run (hardware.md).

@@ -16,7 +16,7 @@ Figures are medians over ``--repeats`` loads of each path (all listed). The file
 cache after being written (the usual case for a model loaded twice, e.g. actor and reference), so
 the seconds measure copying out of memory, not disk reads; the byte counts do not depend on it.
 
-    python benchmarks/bench_import.py [--repeats 3] [--out FILE]
+    python -m benchmarks.bench_import [--repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from nereus_core.engine.hf_load import HFSource
 from nereus_core.layout import Layout
 from nereus_core.model.hf_dir import read_hf_config
 from tasks import model_ops
-from tasks.device_pool import DevicePool
+from tasks.runtime.device_pool import DevicePool
 
 # ~100M parameters: 8 Llama layers of width 768 with a 32k vocabulary (embedding and lm_head untied).
 SIZES = {

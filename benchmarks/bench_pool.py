@@ -10,7 +10,7 @@ Prints one JSON object. Everything is measured in this one run on this machine
 - ``dispatch_s``: median round trip of ``run_all`` with a no-op and with a one-float all-reduce;
 - ``close_4_s``: actors leave, client and cluster close, worker processes gone.
 
-Usage: ``python benchmarks/bench_pool.py [--devices 4] [--repeats 5]``
+Usage: ``python -m benchmarks.bench_pool [--devices 4] [--repeats 5]``
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nereus_core.engine.device import DeviceContext
 from nereus_core.layout import Layout
-from nereus_core.parallel.device import DeviceContext
-from tasks.device_pool import DevicePool
+from tasks.runtime.device_pool import DevicePool
 
 SHAPES: dict[str, dict[str, int]] = {
     "tp4": {"tp": 4},

@@ -32,7 +32,7 @@ machine other work competes for the same cores. ``--thp`` backs the workers' lar
 with transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE``): a new shard's memory is
 faulted in several times faster.
 
-    python benchmarks/bench_reshard.py [--repeats 3] [--no-train] [--no-baseline] [--thp | --compare-thp]
+    python -m benchmarks.bench_reshard [--repeats 3] [--no-train] [--no-baseline] [--thp | --compare-thp]
                                        [--out FILE]
 """
 
@@ -43,7 +43,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,19 +50,18 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the link probes beside it
+from benchmarks.link_probes import p2p_probe, pattern_probe, plan_traffic
+from nereus_core.config import ModelConfig
+from nereus_core.emu import plan_reshard, shard_map
+from nereus_core.engine.device import DeviceContext
+from nereus_core.engine.shard import OptimizerSettings
+from nereus_core.layout import Layout
+from nereus_core.model.weights import init_full_state, param_shapes
+from tasks import model_ops
+from tasks.reshard import reshard
+from tasks.runtime.device_pool import DevicePool
 
-from benchmarks.link_probes import p2p_probe, pattern_probe, plan_traffic  # noqa: E402
-from nereus_core.config import ModelConfig  # noqa: E402
-from nereus_core.emu import plan_reshard, shard_map  # noqa: E402
-from nereus_core.engine.shard import OptimizerSettings  # noqa: E402
-from nereus_core.layout import Layout  # noqa: E402
-from nereus_core.model.weights import init_full_state, param_shapes  # noqa: E402
-from nereus_core.parallel.device import DeviceContext  # noqa: E402
-from tasks import model_ops  # noqa: E402
-from tasks.device_pool import DevicePool  # noqa: E402
-from tasks.reshard import reshard  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = ModelConfig(
     vocab_size=32000,

@@ -7,7 +7,7 @@ process, and with fewer cores than slots the slots time-share them, so more
 parallelism only adds communication here; the figures measure the runtime's
 overhead per layout, not a speed-up.
 
-    python benchmarks/bench_runtime.py [--devices 4] [--repeats 5]
+    python -m benchmarks.bench_runtime [--devices 4] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from nereus_core.config import ModelConfig
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from tasks import model_ops
-from tasks.device_pool import DevicePool
+from tasks.runtime.device_pool import DevicePool
 
 CONFIG = ModelConfig(num_attention_heads=8, num_key_value_heads=4)
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]

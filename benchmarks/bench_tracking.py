@@ -7,7 +7,7 @@ and the 12 stage rows of a PPO step, turned into verl's names (``step_metrics``)
 tracker. Reported per set: median and mean milliseconds per step (wall clock), the open and close
 seconds, and the median over none's. A tracker whose package is missing is reported as skipped.
 
-    python benchmarks/bench_tracking.py [--steps 200]
+    python -m benchmarks.bench_tracking [--steps 200]
 """
 
 from __future__ import annotations
@@ -20,25 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.job_records import JobRecords
-from flows.tracking import require, step_metrics
+from flows.job.records import JobRecords
+from flows.job.tracking import require, step_metrics
 from nereus_core.config import ConfigError, parse_config
 from storage.run_dir import RunDir
+from tests.support.step_rows import STAGES
 
-STAGES = [
-    ("actor", "generate"),
-    ("task", "rule_score"),
-    ("reward", "infer"),
-    ("reference", "infer"),
-    ("actor", "infer"),
-    ("critic", "infer"),
-    ("ppo", "advantages"),
-    ("actor", "train"),
-    ("actor", "sync"),
-    ("critic", "train"),
-    ("critic", "sync"),
-    ("rollout", "write"),
-]
 SETS = {"none": [], "tensorboard": ["tensorboard"], "mlflow": ["mlflow"], "wandb": ["wandb"]}
 SETS["all"] = ["tensorboard", "mlflow", "wandb"]
 

@@ -2,14 +2,14 @@
 
 The job (benchmarks/grpo_peer_job.py) is written here, nothing downloaded: a random
 Qwen2ForCausalLM, a BPE tokenizer with a chat template, GSM8K prompts in verl's format and the
-digit-share reward (benchmarks/digit_reward.py), which Nereus calls as ``reward.function`` and TRL
+digit-share reward (examples/rewards/digit_share.py), which Nereus calls as ``reward.function`` and TRL
 through a thin wrapper. The same settings go to both: group size (TRL ``num_generations``), prompts
 per step, the response limit (EOS stops a response earlier), sampling at temperature 1 without
 top-k/top-p, the clipped loss with token-mean aggregation (TRL ``loss_type="dapo"``),
 ``epsilon``/``clip_ratio``, no KL term (``beta=0``), group-scaled rewards, one optimizer step per
 generated batch (TRL ``steps_per_generation=num_iterations=1``; Nereus ``ppo_epochs=mini_batches=1``),
 AdamW at a constant learning rate without gradient clipping or weight decay, prompts in file order.
-TRL runs in this process on CPU with one thread (no vLLM); Nereus runs ``python -m flows.cli run``
+TRL runs in this process on CPU with one thread (no vLLM); Nereus runs ``python -m flows.cli.main run``
 on 1 and on 2 device slots (one worker process and thread each), fixed plan (``job.adapt: false``).
 
 Each round runs every system once, back to back; the order is reversed every other round, so a load
@@ -21,7 +21,7 @@ seconds per stage per step (Nereus: metrics/steps.parquet; TRL: its generation a
 timed here, and the rest of its step). ``summary``: every round's steps pooled, and each Nereus
 run's median step over TRL's (pooled and per round).
 
-    python benchmarks/bench_trl.py [--steps 16] [--rounds 2] [--out FILE]
+    python -m benchmarks.bench_trl [--steps 16] [--rounds 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -40,11 +40,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the project's packages and the reward
-
-from benchmarks.digit_reward import trl_digit_share  # noqa: E402
-from benchmarks.grpo_peer_job import (  # noqa: E402
+from benchmarks.grpo_peer_job import (
     Settings,
     nereus_config,
     prompt_lengths,
@@ -53,6 +49,9 @@ from benchmarks.grpo_peer_job import (  # noqa: E402
     write_model,
     write_tokenizer,
 )
+from examples.rewards.digit_share import trl_digit_share
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_trl(model_dir: Path, train: Path, s: Settings, work: Path) -> dict[str, Any]:
@@ -131,7 +130,7 @@ def nereus_missing() -> str | None:
     """Why Nereus cannot run this job (its GRPO step does not take a prompt source yet), or None."""
     import inspect
 
-    from flows import grpo_step
+    from flows.job import grpo_step
 
     if "prompt_source" not in inspect.signature(grpo_step.run_step).parameters:
         return "the GRPO step does not take the data set's prompt source yet (it runs the count task)"
@@ -139,14 +138,14 @@ def nereus_missing() -> str | None:
 
 
 def run_nereus(model_dir: Path, data: Path, s: Settings, slots: int, work: Path) -> dict[str, Any]:
-    """``python -m flows.cli run`` on ``slots`` slots; figures from the run's metrics tables."""
+    """``python -m flows.cli.main run`` on ``slots`` slots; figures from the run's metrics tables."""
     import pyarrow.parquet as pq
     import yaml
 
     config, out = work / f"nereus-{slots}.yaml", work / f"nereus-{slots}"
     config.write_text(yaml.safe_dump(nereus_config(model_dir, data, s, slots)))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(config), "--out", str(out)]
+    cmd = [sys.executable, "-m", "flows.cli.main", "run", str(config), "--out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stdout + done.stderr).strip().splitlines()[-5:]

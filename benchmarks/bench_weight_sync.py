@@ -26,7 +26,7 @@ one after another, so that the medians over ``--repeats`` (all values listed) sh
 conditions; the load average is reported with them, since on a shared machine other work takes
 the same cores.
 
-    python benchmarks/bench_weight_sync.py [--repeats 3] [--out FILE]
+    python -m benchmarks.bench_weight_sync [--repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,25 +36,23 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the reshard benchmark's model beside it
+from benchmarks.bench_reshard import ADAMW, CONFIG  # one 70M model for both benchmarks
+from benchmarks.link_probes import p2p_probe, pattern_probe, plan_traffic
+from nereus_core.config import ModelConfig
+from nereus_core.emu import ReshardPlan, plan_reshard, shard_map
+from nereus_core.layout import Layout
+from nereus_core.model.weights import param_shapes
+from tasks import model_ops
+from tasks.reshard import gather_state, sync_copy
+from tasks.runtime.device_pool import DevicePool
 
-from benchmarks.bench_reshard import ADAMW, CONFIG  # noqa: E402  (one 70M model for both benchmarks)
-from benchmarks.link_probes import p2p_probe, pattern_probe, plan_traffic  # noqa: E402
-from nereus_core.config import ModelConfig  # noqa: E402
-from nereus_core.emu import ReshardPlan, plan_reshard, shard_map  # noqa: E402
-from nereus_core.layout import Layout  # noqa: E402
-from nereus_core.model.weights import param_shapes  # noqa: E402
-from tasks import model_ops  # noqa: E402
-from tasks.device_pool import DevicePool  # noqa: E402
-from tasks.reshard import gather_state, sync_copy  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TRAIN, COPY = "bench/train", "bench/generate"
 SCENARIOS = {

@@ -10,11 +10,17 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from nereus_core.calibration import CalibrationSettings
 from nereus_core.config import ModelConfig
-from nereus_core.controller import ControllerSettings, ControllerState, Observation, StageTiming, observe
-from nereus_core.cost_model import Workload, estimate
-from nereus_core.hardware import CPU_WORKERS
+from nereus_core.controller.decide import (
+    ControllerSettings,
+    ControllerState,
+    Observation,
+    StageTiming,
+    observe,
+)
+from nereus_core.cost.calibration import CalibrationSettings
+from nereus_core.cost.hardware import CPU_WORKERS
+from nereus_core.cost.stage_cost import Workload, estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import PPO_STAGES, models_for
 

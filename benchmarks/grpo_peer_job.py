@@ -1,7 +1,7 @@
 """The job of the TRL side-by-side benchmark (benchmarks/bench_trl.py), one definition for both
 systems: a random Qwen2ForCausalLM written with ``save_pretrained``, a byte-level BPE tokenizer
 trained on the project's GSM8K text with a chat template, GSM8K in verl's format made by the
-project's converter (``nereus data gsm8k``), the digit-share reward (benchmarks/digit_reward.py),
+project's converter (``nereus data gsm8k``), the digit-share reward (examples/rewards/digit_share.py),
 and the matched GRPO settings as TRL's ``GRPOConfig`` (``trl_args``) and as a Nereus config
 (``nereus_config``). Nothing is downloaded.
 """
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from nereus_core.tokenizer import chat_prompt_ids
+from nereus_core.hf.tokenizer import chat_prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
-REWARD = "benchmarks/digit_reward.py:digit_share"  # relative to ROOT, where Nereus runs
+REWARD = "examples/rewards/digit_share.py:digit_share"  # relative to ROOT, where Nereus runs
 TEXT = ROOT / "data" / "text" / "gsm8k_test_first500.jsonl"
 SIZES = {  # ~1.7M parameters; 4 heads and 2 kv heads divide by tp=2
     "vocab_size": 512,
@@ -101,7 +101,7 @@ def write_model(path: Path, eos_id: int) -> int:
 
 def write_data(out: Path) -> Path:
     """GSM8K in verl's format by the project's converter; the train split's path."""
-    cmd = [sys.executable, "-m", "flows.cli", "data", "gsm8k", "--out", str(out)]
+    cmd = [sys.executable, "-m", "flows.cli.main", "data", "gsm8k", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     return out / "train.parquet"
 

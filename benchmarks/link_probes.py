@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nereus_core.emu import ReshardPlan
-from nereus_core.parallel.device import DeviceContext
+from nereus_core.engine.device import DeviceContext
 
 WAIT = timedelta(seconds=300)
 

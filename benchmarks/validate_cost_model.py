@@ -22,7 +22,7 @@ Per run and stage: the median over steps of predicted / actual, and the medians 
 ``held_out_published``: both on NeMo RL's published 8B GRPO step on 16 H100s (fitted to
 neither; the assumptions it needs are printed with it).
 
-    python benchmarks/validate_cost_model.py [--data ../shared/data/rl_length] [--every 5]
+    python -m benchmarks.validate_cost_model [--data ../shared/data/rl_length] [--every 5]
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from nereus_core.config import ModelConfig
-from nereus_core.cost_model import Workload, estimate
-from nereus_core.hardware import H100_SXM, HardwareProfile
+from nereus_core.cost.hardware import H100_SXM, HardwareProfile
+from nereus_core.cost.stage_cost import Workload, estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import models_for
 from nereus_core.sim import stage_world as sw

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from nereus_core.config import ConfigError, NereusConfig, parse_config
 from nereus_core.plan import MODEL_STAGES
-from tasks.device_pool import DevicePool
+from tasks.runtime.device_pool import DevicePool
 from tasks.selfcheck import check_model_stage
 
 COLUMNS = ("stage", "layout", "groups_s", "load_s", "forward_s", "train_s", "max_abs_diff", "ok")

@@ -1,6 +1,6 @@
 """The PPO job's driver state and its rules: what to do after a step, when a switch commits, where to resume.
 
-Boundary: pure (no Prefect, Dask or files). The flow (flows/ppo_job.py) runs the
+Boundary: pure (no Prefect, Dask or files). The flow (flows/job/rl_job.py) runs the
 steps, the transitions and the checkpoints, and asks this module what follows:
 
     after_step(state, observation) -> Keep | Switch | Fail     (the controller decides)
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from nereus_core.config import ModelConfig, NereusConfig, ScenarioEvent
-from nereus_core.controller import (
+from nereus_core.controller.decide import (
     ControllerState,
     Decision,
     Observation,
@@ -30,9 +30,10 @@ from nereus_core.controller import (
     calibrated_on,
     decide,
 )
-from nereus_core.cost_model import Workload
+from nereus_core.controller.transition_schedule import JOB_CONTROLLER
+from nereus_core.cost.hardware import get_profile
+from nereus_core.cost.stage_cost import Workload
 from nereus_core.engine.optimizer import OptimizerSettings
-from nereus_core.hardware import get_profile
 from nereus_core.layout import Layout
 from nereus_core.plan import (
     GlobalPlan,
@@ -43,7 +44,6 @@ from nereus_core.plan import (
     problems,
     slots_needed,
 )
-from nereus_core.transition_plan import JOB_CONTROLLER
 
 SwitchStatus = Literal["committed", "aborted", "refused"]
 

@@ -17,18 +17,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nereus_core.config import ConfigError, NereusConfig
-from nereus_core.controller import ControllerState, evaluate_plan
-from nereus_core.cost_model import Workload
-from nereus_core.hardware import get_profile
+from nereus_core.controller.decide import ControllerState, evaluate_plan
+from nereus_core.cost.hardware import get_profile
+from nereus_core.cost.plan_estimate import memory_per_device
+from nereus_core.cost.stage_cost import Workload
 from nereus_core.plan import GlobalPlan, default_plan
-from nereus_core.plan_estimate import memory_per_device
 
 # A local device slot is a worker process; on a CPU machine several share a core (the demo runs 4
 # slots on 2 cores). Past this many per CPU a LocalCluster only thrashes, and thousands of
 # processes exhaust the machine before the first step.
 LOCAL_SLOTS_PER_CPU = 4
 
-# Columns the driver holds per token of a step's rollout (nereus_core/rollout.py, ``Rollout``):
+# Columns the driver holds per token of a step's rollout (nereus_core/rl/rollout.py, ``Rollout``):
 # the token ids over prompt + response, the prompt's padding mask and seven response-aligned columns.
 # Counted at 8 bytes a value over the whole sequence, an upper bound of the tensors (int64 ids,
 # float32 values).

@@ -1,7 +1,7 @@
 """Where a step's prompts come from and how its responses are scored: the one interface the PPO
 step asks (``batch(step)``, ``score(...)``, ``stopping``), with two sources behind it.
 
-- ``CountSource``: the demo's ``count`` task (``nereus_core.task``): random digit prompts seeded by
+- ``CountSource``: the demo's ``count`` task (``nereus_core.count_task``): random digit prompts seeded by
   (seed, step), no stop ids (every response runs to the limit), scored by ``rule_score`` through the
   reward registry. Exactly the numbers the job produced before this interface existed.
 - ``DatasetSource``: prompts in verl's format (``nereus_core.dataset``), rendered once with the
@@ -13,10 +13,10 @@ step asks (``batch(step)``, ``score(...)``, ``stopping``), with two sources behi
   extra_info)`` per row. Validation walks its prompts in file order (``val_batches``).
 
 verl pads every prompt to ``data.max_prompt_length``; padding to the batch's longest instead gives
-the same results (padding changes no result: tests/core/test_rollout.py) with fewer columns.
+the same results (padding changes no result: tests/core/rl/test_rollout.py) with fewer columns.
 
 Boundary: pure; examples, token ids and callables in. Reading files and loading the tokenizer are
-the caller's (``flows/job_data.py``).
+the caller's (``flows/job/data.py``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Protocol
 
 import torch
 
-from nereus_core import rollout as ro
+from nereus_core.count_task import TaskSettings, make_prompts
 from nereus_core.dataset.rows import Example
 from nereus_core.dataset.sampler import Sampler
 from nereus_core.rewards import registry
-from nereus_core.task import TaskSettings, make_prompts
+from nereus_core.rl import rollout as ro
 
 Decode = Callable[[Sequence[int]], str]  # token ids -> text, special tokens skipped
 

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from nereus_core.config_data import DataConfig
+from nereus_core.config.data import DataConfig
 from nereus_core.dataset.prompt_length import (
     LengthReport,
     PromptTokenizer,

@@ -33,7 +33,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nereus_core.config import ConfigError
-from nereus_core.config_yaml import parse_yaml
+from nereus_core.config.from_yaml import parse_yaml
 from nereus_core.layout import Layout
 from storage.errors import RunDirError
 from storage.manifest import atomic_write, replacing

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from nereus_core.controller import Decision, Observation
+from nereus_core.controller.decide import Decision, Observation
 from nereus_core.job import JobState, Outcome, after_step
 
 

@@ -1,6 +1,6 @@
 """Prefect tasks of a GRPO step that differ from PPO's: the actor's training on group advantages.
 
-Generation and the forward passes (reference, old log-probs) are PPO's tasks (tasks/ppo_stages.py);
+Generation and the forward passes (reference, old log-probs) are PPO's tasks (tasks/stages.py);
 GRPO has no critic, so no critic pass, training or sync. The loss is ``rollout.grpo_objective``.
 """
 
@@ -11,13 +11,13 @@ import functools
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from nereus_core import rollout as ro
-from nereus_core.algorithm import AlgorithmConfig
 from nereus_core.config import ModelConfig
 from nereus_core.layout import Layout
-from nereus_core.ppo import PPOSettings
-from tasks.device_pool import DevicePool
-from tasks.ppo_stages import ACTOR_STATS, sync_inference_copy, timed, train_epochs
+from nereus_core.rl import rollout as ro
+from nereus_core.rl.algorithm import AlgorithmConfig
+from nereus_core.rl.ppo import PPOSettings
+from tasks.runtime.device_pool import DevicePool
+from tasks.stages import ACTOR_STATS, sync_inference_copy, timed, train_epochs
 
 # The actor's statistics, as PPO's, plus the KL loss term's estimate (verl's actor/kl_loss).
 GRPO_ACTOR_STATS = (*ACTOR_STATS, "kl_loss")

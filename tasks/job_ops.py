@@ -27,16 +27,16 @@ from prefect.cache_policies import NO_CACHE
 
 from nereus_core import faults
 from nereus_core.config import NereusConfig
+from nereus_core.count_task import make_prompts
 from nereus_core.engine.hf_load import hf_source
 from nereus_core.engine.memory import held_bytes as device_held_bytes
 from nereus_core.job import JobState, model_config, optimizer_settings
 from nereus_core.layout import Layout
 from nereus_core.plan import ModelStage, copies, layouts_json, load_order, state_stages
-from nereus_core.task import make_prompts
 from storage.run_dir import RunDir
 from tasks import model_ops
-from tasks.device_pool import DevicePool
 from tasks.reshard import gather_state
+from tasks.runtime.device_pool import DevicePool
 from tasks.snapshots import snapshot_model
 
 # The actor's log-probs and, where the job has a critic, its values.

@@ -15,6 +15,7 @@ import torch
 from nereus_core.config import ModelConfig
 from nereus_core.emu import shard_map
 from nereus_core.engine import dispatch
+from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.forward import forward_outputs, generate
 from nereus_core.engine.hf_load import HFSource, load_from_hf
 from nereus_core.engine.optimizer import OptimizerSettings
@@ -22,8 +23,7 @@ from nereus_core.engine.reshard import ReshardJob
 from nereus_core.engine.shard import alias_shard, drop_shard, load_shard, set_weights, shard_state
 from nereus_core.engine.train import LossFn, lm_loss, train_step
 from nereus_core.layout import Layout
-from nereus_core.parallel.device import DeviceContext
-from tasks.device_pool import DevicePool
+from tasks.runtime.device_pool import DevicePool
 
 
 def load_model(

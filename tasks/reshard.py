@@ -39,7 +39,7 @@ from nereus_core.engine.weight_sync import SyncJob, sync_weights
 from nereus_core.gtg import write_assignment
 from nereus_core.layout import Layout
 from storage import FileEntry, commit_snapshot, find_snapshot, read_slices, write_shard_file
-from tasks.device_pool import DevicePool
+from tasks.runtime.device_pool import DevicePool
 
 Path = Literal["live", "durable"]
 PATHS: tuple[str, ...] = ("live", "durable")

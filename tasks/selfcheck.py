@@ -16,7 +16,7 @@ from nereus_core.engine.reference import reference_greedy, reference_logprobs, r
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from tasks import model_ops
-from tasks.device_pool import DevicePool
+from tasks.runtime.device_pool import DevicePool
 
 # Parallel log-probs agree with the reference to fp32 rounding (see tests/tasks/test_runtime.py).
 TOLERANCE = 1e-4

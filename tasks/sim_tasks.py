@@ -6,7 +6,7 @@
   either in this process or on a Dask worker of the sweep's cluster (by its address).
 - ``write_outputs``: summary.json, steps.parquet, plans.json, timing.json and the plots.
 
-``SweepCluster`` decides where the runs go: the shared ``tasks.cluster.DaskCluster``
+``SweepCluster`` decides where the runs go: the shared ``tasks.runtime.cluster.DaskCluster``
 (a LocalCluster of a few single-threaded worker processes on loopback, or a client of
 an existing scheduler), or nothing when the sweep is small enough to run in the driver.
 """
@@ -31,7 +31,7 @@ from nereus_core.config import ConfigError
 from nereus_core.sim.config import SimConfig, SweepSettings
 from nereus_core.sim.job import SimJob, SimResult, run_job
 from nereus_core.sim.trace import Trace, TraceError, parse_trace
-from tasks.cluster import Client, DaskCluster
+from tasks.runtime.cluster import Client, DaskCluster
 
 _CLIENTS: dict[str, Client] = {}
 

@@ -20,8 +20,8 @@ from nereus_core.emu import shard_map
 from nereus_core.engine.reshard import ReshardJob, durable_read
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
-from tasks.device_pool import DevicePool
 from tasks.reshard import ArrowStateStore, write_snapshot_of
+from tasks.runtime.device_pool import DevicePool
 
 
 def _job(name: str, config: ModelConfig, layout: Layout, optimizer: OptimizerSettings | None) -> ReshardJob:

@@ -17,8 +17,8 @@ from nereus_core.config import ModelConfig
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from tasks import model_ops
-from tasks.device_pool import DevicePool
 from tasks.reshard import reshard, reshard_wave, sync_copy
+from tasks.runtime.device_pool import DevicePool
 
 
 @task(cache_policy=NO_CACHE, retries=0)

@@ -2,7 +2,7 @@
 
 - imports run ``flows -> tasks -> {storage, nereus_core}``, ``storage -> nereus_core``;
 - Prefect tasks are made in ``tasks/``, flows in ``flows/``;
-- one module imports Dask (``tasks/cluster.py``);
+- one module imports Dask (``tasks/runtime/cluster.py``);
 - ``nereus_core`` never reads or sets environment variables;
 - no import cycles among the project's modules.
 
@@ -123,7 +123,7 @@ def test_imports_follow_the_layers(package: str, path: Path) -> None:
         ("nereus_core", "from storage.emu_store import EmuStore", "storage.emu_store"),
         ("storage", "import dask.array", "dask.array"),
         ("storage", "from prefect import task", "prefect"),
-        ("tasks", "from flows.cli import main", "flows.cli"),
+        ("tasks", "from flows.cli.main import main", "flows.cli.main"),
         ("flows", "from dask.distributed import Client", "dask.distributed"),
         ("nereus_core", "import importlib\nimportlib.import_module('prefect.context')", "prefect.context"),
     ],
@@ -147,7 +147,7 @@ def test_relative_imports_resolve() -> None:
 
 def test_allowed_imports_pass() -> None:
     assert violations("tasks", {"dask", "distributed", "prefect", "storage", "nereus_core.config"}) == []
-    assert violations("flows", {"prefect", "tasks.device_pool", "storage"}) == []
+    assert violations("flows", {"prefect", "tasks.runtime.device_pool", "storage"}) == []
     assert violations("storage", {"pyarrow", "nereus_core.layout", "torch"}) == []
     assert violations("nereus_core", {"torch", "torch.distributed", "deepspeed", "pydantic"}) == []
 
@@ -288,7 +288,7 @@ def test_prefect_tasks_live_in_tasks_and_flows_in_flows(package: str, path: Path
 
 def test_dask_is_imported_by_one_module() -> None:
     sources = {m: text for m, (_, text) in _project_sources().items()}
-    assert dask_importers(sources) == {"tasks.cluster"}
+    assert dask_importers(sources) == {"tasks.runtime.cluster"}
 
 
 def test_nereus_core_never_touches_the_environment() -> None:

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from nereus_core.engine import p2p
+from nereus_core.engine.device import DeviceContext, RankGroups
 from nereus_core.engine.shard import ModelShard, get_shard
 from nereus_core.model.tensor_parallel import vocab_parallel_logprobs, vocab_parallel_sample
-from nereus_core.parallel.device import DeviceContext, RankGroups
 
 
 def micro_batches(batch: int, count: int) -> list[slice]:

@@ -31,10 +31,10 @@ import torch
 
 from nereus_core.config import ModelConfig, NereusConfig
 from nereus_core.emu import Box, SliceSpec, split_state_name
+from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.reshard import ReshardJob, durable_read
-from nereus_core.hf_files import read_slices
+from nereus_core.hf.files import read_slices
 from nereus_core.model.weights import SCORE
-from nereus_core.parallel.device import DeviceContext
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.shard import ModelShard
-from nereus_core.parallel.device import DeviceContext
 
 _MAX_DEPTH = 4
 

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from nereus_core.engine.device import RankGroups
 from nereus_core.model.llama import LlamaStage
-from nereus_core.parallel.device import RankGroups
 
 
 class OptimizerSettings(BaseModel):

@@ -31,10 +31,10 @@ import torch
 
 from nereus_core.config import ModelConfig
 from nereus_core.emu import Box, ReshardPlan, ShardMap, SliceSpec
+from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, Exchange
 from nereus_core.engine.shard import ModelShard, OptimizerSettings, get_shard
 from nereus_core.engine.state import DeviceState, Pieces, extract_state, install_state, new_shard
-from nereus_core.parallel.device import DeviceContext
 
 LIVE_TAG = 3 << 20
 UNIT_TAGS = 1 << 16  # tags per unit of a wave: its messages to one peer number fewer than this

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from nereus_core.config import ModelConfig
+from nereus_core.engine.device import DeviceContext, RankGroups
 from nereus_core.engine.optimizer import OptimizerSettings, make_engine
 from nereus_core.layout import Layout
 from nereus_core.model.llama import LlamaStage
 from nereus_core.model.weights import init_full_state, param_dtype
-from nereus_core.parallel.device import DeviceContext, RankGroups
 
 
 @dataclass

@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 from nereus_core.emu import MASTER, MOMENTS, STEP, Box, Kind, ShardMap, partitioned_kinds
+from nereus_core.engine.device import DeviceContext, RankGroups
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, exchange
 from nereus_core.engine.optimizer import make_engine
 from nereus_core.engine.shard import ModelShard, OptimizerSettings, get_shard, new_stage
 from nereus_core.model.llama import LlamaStage
-from nereus_core.parallel.device import DeviceContext, RankGroups
 
 Pieces = dict[tuple[str, Box], torch.Tensor]
 STEP_BOX = Box((), ())

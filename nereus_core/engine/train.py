@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from nereus_core.engine import p2p
+from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.forward import head_outputs, micro_batches, padding, rows, stage_forward
 from nereus_core.engine.shard import ModelShard, get_shard
 from nereus_core.model.tensor_parallel import vocab_parallel_entropy
-from nereus_core.parallel.device import DeviceContext
-from nereus_core.ppo import last_value, minibatch_share
+from nereus_core.rl.ppo import last_value, minibatch_share
 
 # A micro-batch's loss, or its loss and statistics (detached 0-dim tensors, e.g. a clip fraction).
 LossFn = Callable[

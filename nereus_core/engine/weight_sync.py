@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from nereus_core.emu import ReshardPlan, ShardMap
+from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, Exchange
 from nereus_core.engine.reshard import copy_local, receives_of, sends_of
 from nereus_core.engine.shard import ModelShard, get_shard
 from nereus_core.engine.state import DeviceState, Pieces, empty_state, install_state, new_shard
-from nereus_core.parallel.device import DeviceContext
 
 SYNC_TAG = 4 << 20  # the reshard's exchanges use 1, 2 and 3 << 20
 

@@ -21,7 +21,7 @@ never puts a device over its capacity:
    edges alone, each the first ready unit that fits the devices as they are then, and the order is
    replayed once more; if no ready unit fits at some point, there is no safe schedule.
 
-Boundary: pure planning over a ``TransitionGraph``; flows/transition.py executes the waves.
+Boundary: pure planning over a ``TransitionGraph``; flows/job/transition.py executes the waves.
 """
 
 from __future__ import annotations

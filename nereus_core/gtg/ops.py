@@ -136,7 +136,7 @@ class LinkModel(BaseModel):
     copies at ``local_bandwidth``) and ``store`` (snapshots and rehydrates at ``store_bandwidth``,
     per device). Operations sharing a port run one after another; operations on disjoint ports
     run concurrently. Slot ``d`` is on node ``d // devices_per_node``. Defaults: the CPU runtime
-    (gloo send 1.4 GB/s and 7.5 GB/s copies, measured as ``nereus_core/hardware.py`` says;
+    (gloo send 1.4 GB/s and 7.5 GB/s copies, measured as ``nereus_core/cost/hardware.py`` says;
     store, overheads and regroup assumed) — pass a calibrated model for anything else.
     """
 

@@ -2,7 +2,7 @@
 stage on one tensor-parallel rank holds.
 
 What the directory says (config.json's fields, its tensors' files, slices read memory-mapped) is
-``nereus_core.hf_files``'s; this module adds what needs the model's config and shard map.
+``nereus_core.hf.files``'s; this module adds what needs the model's config and shard map.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from nereus_core.config import ModelConfig
-from nereus_core.hf_files import (
+from nereus_core.hf.files import (
     INDEX_FILE,
     SINGLE_FILE,
     SUPPORTED,

@@ -5,7 +5,7 @@ A reward function is either
 - a text scorer with verl's signature ``(data_source, solution_str, ground_truth, extra_info)``
   returning a float, or a dict whose ``"score"`` is the reward and whose other keys are logged;
   the built-ins ``gsm8k``, ``gsm8k_flexible`` and ``math``, or a user's ``path/to/file.py:function``;
-- or the demo's token scorer ``count``: ``nereus_core.task.rule_score`` (token ids in, a score per
+- or the demo's token scorer ``count``: ``nereus_core.count_task.rule_score`` (token ids in, a score per
   sequence out), registered here rather than re-implemented.
 
 ``resolve`` turns a name into a ``RewardFn`` and checks a user's file and function when the config
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nereus_core import task
+from nereus_core import count_task as task
 from nereus_core.rewards import gsm8k, math_answer
 
 TEXT_BUILTINS: dict[str, Callable[..., Any]] = {

@@ -41,12 +41,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from nereus_core.controller import ControllerSettings
-from nereus_core.cost_model import Scales, Workload
+from nereus_core.controller.decide import ControllerSettings
+from nereus_core.controller.search import Searcher, SearchSpace
+from nereus_core.cost.plan_estimate import step_seconds
+from nereus_core.cost.stage_cost import Scales, Workload
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, GlobalPlan, Placement
-from nereus_core.plan_estimate import step_seconds
-from nereus_core.plan_search import Searcher, SearchSpace
 from nereus_core.sim.config import StrategySpec
 from nereus_core.sim.engine import SimError
 from nereus_core.sim.strategies import FixedStrategy

@@ -13,10 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nereus_core.algorithm import AlgorithmConfig
 from nereus_core.config import LLAMA_3_8B, ConfigError, ModelConfig
-from nereus_core.controller import ControllerSettings
+from nereus_core.controller.decide import ControllerSettings
 from nereus_core.plan import ModelStage, stages_for
+from nereus_core.rl.algorithm import AlgorithmConfig
 
 StrategyKind = Literal["nereus", "static", "openrlhf", "verl"]
 OpenRLHFPlacement = Literal["separate", "paired", "colocated"]

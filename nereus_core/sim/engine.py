@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from nereus_core.cost_model import Workload
+from nereus_core.cost.stage_cost import Workload
 from nereus_core.plan import GlobalPlan
 from nereus_core.sim.world import World
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from nereus_core.hardware import get_profile
+from nereus_core.cost.hardware import get_profile
 from nereus_core.sim.baselines import OpenRLHFStrategy, VerlStrategy
 from nereus_core.sim.config import SimConfig
 from nereus_core.sim.engine import Strategy, simulate

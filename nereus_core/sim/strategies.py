@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 
 from nereus_core.config import ModelConfig
-from nereus_core.controller import (
+from nereus_core.controller.decide import (
     ControllerSettings,
     ControllerState,
     Decision,
@@ -31,15 +31,15 @@ from nereus_core.controller import (
     TransitionTiming,
     decide,
 )
-from nereus_core.cost_model import Workload
-from nereus_core.hardware import HardwareProfile
+from nereus_core.cost.hardware import HardwareProfile
+from nereus_core.cost.plan_estimate import step_seconds
+from nereus_core.cost.stage_cost import Workload
+from nereus_core.cost.transition_cost import analytic_transition_cost
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, models_for
-from nereus_core.plan_estimate import step_seconds
 from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.engine import Move, Prepared, SimError, StepRun
 from nereus_core.sim.world import World, largest_dp, usable_bytes
-from nereus_core.transition_cost import analytic_transition_cost
 
 
 def same_degrees(a: GlobalPlan, b: GlobalPlan) -> bool:

@@ -5,7 +5,7 @@ Each step gives the devices available, the usable memory per device (memory
 pressure events lower it), the batch (the step's sequences: prompts x responses per
 prompt, a GRPO job's ``group_size``), the mean prompt length, and the response-length
 distribution (mean, p90, max). How the shipped traces were derived from public
-data is in data/traces/README.md and benchmarks/build_traces.py.
+data is in data/traces/README.md and data/traces/build_traces.py.
 
 Columns: ``step, devices, capacity_gb, batch, prompt_len, response_mean, response_p90,
 response_max``; ``devices`` may be left out when the caller fixes it; columns named
@@ -21,7 +21,7 @@ from functools import cached_property
 
 import numpy as np
 
-from nereus_core.cost_model import Workload
+from nereus_core.cost.stage_cost import Workload
 
 GB = 10**9
 REQUIRED = ("step", "capacity_gb", "batch", "prompt_len", "response_mean", "response_p90", "response_max")

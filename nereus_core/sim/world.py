@@ -21,16 +21,16 @@ from typing import NamedTuple
 import numpy as np
 
 from nereus_core.config import ModelConfig
-from nereus_core.cost_model import Workload, stage_kind
-from nereus_core.cost_terms import PERSISTENT, Geometry, layout_geometry, model_stats, stage_tables
-from nereus_core.hardware import HardwareProfile
+from nereus_core.cost.hardware import HardwareProfile
+from nereus_core.cost.stage_cost import Workload, stage_kind
+from nereus_core.cost.terms import PERSISTENT, Geometry, layout_geometry, model_stats, stage_tables
+from nereus_core.cost.transition_cost import TransitionEstimate, weight_sync_s
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, MODEL_STAGES, PPO_STAGES, GlobalPlan, ModelStage, model_of, models_for
 from nereus_core.sim import stage_world as sw
 from nereus_core.sim import transitions
 from nereus_core.sim.config import NoiseSettings
 from nereus_core.sim.trace import Trace
-from nereus_core.transition_cost import TransitionEstimate, weight_sync_s
 
 SYNC = len(MODEL_STAGES)  # noise column of the weight sync
 

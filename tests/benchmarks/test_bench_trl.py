@@ -10,10 +10,10 @@ import pytest
 
 from benchmarks import bench_trl as bt
 from benchmarks import grpo_peer_job as pj
-from benchmarks.digit_reward import digit_share, trl_digit_share
+from examples.rewards.digit_share import digit_share, trl_digit_share
 from nereus_core.config import parse_config
-from nereus_core.grpo import TRL_LOSS_TYPES
 from nereus_core.plan import ModelStage
+from nereus_core.rl.grpo import TRL_LOSS_TYPES
 
 pytest.importorskip("trl")
 
@@ -76,7 +76,7 @@ def test_both_systems_are_given_the_same_job(
 
 def test_every_prompt_fits_so_neither_system_filters(job: tuple[Path, Path]) -> None:
     model_dir, train = job
-    from nereus_core.tokenizer import load_tokenizer
+    from nereus_core.hf.tokenizer import load_tokenizer
 
     lengths = pj.prompt_lengths(load_tokenizer(model_dir), train)
     assert len(lengths) == 400  # the converter's train split of GSM8K's first 500 test problems

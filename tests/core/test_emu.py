@@ -24,7 +24,7 @@ from nereus_core.emu import (
 )
 from nereus_core.layout import Layout
 from nereus_core.model.weights import param_shapes, shard_dim
-from tests.core.model_configs import SHARDABLE
+from tests.support.model_configs import SHARDABLE
 
 SMALL = SHARDABLE
 # Heads, kv heads, vocab and ffn divisible by every tp up to 8; 8 layers for pp up to 8.

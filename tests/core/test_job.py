@@ -14,7 +14,7 @@ import yaml
 
 from nereus_core import job as jb
 from nereus_core.config import NereusConfig, ScenarioEvent, parse_config
-from nereus_core.controller import decide
+from nereus_core.controller.decide import decide
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, GlobalPlan, plan_id
 

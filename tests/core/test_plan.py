@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from nereus_core.config import ModelConfig, parse_config
-from nereus_core.cost_model import MemoryEstimate
+from nereus_core.cost.plan_estimate import memory_per_device, step_seconds
+from nereus_core.cost.stage_cost import MemoryEstimate
 from nereus_core.layout import Layout
 from nereus_core.plan import (
     MODEL_STAGES,
@@ -25,7 +26,6 @@ from nereus_core.plan import (
     plan_id,
     problems,
 )
-from nereus_core.plan_estimate import memory_per_device, step_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"
@@ -132,7 +132,7 @@ def test_models_for_gives_critic_and_reward_a_value_head_when_heads_exist() -> N
 
 
 def test_cli_plan_prints_the_chosen_plan_and_alternatives(capsys: pytest.CaptureFixture[str]) -> None:
-    from flows.cli import main
+    from flows.cli.main import main
 
     assert main(["plan", str(EXAMPLE)]) == 0
     out = capsys.readouterr().out
@@ -147,7 +147,7 @@ def test_cli_plan_prints_the_chosen_plan_and_alternatives(capsys: pytest.Capture
 def test_cli_plan_bad_input_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from flows.cli import main
+    from flows.cli.main import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("cluster: {devices: 0}\n")

@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from nereus_core.config import ConfigError, NereusConfig, parse_config
-from nereus_core.controller import ControllerState, Observation, decide, evaluate_plan
-from nereus_core.cost_model import Workload
-from nereus_core.hardware import get_profile
+from nereus_core.controller.decide import ControllerState, Observation, decide, evaluate_plan
+from nereus_core.cost.hardware import get_profile
+from nereus_core.cost.plan_estimate import memory_per_device
+from nereus_core.cost.stage_cost import Workload
 from nereus_core.plan import GlobalPlan, default_plan
-from nereus_core.plan_estimate import memory_per_device
 from nereus_core.preflight import (
     BYTES_PER_VALUE,
     DRIVER_MEMORY_SHARE,
@@ -30,7 +30,7 @@ from nereus_core.preflight import (
     problems,
     rollout_bytes,
 )
-from nereus_core.rollout import Rollout
+from nereus_core.rl.rollout import Rollout
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"

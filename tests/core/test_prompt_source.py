@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from nereus_core import prompt_source as ps
-from nereus_core import rollout as ro
+from nereus_core.count_task import TaskSettings, make_prompts, rule_score
 from nereus_core.dataset.rows import Example
 from nereus_core.dataset.sampler import Sampler
 from nereus_core.rewards import registry
-from nereus_core.task import TaskSettings, make_prompts, rule_score
+from nereus_core.rl import rollout as ro
 
 PAD, EOS = 0, 9
 # A toy vocabulary: id i decodes to its character; EOS and PAD are special (skipped).

@@ -57,7 +57,7 @@ def test_the_crash_automation_covers_every_nereus_flow() -> None:
 @pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=lambda d: d["name"])
 def test_heartbeats_come_often_enough_for_the_crash_automation(deployment: dict) -> None:
     """Three heartbeats fit in the automation's window, for deployed runs and for `nereus run`."""
-    from flows.cli_prefect import HEARTBEAT_SECONDS
+    from flows.cli.prefect_server import HEARTBEAT_SECONDS
 
     within = _crash_automation()["trigger"]["within"]
     env = deployment["work_pool"]["job_variables"]["env"]

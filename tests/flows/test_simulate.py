@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.cli import main
+from flows.cli.main import main
 from flows.simulate import run_simulation
 from nereus_core.sim.config import parse_sim_config
 from nereus_core.sim.job import SimJob, run_job

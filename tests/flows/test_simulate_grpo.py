@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.cli import main
+from flows.cli.main import main
 from flows.simulate import run_simulation
 
 HEADER = "step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"

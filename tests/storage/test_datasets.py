@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nereus_core.config_data import DataConfig
+from nereus_core.config.data import DataConfig
 from storage.datasets import (
     DatasetError,
     load_data,

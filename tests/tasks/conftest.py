@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tasks.device_pool import DevicePool
+from tasks.runtime.device_pool import DevicePool
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from nereus_core import rollout as ro
-from nereus_core.algorithm import AlgorithmConfig
 from nereus_core.layout import Layout
-from nereus_core.ppo import PPOSettings
+from nereus_core.rl import rollout as ro
+from nereus_core.rl.algorithm import AlgorithmConfig
+from nereus_core.rl.ppo import PPOSettings
 from tasks import grpo_stages, model_ops
 
 

@@ -17,15 +17,21 @@ from nereus_core import job as jb
 from nereus_core.config import ModelConfig, parse_config
 from nereus_core.engine.hf_load import HFSource, fresh_value_head
 from nereus_core.engine.shard import shard_state
+from nereus_core.hf.tokenizer import chat_prompt_ids, load_tokenizer, stop_token_ids
 from nereus_core.layout import Layout
 from nereus_core.model.hf_dir import read_hf_config
 from nereus_core.model.weights import param_shapes, shard_tensor, stage_param_names
-from nereus_core.tokenizer import chat_prompt_ids, load_tokenizer, stop_token_ids
 from storage.export import export_hf
 from storage.run_dir import RunDir
 from tasks import job_ops, model_ops
-from tasks.device_pool import DevicePool
-from tests.hf_models import SIZES, assert_same_tensors, directory_tensors, write_model, write_tokenizer
+from tasks.runtime.device_pool import DevicePool
+from tests.support.hf_models import (
+    SIZES,
+    assert_same_tensors,
+    directory_tensors,
+    write_model,
+    write_tokenizer,
+)
 
 pytestmark = pytest.mark.timeout(300)
 NAME = "reference/infer"

@@ -16,8 +16,8 @@ from nereus_core.config import parse_config
 from storage.export import export_hf
 from storage.run_dir import RunDir
 from tasks import job_ops, model_ops
-from tasks.device_pool import DevicePool
-from tests.hf_models import SIZES, assert_same_tensors, directory_tensors, write_model
+from tasks.runtime.device_pool import DevicePool
+from tests.support.hf_models import SIZES, assert_same_tensors, directory_tensors, write_model
 
 pytestmark = pytest.mark.timeout(300)
 

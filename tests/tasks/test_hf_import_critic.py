@@ -16,8 +16,8 @@ from nereus_core.config import parse_config
 from storage.export import export_hf
 from storage.run_dir import RunDir
 from tasks import job_ops, model_ops
-from tasks.device_pool import DevicePool
-from tests.hf_models import LLAMA3_ROPE, SIZES, randomize, write_model
+from tasks.runtime.device_pool import DevicePool
+from tests.support.hf_models import LLAMA3_ROPE, SIZES, randomize, write_model
 
 pytestmark = pytest.mark.timeout(300)
 WIDER = {**SIZES, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 3}

@@ -17,9 +17,9 @@ from nereus_core.engine.forward import position_ids
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.engine.train import lm_loss
 from nereus_core.model.weights import hf_config, init_full_state
-from nereus_core.rollout import response_mask
+from nereus_core.rl.rollout import response_mask
 from tasks import model_ops
-from tests.tasks.runtime_setup import GQA_MODEL, contiguous_layout, token_logprobs
+from tests.support.runtime_setup import GQA_MODEL, contiguous_layout, token_logprobs
 
 LLAMA = GQA_MODEL.model_copy(update={"seed": 11})
 # Qwen2 as its larger sizes: q/k/v biases, untied embeddings (tied ones cannot be pipelined).

@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 import torch
 
-from nereus_core import rollout as ro
 from nereus_core.layout import Layout
-from nereus_core.ppo import PPOSettings
-from tasks import model_ops, ppo_stages
+from nereus_core.rl import rollout as ro
+from nereus_core.rl.ppo import PPOSettings
+from tasks import model_ops
+from tasks import stages as ppo_stages
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])

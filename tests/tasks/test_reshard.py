@@ -16,13 +16,13 @@ import torch
 
 import storage
 from nereus_core.engine import reshard as core_reshard
+from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
-from nereus_core.parallel.device import DeviceContext
 from tasks import model_ops
-from tasks.device_pool import DevicePool, DeviceRunError
 from tasks.reshard import PATHS, gather_state, reshard, reshard_wave
-from tests.tasks.runtime_setup import GQA_MODEL
+from tasks.runtime.device_pool import DevicePool, DeviceRunError
+from tests.support.runtime_setup import GQA_MODEL
 
 # The per-rank helpers below travel to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

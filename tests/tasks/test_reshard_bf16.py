@@ -18,8 +18,8 @@ from nereus_core.emu import MASTER, partitioned_kinds, split_state_name
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from tasks import model_ops
-from tasks.device_pool import DevicePool
 from tasks.reshard import PATHS, gather_state, reshard
+from tasks.runtime.device_pool import DevicePool
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -13,7 +13,7 @@ from nereus_core.emu import plan_reshard, shard_map
 from nereus_core.engine.reshard import ReshardJob
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
-from tests.tasks.runtime_setup import GQA_MODEL
+from tests.support.runtime_setup import GQA_MODEL
 
 CONFIG = GQA_MODEL
 MOVES = [

@@ -11,7 +11,7 @@ from nereus_core.engine.train import score_mse_loss
 from nereus_core.layout import Layout
 from nereus_core.model.weights import hf_config, init_full_state
 from tasks import model_ops
-from tests.tasks.runtime_setup import GQA_MODEL, contiguous_layout, token_logprobs
+from tests.support.runtime_setup import GQA_MODEL, contiguous_layout, token_logprobs
 
 CONFIG = GQA_MODEL
 FORWARD_LAYOUTS = [(tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2) for dp in (1, 2) if tp * pp * dp <= 4]

@@ -12,10 +12,11 @@ import torch
 from nereus_core.emu import min_bytes, shard_map
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
-from tasks import model_ops, ppo_stages
-from tasks.device_pool import DevicePool, DeviceRunError
+from tasks import model_ops
+from tasks import stages as ppo_stages
 from tasks.reshard import gather_state, sync_copy
-from tests.tasks.runtime_setup import GQA_MODEL
+from tasks.runtime.device_pool import DevicePool, DeviceRunError
+from tests.support.runtime_setup import GQA_MODEL
 
 CONFIG = GQA_MODEL.model_copy(update={"seed": 5})
 ADAMW = OptimizerSettings(lr=1e-3, eps=1e-6)

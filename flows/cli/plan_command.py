@@ -1,0 +1,86 @@
+"""What ``nereus plan CONFIG`` prints: the plan the controller would pick, its predicted step time
+and memory per slot, the config's own plan, and the rejected alternatives with the reason for each.
+
+The decision itself is ``nereus_core.controller.decide.decide``; this module only formats it for a terminal
+(or a pipe: flows/cli/main.py ends a closed pipe quietly).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nereus_core.config import NereusConfig
+
+
+def print_plan(cfg: NereusConfig, *, profile: str) -> int:
+    """Print the plan the controller picks for ``cfg`` on the ``profile`` hardware, its predicted
+    cost and the runners-up; the exit status (1 when no plan fits)."""
+    from nereus_core.controller.decide import ControllerState, Observation, decide
+    from nereus_core.cost.hardware import get_profile
+    from nereus_core.cost.stage_cost import Workload
+    from nereus_core.plan import GlobalPlan, default_plan
+
+    hardware = get_profile(profile)
+    obs = Observation(
+        step=0,
+        remaining_steps=cfg.job.steps,
+        devices=cfg.cluster.devices,
+        memory_per_device=int(cfg.cluster.memory_per_device),
+        workload=Workload.from_config(cfg),
+    )
+    fresh = ControllerState.initial(cfg.models, hardware, stages=cfg.stages)
+    decision = decide(obs, fresh)
+    print(_plan_header(cfg, hardware.name, obs, fresh.settings.headroom))
+    if decision.chosen is None:
+        print(f"no plan fits: {decision.reason}")
+    else:
+        print(_plan_table(decision.chosen))
+    initial = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))  # the plan `nereus run` starts on
+    if decision.chosen is not None and initial != decision.chosen.plan:
+        started = ControllerState.initial(
+            cfg.models, hardware, stages=cfg.stages, plan=initial, devices=obs.devices
+        )
+        from_config = decide(obs, started)
+        current = from_config.current
+        where = f"step {current.step_s:.4g} s, {current.memory_peak / 2**30:.3f} GiB/slot" if current else ""
+        print(f"\nconfig plan {initial.plan_id} ({initial.placement}): {where}")
+        print(f"  a job started on it would {from_config.action}: {from_config.reason}")
+    if decision.alternatives:
+        print("\nrejected alternatives")
+        for alt in decision.alternatives:
+            gib = alt.memory_peak / 2**30
+            print(f"  {alt.plan_id}  step {alt.step_s:9.4g} s  {gib:7.2f} GiB/slot  {alt.reason}")
+            print(f"      {alt.description}")
+            print(f"      why: {alt.detail}")
+    return 0 if decision.chosen is not None else 1
+
+
+def _plan_header(cfg: NereusConfig, profile: str, obs: Any, headroom: float) -> str:
+    gib = obs.memory_per_device / 2**30
+    w = obs.workload
+    return (
+        f"nereus plan: {cfg.name} on {obs.devices} slots x {gib:.2f} GiB ({profile} profile, "
+        f"{headroom:.0%} headroom)\nworkload: batch {w.batch}, prompt {w.prompt_len}, "
+        f"response mean {w.response_mean:g} (high {w.response_high})"
+    )
+
+
+def _plan_table(chosen: Any) -> str:
+    plan = chosen.plan
+    lines = [
+        f"\nchosen {plan.plan_id}  {plan.placement}  step {chosen.step_s:.4g} s "
+        f"(weight sync {chosen.sync_s:.3g} s)",
+        f"  {'model-stage':<16} {'tp':>3} {'pp':>3} {'dp':>4} {'mb':>4}  {'slots':<12} {'latency s':>10} "
+        f"{'GiB/slot':>9}",
+    ]
+    for stage, layout in plan.layouts.items():
+        est = chosen.stages[stage]
+        slots = f"{layout.devices[0]}..{layout.devices[-1]}"
+        lines.append(
+            f"  {stage:<16} {layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.micro_batches:>4}  "
+            f"{slots:<12} {est.seconds:>10.4g} {est.memory.total / 2**30:>9.3f}"
+        )
+    lines.append(
+        f"  busiest slot: {chosen.memory_peak / 2**30:.3f} GiB of {chosen.usable / 2**30:.2f} GiB usable"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,317 @@
+"""What a PPO run records: stage timings, per-step history, transitions, decisions and the summary.
+
+    stage timings  -> metrics/steps.parquet (and the step's response lengths), a table per step
+                      (run logger), artifact nereus-step-timings
+    step history   -> metrics/history.parquet (scores, losses, PPO statistics, lengths, wall, overhead)
+    transitions    -> metrics/transitions.parquet, artifact nereus-transitions
+    every step     -> trainer.logger's trackers (flows/job/tracking.py), the progress bar on a terminal
+    the end        -> summary.json
+
+Steps are 0-based in every table and log line (step 0 is the first; a checkpoint "at step N" holds
+the state after N steps, the one step N starts from).
+
+Boundary: recording only; the flow decides what happens (flows/job/rl_job.py) and the job's rules
+are nereus_core.job's. Timing: ``task_call`` times a Prefect task call from outside (its rows get
+the task's orchestration overhead), ``plain`` times a driver-side call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import create_table_artifact
+
+from flows.job.step_report import step_table
+from flows.job.tracking import (
+    ProgressBar,
+    Trackers,
+    flat_params,
+    progress_bar,
+    step_metrics,
+    transition_metrics,
+)
+from nereus_core.config import NereusConfig
+from nereus_core.controller.decide import Decision, TransitionTiming
+from nereus_core.cost.transition_cost import TransitionEstimate
+from nereus_core.job import JobState, Switch
+from nereus_core.plan import layouts_json
+from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
+
+HISTORY_TABLE = "metrics/history.parquet"
+LENGTH_STATS = ("response_len_mean", "response_len_max", "response_clip_frac")  # rollout.length_stats
+TERMS = ("wire", "ops", "durable")  # the order of TransitionEstimate.terms
+
+
+def past_transitions(rows: list[dict[str, Any]]) -> list[TransitionTiming]:
+    """The committed switches of ``rows`` (metrics/transitions.parquet) as the controller calibrates on
+    them: the prediction's unscaled terms and the seconds it took (rows without terms are skipped)."""
+    out = []
+    for r in rows:
+        terms = [r.get(f"predicted_{k}_s") for k in TERMS]
+        if r.get("status") != "committed" or None in terms or not r.get("actual_s") or not sum(terms):
+            continue
+        wire, ops, durable = (float(t) for t in terms)
+        estimate = TransitionEstimate(
+            seconds=float(r["predicted_cost_s"]),
+            wire_s=wire,
+            ops_s=ops,
+            durable_s=durable,
+            critical_bytes=0,
+            transfers=0,
+            analytic=False,
+        )
+        out.append(TransitionTiming(predicted=estimate, seconds=float(r["actual_s"])))
+    return out
+
+
+class QuietCompletedTasks(logging.Filter):
+    """Drops the per-task "Finished in state Completed()" line during the steps: it costs ~3 ms a task
+    here (console and API) and says nothing the step table does not. Failures, retries and every
+    other task log still pass; the UI still shows every task run and its state."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        done = str(record.msg).startswith("Finished in state Completed")
+        return not (record.levelno == logging.INFO and done)
+
+
+@dataclass
+class TaskCall:
+    """The stages one task call ran: ``add(model, stage, tokens, seconds inside)``."""
+
+    stages: list[tuple[str, str, int, float]] = field(default_factory=list)
+
+    def add(self, model: str, stage: str, tokens: int, seconds: float) -> None:
+        self.stages.append((model, stage, tokens, seconds))
+
+
+class JobRecords:
+    """The run's tables, kept in memory and rewritten after every change (they are small)."""
+
+    def __init__(self, run: RunDir, *, first_step: int = 0, config: NereusConfig | None = None) -> None:
+        self.run, self.t0, self.first_step = run, time.perf_counter(), first_step
+        self.rows = [r for r in run.read_rows(STEPS_TABLE) if r["step"] < first_step]
+        self.history = [h for h in run.read_rows(HISTORY_TABLE) if h["step"] < first_step]
+        self.transitions = run.read_rows(TRANSITIONS_TABLE) if first_step else []
+        self.task_overheads: list[float] = []  # per Prefect task call: its time outside its stages
+        self.checkpoint_s = 0.0
+        # Run time of the kept steps before this driver took over (0 on a fresh run).
+        self.before_s = float(self.history[-1].get("run_s") or 0.0) if self.history else 0.0
+        self.config = config
+        self.console = config is None or "console" in config.trainer.logger
+        self.trackers: Trackers = Trackers([])
+        self.progress: ProgressBar | None = None
+
+    @contextmanager
+    def tracking(self) -> Iterator[None]:
+        """The trackers of ``trainer.logger`` and the progress bar, open while the steps run."""
+        if self.config is not None:
+            cfg = self.config
+            params = flat_params(cfg.model_dump(mode="json"))
+            names = cfg.trainer.logger
+            self.trackers = Trackers.open(
+                names, self.run.root, cfg.trainer.project_name, self.run.root.name, params
+            )
+            self.progress = progress_bar(cfg.job.steps, self.first_step)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            self.trackers.close(failed)
+            if self.progress is not None:
+                self.progress.close()
+
+    def _row(
+        self, step: int, plan_id: str, stage: tuple[str, str, int, float], start: float, outer: float
+    ) -> None:
+        model, name, tokens, seconds = stage
+        self.rows.append(
+            {
+                "step": step,
+                "model": model,
+                "stage": name,
+                "plan_id": plan_id,
+                "start_s": start - self.t0,
+                "duration_s": seconds,
+                "tokens": tokens,
+                "task_overhead_s": outer - seconds,  # Prefect's share: the task call minus its body
+            }
+        )
+
+    @contextmanager
+    def task_call(self, step: int, plan_id: str) -> Iterator[TaskCall]:
+        """Time a Prefect task call; its orchestration overhead is split evenly over its stages."""
+        call, start = TaskCall(), time.perf_counter()
+        yield call
+        outer = time.perf_counter() - start
+        inside = sum(s[3] for s in call.stages)
+        self.task_overheads.append(outer - inside)
+        share = (outer - inside) / max(len(call.stages), 1)
+        for stage in call.stages:
+            self._row(step, plan_id, stage, start, stage[3] + share)
+
+    @contextmanager
+    def plain(self, step: int, plan_id: str, model: str, stage: str, tokens: int) -> Iterator[None]:
+        """Time a driver-side call as a stage (no task overhead)."""
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        self._row(step, plan_id, (model, stage, tokens, seconds), start, seconds)
+
+    def step_rows(self, step: int) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["step"] == step]
+
+    def finish_step(self, stats: dict[str, Any], wall_s: float, steps: int) -> None:
+        """The step's rows, table, artifact and history line."""
+        start, step = time.perf_counter(), stats["step"]
+        rows = self.step_rows(step)
+        inside = sum(r["duration_s"] for r in rows)
+        lengths = {k: stats[k] for k in LENGTH_STATS if k in stats}
+        for r in rows:
+            r["step_wall_s"] = wall_s
+            r.update(lengths)  # the step's response lengths beside its stage times
+        stats.update(wall_s=wall_s, stage_s=inside, overhead_s=wall_s - inside)
+        stats["run_s"] = self.before_s + time.perf_counter() - self.t0
+        self.run.write_rows(STEPS_TABLE, self.rows)
+        note = f"Stage timings of step {step} (wall {wall_s:.3f} s, overhead {wall_s - inside:.3f} s)"
+        level = logging.INFO if self.console else logging.DEBUG
+        get_run_logger().log(level, "step %d (of 0-%d)\n%s", step, steps - 1, step_table(rows, stats))
+        create_table_artifact(
+            key="nereus-step-timings",
+            table=[
+                {k: rounded(r[k]) for k in ("step", "model", "stage", "duration_s", "tokens")} for r in rows
+            ],
+            description=note,
+        )
+        self.trackers.log(step_metrics(stats, rows), step)
+        if self.progress is not None:
+            self.progress.update(stats)
+        stats["bookkeeping_s"] = time.perf_counter() - start  # the trackers' time included
+        self.history.append(stats)
+        self.run.write_rows(HISTORY_TABLE, self.history)
+
+    def transition(
+        self,
+        transition_id: str,
+        step: int,
+        state: JobState,
+        switch: Switch,
+        stats: dict[str, Any],
+        status: str,
+    ) -> dict[str, Any]:
+        """Record a switch's outcome (``stats``: the transition subflow's figures and the checkpoint's)."""
+        d: Decision = switch.decision
+        predicted = d.transition
+        row = {
+            "transition_id": transition_id,
+            "step": step,
+            "from_plan_id": state.plan_id,
+            "to_plan_id": switch.plan_id,
+            "reason": "; ".join(filter(None, (switch.reason, stats.get("note")))),
+            "forced": d.forced,
+            "predicted_gain_s": d.gain_per_step_s * d.horizon_steps,
+            "predicted_cost_s": predicted.seconds if predicted else 0.0,
+            "actual_s": stats.get("seconds", 0.0),
+            # The prediction's unscaled terms: what calibration fits, read back on resume.
+            **{
+                f"predicted_{k}_s": v
+                for k, v in zip(TERMS, predicted.terms if predicted else (0.0,) * 3, strict=True)
+            },
+            "bytes_moved": int(stats.get("bytes_moved", 0)),
+            "status": status,
+            "route": stats.get("route", ""),
+            "checkpoint_s": stats.get("checkpoint_s", 0.0),
+            "retire_s": stats.get("retire_s", 0.0),
+            "gtg_critical_path_s": stats.get("gtg_critical_path_s", 0.0),
+            "devices": switch.devices,
+            "recorded_at": time.time(),
+            **{k: stats[k] for k in ("verified_bitwise", "verified_max_diff") if k in stats},
+        }
+        self.transitions.append(row)
+        self.run.write_rows(TRANSITIONS_TABLE, self.transitions)
+        if status == "committed":  # plans/ holds every plan the run used (DESIGN's run directory)
+            self.run.write_plan(switch.plan_id, layouts_json(switch.layouts))
+        self.trackers.log(transition_metrics(row), step)
+        keys = ("transition_id", "status", "route", "reason", "predicted_cost_s", "actual_s", "bytes_moved")
+        keys += ("predicted_wire_s", "predicted_ops_s", "predicted_durable_s")
+        create_table_artifact(
+            key="nereus-transitions",
+            table=[{k: rounded(t.get(k)) for k in keys} for t in self.transitions],
+            description="Plan switches of this run so far (metrics/transitions.parquet)",
+        )
+        return row
+
+    def summary(self, state: JobState, wall_s: float, fit: dict[str, Any]) -> dict[str, Any]:
+        history = self.history
+        k = min(5, len(history))
+        mean = lambda key, part: sum(h[key] for h in part) / len(part)  # noqa: E731
+        walls = sum(h["wall_s"] for h in history)
+        return {
+            "status": "completed",
+            "steps": len(history),
+            "steps_after_resume": len(history) - self.first_step if self.first_step else None,
+            "wall_s": wall_s,  # this driver's (since it opened the run)
+            "run_s": self.before_s + wall_s,  # and the kept steps' before a resume
+            "reward_first": mean("score", history[:k]),
+            "reward_last": mean("score", history[-k:]),
+            "score_first": mean("rule_score", history[:k]),
+            "score_last": mean("rule_score", history[-k:]),
+            "transitions": sum(t["status"] == "committed" for t in self.transitions),
+            "transition_s_total": sum(t["actual_s"] for t in self.transitions),
+            "final_plan_id": state.plan_id,
+            "tokens_per_s": sum(h["tokens"] for h in history) / walls,
+            "overhead_frac": sum(h["overhead_s"] for h in history) / walls,
+            "snapshot_s": self.checkpoint_s,
+            # After each step: its table to the logger, the Prefect artifact, the tables (not in step walls).
+            "bookkeeping_median_s": statistics.median(h["bookkeeping_s"] for h in history),
+            "task_overhead_median_s": statistics.median(self.task_overheads) if self.task_overheads else None,
+            "reward_fit": {"first_mse": fit.get("first_loss"), "last_mse": fit.get("last_loss")},
+            "history": history,
+        }
+
+
+def rounded(value: Any, digits: int = 4) -> Any:
+    """A float to ``digits`` significant digits (artifacts are read by people); anything else as is."""
+    if not isinstance(value, float) or value == 0.0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+DECISION_INFO_CHARS = 120  # the INFO line's reason is cut here; the whole of it is at DEBUG
+
+
+def log_decision(decision: Decision, step: int) -> None:
+    """The controller's decision in one short INFO line; its numbers and rejected alternatives at DEBUG."""
+    logger = get_run_logger()
+    reason = decision.reason
+    if len(reason) > DECISION_INFO_CHARS:
+        reason = reason[: DECISION_INFO_CHARS - 3] + "..."
+    forced = " (forced)" if decision.forced else ""
+    logger.info("controller after step %d: %s%s: %s", step, decision.action, forced, reason)
+    cost = decision.transition.seconds if decision.transition else 0.0
+    logger.debug(
+        "  %s; gain %.4g s/step x %d steps vs cost %.4g s; decided in %.1f ms",
+        decision.reason,
+        decision.gain_per_step_s,
+        decision.horizon_steps,
+        cost,
+        decision.elapsed_s * 1000,
+    )
+    for alt in decision.alternatives[:3]:
+        logger.debug("  rejected %s: %s (%s)", alt.plan_id, alt.reason, alt.detail)
+
+
+def done_line(summary: dict[str, Any]) -> str:
+    """The run's last line: every step it made and its whole run time, a resume's share named."""
+    steps, after = summary["steps"], summary.get("steps_after_resume")
+    what = f"{steps} steps, {after} of them after the resume," if after is not None else f"{steps} steps"
+    first, last = summary["score_first"], summary["score_last"]
+    return f"done: {what} in {summary['run_s']:.1f} s; rule score {first:.3f} -> {last:.3f}"

@@ -1,0 +1,331 @@
+"""The transition subflow: switch the running job from plan A to plan B, journaled.
+
+    journal: transition start (plans, reason, route, the executed schedule, the checkpoint)
+      same devices: the GTG (nereus_core.gtg) orders the ops so no device overflows; the executor
+        runs them grouped into units (nereus_core.gtg.execution), wave by wave, after replaying
+        that very order against the devices' capacities:
+          move:<stage>    live reshard of parameters + AdamW state (slices device to device)
+          unload:<stage>  a durable stage drops its old shards (its state is in the checkpoint)
+          load:<stage>    ... and is rehydrated on its new layout from the checkpoint
+        no memory-safe order of whole units: every changed stage goes durable instead
+      another device set: drop every shard -> resize the pool (a new world) -> rehydrate every
+        model-stage under plan B from the checkpoint (a device lost meanwhile: rebuild, again)
+      -> inference copies of trained models (actor/generate, critic/infer): relink
+      -> journal: commit (the plan switch); the job continues on plan B
+      -> workers a shrink let go retire (``DevicePool.retire_left``): plan B no longer uses them
+Every unit writes a ``start`` line before it runs and a ``done`` line after, so after a crash the
+journal says how far it got; ``nereus resume`` then finishes the switch from the checkpoint
+(plan B) or rolls it back (plan A): nereus_core.job.resume_point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from nereus_core import faults
+from nereus_core.config import NereusConfig
+from nereus_core.controller.transition_schedule import plan_moves
+from nereus_core.engine.shard import drop_all
+from nereus_core.gtg import TransitionGraph, TransitionInfeasible
+from nereus_core.gtg.execution import NoStageSchedule, StageSchedule
+from nereus_core.job import model_config, optimizer_settings
+from nereus_core.layout import Layout
+from nereus_core.plan import ModelStage, copies, own_state
+from storage.journal import ABORT, COMMIT, DONE, FAILED, START, Journal
+from storage.run_dir import RunDir
+from tasks import model_ops
+from tasks.runtime.device_pool import DevicePool
+from tasks.snapshots import rehydrate_model
+from tasks.transition_ops import move_stage, move_stages, relink_copy
+
+Plan = dict[str, Layout]
+
+
+def _run_op(journal: Journal, op_id: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    if op_id in journal.done_ops():
+        return {"seconds": 0.0, "bytes_moved": 0, "skipped": True}
+    journal.record(op_id, START)
+    stats = fn(*args, **kwargs) or {}
+    journal.record(op_id, DONE, seconds=stats.get("seconds", 0.0), bytes_moved=stats.get("bytes_moved", 0))
+    return stats
+
+
+def _rehydrate(
+    pool: DevicePool, cfg: NereusConfig, run_dir: str, step: int, stage: str, layout: Layout
+) -> dict:
+    stats = rehydrate_model(
+        pool,
+        run_dir,
+        ModelStage(stage).model,
+        step,
+        layout,
+        model_config(cfg, stage),
+        stage,
+        optimizer_settings(cfg, stage),
+        incarnation=RunDir(run_dir).read_checkpoint(step)["incarnation"],  # the checkpoint's own writer
+    )
+    return {**stats, "bytes_moved": stats.get("bytes_read", 0)}
+
+
+def _relink(pool: DevicePool, cfg: NereusConfig, journal: Journal, plan: Plan, relinked: list) -> int:
+    moved, sources = 0, copies(plan)
+    for copy in relinked:
+        source = sources[copy]
+        stats = _run_op(
+            journal,
+            f"relink:{copy}",
+            relink_copy,
+            pool,
+            copy,
+            source,
+            plan[source],
+            plan[copy],
+            model_config(cfg, copy),
+        )
+        moved += stats.get("bytes_moved", 0)
+    return moved
+
+
+def rehydrate_all(
+    pool: DevicePool,
+    cfg: NereusConfig,
+    run_dir: str,
+    journal: Journal,
+    plan: Plan,
+    checkpoint_step: int,
+    devices: int,
+) -> int:
+    """Drop every shard, resize the pool to ``devices`` (a new world), load every model-stage of
+    ``plan`` from the checkpoint and relink the inference copies; returns bytes read. A device
+    lost during rehydration costs one world rebuild and a second pass (then it raises)."""
+    logger = get_run_logger()
+    _run_op(journal, "drop:all", _drop_all, pool)
+    if devices != pool.size:
+        _run_op(journal, f"resize:{pool.size}->{devices}", _resize, pool, devices)
+    read = 0
+    for attempt in (1, 2):
+        try:
+            if faults.armed("kill-worker:rehydrate"):
+                pid = pool.info()[min(1, pool.size - 1)]["pid"]
+                logger.warning("fault injection: killing device worker pid %d during rehydration", pid)
+                os.kill(pid, signal.SIGKILL)
+            for stage in own_state(plan):
+                op = f"rehydrate:{stage}#{attempt}"
+                read += _run_op(
+                    journal, op, _rehydrate, pool, cfg, run_dir, checkpoint_step, stage, plan[stage]
+                )["bytes_moved"]
+            break
+        except Exception as err:
+            journal.record(f"rehydrate#{attempt}", FAILED, error=f"{type(err).__name__}: {err}"[:500])
+            if attempt == 2:
+                raise
+            logger.warning("rehydration failed (%s); rebuilding the world and rehydrating again", err)
+            _resize(pool, devices)  # a lost worker is replaced; every group is rebuilt
+            _drop_all(pool)
+    return read + _relink(pool, cfg, journal, plan, list(copies(plan)))
+
+
+def _drop_all(pool: DevicePool) -> dict[str, Any]:
+    pool.run_on(list(range(pool.size)), drop_all)
+    return {}
+
+
+def _resize(pool: DevicePool, devices: int) -> dict[str, Any]:
+    """A new world of ``devices`` slots, DeepSpeed warmed up on the workers new to it (a new worker
+    pays seconds for its first engine: here, not in the first step that uses it). Workers the job
+    prepared for this grow (``DevicePool.prepare``) joined warm: only the world is formed."""
+    start = time.perf_counter()
+    pool.resize(devices)
+    resized = time.perf_counter()
+    model_ops.warm_up(pool, pool.cold_ranks)
+    return {"seconds": time.perf_counter() - start, "resize_s": resized - start}
+
+
+@flow(name="nereus-transition", validate_parameters=False)
+def transition_flow(
+    pool: DevicePool,
+    cfg: NereusConfig,
+    run_dir: str,
+    transition_id: str,
+    old: Plan,
+    new: Plan,
+    *,
+    step: int,
+    reason: str,
+    path: str = "live",
+    checkpoint_step: int | None = None,
+    devices: int | None = None,
+) -> dict[str, Any]:
+    """Move every model-stage whose layout differs from ``old`` to ``new``; returns the figures.
+
+    ``checkpoint_step``: every model's state at this step is committed in the run directory
+    (``state/<model>/step=N``, plan A's state): durable units rehydrate from it, and ``nereus
+    resume`` finishes an interrupted switch from it. ``devices``: the pool's size under plan B (a
+    change rebuilds the world; it needs the checkpoint). ``path``: the reshard path of live units.
+    """
+    logger = get_run_logger()
+    journal = Journal(run_dir, transition_id)
+    target = pool.size if devices is None else devices
+    resize = target != pool.size
+    if resize and checkpoint_step is None:
+        raise ValueError("changing the device set rebuilds the world: give checkpoint_step")
+    capacities = {d: int(cfg.cluster.memory_per_device) for d in range(max(pool.size, target))}
+    try:
+        planned = plan_moves(old, new, cfg.models, capacities, live=not resize)
+        graph, schedule, route_reason = planned.graph, planned.schedule, planned.reason
+    except (TransitionInfeasible, NoStageSchedule) as err:
+        journal.record("transition", ABORT, step=step, reason=reason, error=str(err))
+        logger.warning("transition %s refused before any move: %s", transition_id, err)
+        return {"seconds": 0.0, "bytes_moved": 0, "operations": 0, "status": "refused", "error": str(err)}
+    route = "durable" if resize else graph.route
+    if resize:
+        route_reason = f"the device set changes ({pool.size} -> {target} slots): the world is rebuilt"
+    if schedule.waves and any(u.startswith("load:") for u in schedule.order) and checkpoint_step is None:
+        raise ValueError(f"{route_reason}: durable units rehydrate from a checkpoint; give checkpoint_step")
+    journal.record(
+        "transition",
+        START,
+        step=step,
+        reason=reason,
+        path=path,
+        route=route,
+        route_reason=route_reason,
+        critical_path_s=graph.critical_path_s,
+        schedule=[list(w) for w in schedule.waves],
+        checkpoint_step=checkpoint_step,
+        devices_before=pool.size,
+        devices=target,
+        old={k: v.model_dump(mode="json") for k, v in old.items()},
+        new={k: v.model_dump(mode="json") for k, v in new.items()},
+    )
+    logger.info(
+        "GTG: route %s (%s), %d ops in %d units", route, route_reason, len(graph.ops), len(schedule.order)
+    )
+    start = time.perf_counter()
+    try:
+        if resize:
+            moved = rehydrate_all(pool, cfg, run_dir, journal, new, checkpoint_step, target)  # type: ignore[arg-type]
+            units = len(new)
+        else:
+            moved = _run_schedule(
+                pool, cfg, run_dir, journal, graph, schedule, old, new, path, step, checkpoint_step
+            )
+            changed = [c for c, s in copies(new).items() if old[c] != new[c] or old[s] != new[s]]
+            if changed and faults.armed("kill-driver:move"):  # every unit ran in one wave: die before relinks
+                get_run_logger().warning("fault injection: the driver dies with the copies still to relink")
+                os.kill(os.getpid(), signal.SIGKILL)
+            for copy in changed:
+                model_ops.unload_model(pool, old[copy], name=copy)
+            moved += _relink(pool, cfg, journal, new, changed)
+            units = len(schedule.order) + len(changed)
+    except BaseException as err:
+        journal.record("transition", ABORT, error=f"{type(err).__name__}: {err}"[:500])
+        raise
+    seconds = time.perf_counter() - start
+    journal.record("transition", COMMIT, seconds=seconds, bytes_moved=moved)
+    retire_s = pool.retire_left()  # workers plan B does not use leave once it is in force
+    return {
+        "seconds": seconds,
+        "retire_s": retire_s,
+        "bytes_moved": moved,
+        "operations": units,
+        "status": "committed",
+        "route": route,
+        "gtg_critical_path_s": graph.critical_path_s,
+        "peak_bytes": max(schedule.peak_bytes.values(), default=0),
+    }
+
+
+def _run_schedule(
+    pool: DevicePool,
+    cfg: NereusConfig,
+    run_dir: str,
+    journal: Journal,
+    graph: TransitionGraph,
+    schedule: StageSchedule,
+    old: Plan,
+    new: Plan,
+    path: str,
+    step: int,
+    checkpoint_step: int | None,
+) -> int:
+    """Run the schedule's units wave by wave. A wave's live moves run at once: one device call per
+    device carries its part of every one of them (``move_stages``: the collectives in one order on
+    every device, each move's messages under its own tags); the wave's other units (durable
+    unloads and loads, or moves on the durable path) then run one after another. Safe for memory in
+    any order: the replay that proved the schedule counts all of a wave's allocations before any of
+    its frees."""
+    logger, moved, done = get_run_logger(), 0, 0
+    for wave in schedule.waves:
+        finished = journal.done_ops()
+        together = [u for u in wave if u.startswith("move:") and u not in finished] if path == "live" else []
+        batches = [together] if len(together) > 1 else []
+        batches += [[u] for u in wave if len(together) < 2 or u not in together]
+        for units in batches:
+            if len(units) > 1:
+                results = _run_moves_together(pool, cfg, journal, units, old, new)
+            else:
+                args = (units[0], old, new, path, step, checkpoint_step)
+                results = [(units[0], _run_unit(pool, cfg, run_dir, journal, *args))]
+            for unit, stats in results:
+                stage = unit.partition(":")[2]
+                moved, done = moved + stats.get("bytes_moved", 0), done + 1
+                logger.info(
+                    "%s %s -> %s (%s bytes)", unit, old[stage].key, new[stage].key, stats.get("bytes_moved")
+                )
+            if done < len(schedule.order) and faults.armed("kill-driver:move"):
+                logger.warning("fault injection: the driver dies after %s, with units still to run", units)
+                os.kill(os.getpid(), signal.SIGKILL)
+    return moved
+
+
+def _run_moves_together(
+    pool: DevicePool, cfg: NereusConfig, journal: Journal, units: list[str], old: Plan, new: Plan
+) -> list[tuple[str, dict[str, Any]]]:
+    """A wave's live moves in one call; each unit journaled (start before, done after) on its own."""
+    stages = [u.partition(":")[2] for u in units]
+    for unit in units:
+        journal.record(unit, START)
+    moves = [(s, model_config(cfg, s), old[s], new[s], optimizer_settings(cfg, s)) for s in stages]
+    results = move_stages(pool, moves)
+    for unit, stats in zip(units, results, strict=True):
+        journal.record(unit, DONE, seconds=stats["seconds"], bytes_moved=stats["bytes_moved"], together=units)
+    return list(zip(units, results, strict=True))
+
+
+def _run_unit(
+    pool: DevicePool,
+    cfg: NereusConfig,
+    run_dir: str,
+    journal: Journal,
+    unit: str,
+    old: Plan,
+    new: Plan,
+    path: str,
+    step: int,
+    checkpoint_step: int | None,
+) -> dict[str, Any]:
+    kind, _, stage = unit.partition(":")
+    if kind == "move":
+        return _run_op(
+            journal,
+            unit,
+            move_stage,
+            pool,
+            stage,
+            model_config(cfg, stage),
+            old[stage],
+            new[stage],
+            path=path,
+            optimizer=optimizer_settings(cfg, stage),
+            run_dir=run_dir,
+            step=step,
+        )
+    if kind == "unload":
+        return _run_op(journal, unit, model_ops.unload_model, pool, old[stage], name=stage)
+    return _run_op(journal, unit, _rehydrate, pool, cfg, run_dir, checkpoint_step, stage, new[stage])

@@ -1,0 +1,38 @@
+"""The job's configuration: frozen pydantic models that validate themselves (``NereusConfig``).
+
+    base.py       the frozen base, errors, cluster, trainer and critic sections
+    model.py      the model section (shapes, or a Hugging Face directory's config.json)
+    data.py       data, reward and validation sections
+    errors.py     pydantic's errors turned into one line naming the field and the fix
+    job.py        ``NereusConfig``, the job's whole config, and ``parse_config``
+    from_yaml.py  YAML text -> ``NereusConfig``, with limits on what the text may hold
+
+This package is the public face: callers import from ``nereus_core.config``.
+"""
+
+from nereus_core.config.base import ClusterConfig, ConfigError, name_error, shown
+from nereus_core.config.job import (
+    LLAMA_3_8B,
+    MODEL_STAGES,
+    ModelConfig,
+    NereusConfig,
+    RopeScaling,
+    ScenarioEvent,
+    parse_config,
+    with_overrides,
+)
+
+__all__ = [
+    "LLAMA_3_8B",
+    "MODEL_STAGES",
+    "ClusterConfig",
+    "ConfigError",
+    "ModelConfig",
+    "NereusConfig",
+    "RopeScaling",
+    "ScenarioEvent",
+    "name_error",
+    "parse_config",
+    "shown",
+    "with_overrides",
+]

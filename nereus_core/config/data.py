@@ -1,0 +1,202 @@
+"""The ``data``, ``validation`` and ``reward`` sections of the config (verl's ``data.*``,
+``trainer.test_freq``/``val_before_train`` and ``reward_model``/``custom_reward_function``).
+
+All three are optional: a config without them runs the demo's ``count`` task as before. Files are
+checked when the config is loaded (a data file or reward model that does not exist, a reward
+function that cannot be imported), each refused in one line before anything starts. Paths are
+relative to where ``nereus`` runs.
+
+Boundary: leaf definitions that ``nereus_core.config`` adds to the whole config; reading the data
+is ``storage/datasets.py`` and calling rewards ``nereus_core.rewards``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from nereus_core.config.base import _Frozen, shown
+from nereus_core.hf.tokenizer import chat_template_error
+from nereus_core.rewards import registry
+
+DATA_SUFFIXES = (".parquet", ".jsonl")
+
+
+def _file_problem(path: str) -> str | None:
+    """Why ``path`` is not a readable data file, or None."""
+    if not path.endswith(DATA_SUFFIXES):
+        return f"{shown(path)} is not a .parquet or .jsonl file; verl's data sets are Parquet (or JSONL)"
+    where = Path(path)
+    if where.is_dir():
+        return f"{shown(path)} is a directory; name the .parquet or .jsonl file(s) in it"
+    if not where.is_file():
+        return (
+            f"{shown(path)} does not exist; make it with nereus data gsm8k|math500 --out DIR, or fix the path"
+        )
+    return None
+
+
+def _files(value: Any) -> Any:
+    return (value,) if isinstance(value, str) else value  # data.train_files=x.parquet, as verl takes
+
+
+def _check_files(files: tuple[str, ...]) -> tuple[str, ...]:
+    if len(set(files)) != len(files):
+        raise ValueError(f"{shown(list(files))} names a file twice; name each once")
+    for i, path in enumerate(files):
+        problem = _file_problem(path)
+        if problem:
+            raise ValueError(f"file {i}: {problem}")
+    return files
+
+
+class DataConfig(_Frozen):
+    """Prompt data in verl's format and how the job reads it (``nereus_core.dataset``)."""
+
+    train_files: tuple[str, ...] = Field(
+        min_length=1, description="Parquet or JSONL files of training prompts, read in this order."
+    )
+    val_files: tuple[str, ...] = Field(
+        default=(), description="Files of validation prompts (none: no validation)."
+    )
+    max_prompt_length: int = Field(
+        default=512, ge=1, le=1_048_576, description="Most tokens of a chat prompt."
+    )
+    max_response_length: int = Field(
+        default=512, ge=1, le=1_048_576, description="Most tokens generated per prompt."
+    )
+    truncation: Literal["filter", "error"] = Field(
+        default="filter",
+        description="A prompt over max_prompt_length: filter drops it (counted in one log line, as verl's "
+        "filter_overlong_prompts); error refuses the data set.",
+    )
+    shuffle: bool = Field(default=True, description="Shuffle the training prompts anew each epoch.")
+    seed: int = Field(default=0, ge=0, description="Seed of the shuffle: the same seed gives the same order.")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return _files(value)
+
+    @field_validator("train_files", "val_files")
+    @classmethod
+    def _exist(cls, files: tuple[str, ...]) -> tuple[str, ...]:
+        return _check_files(files)
+
+
+class ValidationConfig(_Frozen):
+    """When the job scores the validation prompts (verl's ``trainer.test_freq``, ``val_before_train``)."""
+
+    every: int = Field(default=0, ge=0, description="Validate every N steps; 0: never during training.")
+    before_train: bool = Field(default=False, description="Validate once before the first step.")
+    batch_size: int | None = Field(
+        default=None, ge=1, description="Prompts per validation batch; none: all in one batch."
+    )
+
+
+class RewardConfig(_Frozen):
+    """Which function scores a response (``nereus_core.rewards.registry``), and a reward model."""
+
+    function: str = Field(
+        default="count",
+        min_length=1,
+        description="gsm8k, gsm8k_flexible, math, count, or path/to/file.py:function with verl's "
+        "signature (data_source, solution_str, ground_truth, extra_info) -> float | dict.",
+    )
+    model_path: str | None = Field(
+        default=None,
+        description="A reward model: a one-label LlamaFor/Qwen2ForSequenceClassification directory of the "
+        "actor's vocabulary (its other shapes its own). Its score at each sequence's last real token is "
+        "PPO's reward; reward.function still scores validation and is logged as rule_score.",
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _loads(cls, spec: str) -> str:
+        registry.resolve(spec)  # a user's file is imported now, so a bad one stops the load
+        return spec
+
+    @field_validator("model_path")
+    @classmethod
+    def _is_dir(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).is_dir():
+            raise ValueError(f"{shown(path)} is not a directory; give a Hugging Face model directory")
+        return None if path is None else os.path.abspath(path)
+
+    @property
+    def inputs(self) -> str:
+        """What the function reads: ``text`` (decoded responses) or ``tokens`` (the count task)."""
+        return registry.inputs_of(self.function)
+
+    def resolve(self) -> registry.RewardFn:
+        """The reward function (a user's file is imported again, in this process)."""
+        return registry.resolve(self.function)
+
+
+def job_lengths_from_data(raw: Any) -> Any:
+    """The whole config mapping ``raw`` with job.prompt_len and job.response_len following
+    data.max_prompt_length and data.max_response_length (one owner: the data section); given beside
+    a data section they must be equal (ValueError in one line)."""
+    section = raw.get("data") if isinstance(raw, dict) else None
+    job = raw.get("job") or {} if isinstance(section, dict) else None
+    if not isinstance(job, dict):
+        return raw
+    job, fields = dict(job), DataConfig.model_fields
+    for ours, theirs in (("prompt_len", "max_prompt_length"), ("response_len", "max_response_length")):
+        value = section.get(theirs, fields[theirs].default)  # type: ignore[union-attr]
+        if ours in job and job[ours] != value:
+            raise ValueError(
+                f"job.{ours}={job[ours]} differs from data.{theirs}={value}; with a data section "
+                f"set only data.{theirs}"
+            )
+        job[ours] = value
+    return {**raw, "job": job}
+
+
+def sections_problem(
+    data: DataConfig | None,
+    validation: ValidationConfig | None,
+    reward: RewardConfig | None,
+    *,
+    max_position_embeddings: int,
+    tokenizer_dir: str | None = None,
+) -> str | None:
+    """What the three sections get wrong together (or with the model: its length limit, its
+    tokenizer directory, which chat prompts need with a chat template), as one line; None if nothing."""
+    wants_val = validation is not None and (validation.every or validation.before_train)
+    if wants_val and (data is None or not data.val_files):
+        return "validation is on but data.val_files is empty; give validation prompt files"
+    if data is not None:
+        if tokenizer_dir is None:
+            return "data needs a tokenizer: set model.path (a model directory) or model.tokenizer"
+        problem = chat_template_error(tokenizer_dir)  # reads files only; the job loads it
+        if problem:
+            return problem
+        total = data.max_prompt_length + data.max_response_length
+        if total > max_position_embeddings:
+            return (
+                f"data.max_prompt_length+data.max_response_length={total} exceeds "
+                f"model.max_position_embeddings={max_position_embeddings}; shorten them or raise the limit"
+            )
+    if reward is None:
+        if data is not None:
+            return (
+                "data needs a reward: set reward.function "
+                "(gsm8k, gsm8k_flexible, math or path/to/file.py:function)"
+            )
+        return None
+    kind = registry.inputs_of(reward.function)
+    if data is not None and kind == "tokens":
+        return (
+            f"reward.function={reward.function} scores the demo's token ids, not text prompts; "
+            "with data: use gsm8k, gsm8k_flexible, math or path/to/file.py:function"
+        )
+    if data is None and kind == "text":
+        return f"reward.function={reward.function} scores text responses; give data.train_files to score"
+    return None
+
+
+__all__ = ["DataConfig", "RewardConfig", "ValidationConfig", "job_lengths_from_data", "sections_problem"]

@@ -1,0 +1,341 @@
+"""The controller: after every step, recalibrate, search, and decide whether a new plan pays for its move.
+
+Boundary: ``decide(observation, state) -> Decision`` is a pure function. It reads
+what the step measured, refits the cost model's scales from every observation so
+far, remembers what the plan in force measured (``plan_history``), searches
+memory-feasible plans (``plan_search``) and lets the admission rules
+(``admission``) keep or switch. It carries nothing out: the flow runs the
+transition it asks for and reports back in the next observation.
+
+Issue 17 (a controller that does not thrash):
+- plans are compared like with like: each plan's calibrated prediction on the next
+  workload, times its own measured/predicted ratio when it ran here, else the plan in
+  force's (``admission``); a plan left for one that measured faster is not chosen again
+  until the workload or the devices change;
+- an unforced gain must exceed ``min_gain`` of the step and the plan in force's
+  step-to-step noise, as well as pay for the move over the horizon;
+- a new plan must fit the forecast high response length with ``choose_headroom`` of
+  the usable memory to spare; the plan in force is checked against today's workload
+  and the plain headroom, so small growth does not force a move every few steps.
+
+The data types live in ``controller_state`` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from nereus_core.controller import admission as adm
+from nereus_core.controller import history as ph
+from nereus_core.controller.search import Searcher, SearchSpace
+from nereus_core.controller.state import (
+    Alternative,
+    ControllerSettings,
+    ControllerState,
+    Decision,
+    Observation,
+    PlanRecord,
+    StageTiming,
+    TransitionTiming,
+)
+from nereus_core.controller.transition_schedule import executed_cost
+from nereus_core.cost.calibration import Sample, fit_scales
+from nereus_core.cost.plan_estimate import PlanEstimate, fill_cache
+from nereus_core.cost.plan_estimate import evaluate_plan as plan_estimate
+from nereus_core.cost.stage_cost import Scales, Workload, estimate
+from nereus_core.cost.transition_cost import (
+    TransferLike,
+    TransitionEstimate,
+    TransitionScales,
+    analytic_transition_cost,
+    transition_cost,
+)
+from nereus_core.plan import GlobalPlan, model_of
+
+__all__ = [
+    "Alternative",
+    "ControllerSettings",
+    "ControllerState",
+    "Decision",
+    "Observation",
+    "PlanRecord",
+    "StageTiming",
+    "TransitionTiming",
+    "calibrated_on",
+    "decide",
+    "evaluate_plan",
+    "observe",
+]
+
+TransferPlanner = Callable[[GlobalPlan, GlobalPlan], Sequence[TransferLike]]
+
+
+def evaluate_plan(
+    plan: GlobalPlan, workload: Workload, state: ControllerState, usable: int, cache: dict | None = None
+) -> PlanEstimate:
+    """``plan.evaluate_plan`` with the state's models, profile and calibrated scales."""
+    return plan_estimate(
+        plan,
+        workload,
+        models=state.models,
+        profile=state.profile,
+        scales=state.scales,
+        sync_scale=state.transition_scales.wire,
+        overlap=state.settings.overlap_disaggregated,
+        usable=usable,
+        cache=cache,
+    )
+
+
+def observe(observation: Observation, state: ControllerState) -> ControllerState:
+    """Add the step's timings to the samples and refit the scales from all of them; note the
+    step's high response length for the forecast."""
+    samples = list(state.samples)
+    for timing in observation.timings:
+        work = timing.workload or observation.workload
+        model = state.models[model_of(timing.stage)]
+        raw = estimate(timing.stage, timing.layout, work, model, state.profile).raw
+        samples.append(Sample(tuple(raw.values()), timing.seconds))
+    s = state.settings
+    cal = s.calibration
+    samples = samples[-cal.max_samples :]
+    scales = state.scales
+    if observation.timings:
+        scales = Scales.from_array(fit_scales(samples, cal, start=scales.as_array()))
+    if observation.transition is not None:
+        state = calibrated_on(state, [observation.transition])
+    high = observation.workload.response_high
+    return state.model_copy(
+        update={
+            "samples": tuple(samples),
+            "scales": scales,
+            "steps_since_switch": state.steps_since_switch + (1 if state.plan is not None else 0),
+            "highs": ph.push_high(state.highs, observation.step, high, s.forecast_window),
+        }
+    )
+
+
+def calibrated_on(state: ControllerState, transitions: Sequence[TransitionTiming]) -> ControllerState:
+    """``state`` with the transitions that ran (the last one, or on resume all the job's committed
+    switches read back from its records) added to the transition samples, the scales refitted: the
+    one place transition calibration changes (issue 16)."""
+    if not transitions:
+        return state
+    cal = state.settings.transition_calibration or state.settings.calibration
+    samples = [*state.transition_samples, *(Sample(t.predicted.terms, t.seconds) for t in transitions)]
+    samples = samples[-cal.max_samples :]
+    start = state.transition_scales.as_array()
+    scales = TransitionScales.from_array(fit_scales(samples, cal, start=start))
+    return state.model_copy(update={"transition_samples": tuple(samples), "transition_scales": scales})
+
+
+def _remember(
+    observation: Observation, state: ControllerState, current: PlanEstimate | None, usable: int
+) -> ControllerState:
+    """The state with what the plan in force measured in this observation's timings, beside the
+    calibrated prediction for the workload those timings ran."""
+    if state.plan is None or current is None or state.devices is None:
+        return state
+    s = state.settings
+    work = ph.measured_workload(state.plan, observation.timings) or observation.workload
+    at = current if work == observation.workload else evaluate_plan(state.plan, work, state, usable)
+    seconds = ph.step_measurement(state.plan, at, observation.timings, overlap=s.overlap_disaggregated)
+    if seconds is None:
+        return state
+    records = ph.remember(
+        state.records,
+        state.plan,
+        seconds=seconds,
+        predicted=_pricing(state).terms(at),
+        workload=work,
+        devices=state.devices,
+        step=observation.step,
+        margin=s.workload_margin,
+    )
+    return state.model_copy(update={"records": records})
+
+
+def _transition(
+    current: GlobalPlan | None,
+    new: GlobalPlan,
+    state: ControllerState,
+    planner: TransferPlanner | None,
+    durable: bool = False,
+    observation: Observation | None = None,
+) -> TransitionEstimate:
+    if state.settings.transition_pricing == "schedule" and current is not None and observation is not None:
+        ready = observation.ready_devices or state.devices or observation.devices
+        return executed_cost(
+            dict(current.layouts),
+            dict(new.layouts),
+            state.models,
+            state.profile,
+            capacity=observation.memory_per_device,
+            devices=observation.devices,
+            resize=durable,
+            cold=max(0, observation.devices - ready),
+            scales=state.transition_scales,
+        )
+    if durable:  # a new world: every stage rehydrates from the checkpoint, whether its layout changes or not
+        old = dict(current.layouts) if current is not None else {}
+        args = (old, dict(new.layouts), state.models, state.profile, state.transition_scales)
+        return analytic_transition_cost(*args, durable=True)
+    if current is None or current == new:
+        return TransitionEstimate.of(0.0, 0.0, None, critical_bytes=0, transfers=0, analytic=True)
+    if planner is not None:
+        return transition_cost(planner(current, new), state.profile, state.transition_scales)
+    return analytic_transition_cost(
+        dict(current.layouts), dict(new.layouts), state.models, state.profile, state.transition_scales
+    )
+
+
+def _candidates(
+    devices: int, workload: Workload, state: ControllerState, budget: int, usable: int, cache: dict
+) -> tuple[list[PlanEstimate], list, list]:
+    """Exactly evaluated top-k plans fitting ``budget`` (fastest first; reported against ``usable``),
+    the search's memory rejections, and one-stage variants of the best (search estimates)."""
+    s = state.settings
+    space = SearchSpace(
+        devices=devices,
+        budget=float(budget),
+        disaggregated=s.disaggregated,
+        overlap=s.overlap_disaggregated,
+        buckets=s.memory_buckets,
+    )
+    wire = state.transition_scales.wire
+    found = Searcher(
+        space, workload, state.models, state.profile, state.scales, wire, stages=state.stages
+    ).run()
+    top = [f.plan for f in found.feasible[: s.top_k]]
+    # Plans that ran here are weighed too (by what they measured), wherever the search ranks them.
+    ran = ph.measured_plans(state.records, workload, devices, s.workload_margin)
+    top += [p for p in ran if p not in top and p.devices[-1] < devices]
+    models, profile, scales = state.models, state.profile, state.scales
+    fill_cache(top, workload, models=models, profile=profile, scales=scales, cache=cache)
+    exact = [evaluate_plan(plan, workload, state, usable, cache) for plan in top]
+    exact = sorted((e for e in exact if e.memory_peak <= budget), key=lambda e: e.step_s)
+    return exact, found.rejected, found.variants
+
+
+def _option(
+    e: PlanEstimate,
+    observation: Observation,
+    state: ControllerState,
+    planner: TransferPlanner | None,
+) -> adm.Option:
+    """A candidate as admission weighs it: its measured/predicted ratio here if it ran, and whether
+    it was left for a plan that measured faster."""
+    margin = state.settings.workload_margin
+    record = ph.find(state.records, e.plan.plan_id, observation.workload, observation.devices, margin)
+    durable = state.plan is not None and state.devices not in (None, observation.devices)  # a new world
+    return adm.Option(
+        est=e,
+        move=_transition(state.plan, e.plan, state, planner, durable=durable, observation=observation),
+        ratio=ph.ratio(record, _pricing(state)),
+        left_for=record.left_for if record is not None else None,
+    )
+
+
+def _pricing(state: ControllerState) -> ph.Pricing:
+    s = state.settings
+    return ph.Pricing(state.scales, state.transition_scales.wire, s.overlap_disaggregated)
+
+
+def _record_here(observation: Observation, state: ControllerState) -> PlanRecord | None:
+    """The plan in force's record on this workload and these devices, if it has one."""
+    if state.plan is None:
+        return None
+    margin = state.settings.workload_margin
+    return ph.find(state.records, state.plan.plan_id, observation.workload, observation.devices, margin)
+
+
+def decide(
+    observation: Observation, state: ControllerState, *, transfers: TransferPlanner | None = None
+) -> Decision:
+    """Keep the current plan or switch to a better one (see the module docstring)."""
+    started = time.perf_counter()
+    state = observe(observation, state)
+    s = state.settings
+    usable = int(observation.memory_per_device * (1.0 - s.headroom))
+    current, cache = None, {}
+    if state.plan is not None and state.plan.devices[-1] < observation.devices:
+        current = evaluate_plan(state.plan, observation.workload, state, usable, cache)
+    state = _remember(observation, state, current, usable)
+    forced = adm.forced_reason(observation, state.plan, state.devices, current)
+    here = _record_here(observation, state)
+    pricing = _pricing(state)
+    basis = adm.Basis(ph.ratio(here, pricing) or 1.0, ph.spread(here, pricing))
+    choosing = ph.forecast(observation.workload, state.highs, s.forecast_steps)
+    cache_choose = cache if choosing == observation.workload else {}
+    budget = int(usable * (1.0 - s.choose_headroom))
+    exact, rejected, variants = _candidates(
+        observation.devices, choosing, state, budget, usable, cache_choose
+    )
+    if forced and not exact and (budget < usable or choosing != observation.workload):
+        # Nothing fits with the margin: a plan that fits today beats stopping the job.
+        exact, rejected, variants = _candidates(
+            observation.devices, observation.workload, state, usable, usable, cache
+        )
+    horizon = min(observation.remaining_steps, s.horizon)
+    options = [_option(e, observation, state, transfers) for e in exact]
+    if forced:
+        verdict = adm.forced(
+            forced, options, rejected, current=current, basis=basis, horizon=horizon, usable=usable
+        )
+    else:
+        assert current is not None
+        verdict = adm.admit(
+            options,
+            rejected,
+            current=current,
+            basis=basis,
+            horizon=horizon,
+            settings=s,
+            steps_since_switch=state.steps_since_switch,
+        )
+    return _finish(verdict, observation, state, current, basis, ph.measured(here), horizon, variants, started)
+
+
+def _finish(
+    verdict: adm.Verdict,
+    observation: Observation,
+    state: ControllerState,
+    current: PlanEstimate | None,
+    basis: adm.Basis,
+    current_measured: float | None,
+    horizon: int,
+    variants: list,
+    started: float,
+) -> Decision:
+    action, chosen = verdict.action, verdict.chosen
+    plan = {"keep": state.plan, "switch": chosen.est.plan if chosen else None, "none": None}[action]
+    alternatives = adm.with_variants(verdict.alternatives, variants, plan, current)
+    records = state.records
+    left = action == "switch" and not verdict.forced and chosen is not None and chosen.measured
+    if left and current_measured is not None and state.plan is not None:  # both measured: it was slower
+        records = ph.mark_left(records, state.plan.plan_id, chosen.est.plan.plan_id)
+    new_state = state.model_copy(
+        update={
+            "plan": plan if action != "none" else state.plan,
+            "devices": observation.devices,
+            "steps_since_switch": 0 if action == "switch" else state.steps_since_switch,
+            "records": records,
+        }
+    )
+    gain = basis.gain(current, chosen) if (current is not None and chosen) else 0.0
+    return Decision(
+        action=action,
+        forced=verdict.forced,
+        reason=verdict.reason,
+        plan=plan,
+        current=current,
+        chosen=chosen.est if chosen else None,
+        gain_per_step_s=gain,
+        current_measured_s=current_measured,
+        horizon_steps=horizon,
+        transition=chosen.move if chosen and (action == "switch" or verdict.forced) else None,
+        alternatives=tuple(alternatives[: state.settings.max_alternatives]),
+        state=new_state,
+        elapsed_s=time.perf_counter() - started,
+    )

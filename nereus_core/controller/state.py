@@ -1,0 +1,252 @@
+"""What the controller reads, carries and returns: its settings, an observation, its state, a decision.
+
+Boundary: data only (frozen pydantic models). ``controller.decide`` reads an
+``Observation`` and a ``ControllerState`` and returns a ``Decision``;
+``admission.py`` holds the rules that pick the action and ``plan_history.py`` what
+the controller remembers of the plans it ran. The job keeps the state between steps
+and advances it only when a switch commits (nereus_core/job.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nereus_core.config import ModelConfig
+from nereus_core.cost.calibration import CalibrationSettings, Sample
+from nereus_core.cost.hardware import HardwareProfile
+from nereus_core.cost.plan_estimate import PlanEstimate
+from nereus_core.cost.stage_cost import Scales, Workload
+from nereus_core.cost.transition_cost import TransitionEstimate, TransitionScales
+from nereus_core.layout import Layout
+from nereus_core.plan import GlobalPlan, ModelStage
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ControllerSettings(_Frozen):
+    """When a plan change is admitted, and what the search may consider."""
+
+    margin: float = Field(default=0.2, ge=0, le=100, description="Gain must beat (1 + margin) x cost.")
+    min_gain: float = Field(
+        default=0.03,
+        ge=0,
+        le=1,
+        description="Smallest unforced gain per step, as a share of the current plan's step time, "
+        "whatever the noise (issue 17: gains of 1e-4 s on 20 s steps were admitted).",
+    )
+    noise_z: float = Field(
+        default=2.0,
+        ge=0,
+        le=100,
+        description="An unforced gain must also be at least this many times the relative standard "
+        "deviation of the current plan's measured/predicted step times (its step-to-step noise).",
+    )
+    horizon: int = Field(default=50, ge=1, le=1_000_000, description="Most future steps a gain is credited.")
+    dwell: int = Field(default=3, ge=0, le=1_000_000, description="Fewest steps between unforced switches.")
+    headroom: float = Field(default=0.1, ge=0, lt=1, description="Share of device memory kept free.")
+    choose_headroom: float = Field(
+        default=0.15,
+        ge=0,
+        lt=1,
+        description="Further share of usable memory a newly chosen plan must leave free; the plan "
+        "in force is checked without it (hysteresis: no forced move at every small growth).",
+    )
+    forecast_steps: int = Field(
+        default=20,
+        ge=0,
+        le=100_000,
+        description="Steps ahead the high response length is forecast (linear trend) when choosing "
+        "a new plan's memory.",
+    )
+    forecast_window: int = Field(
+        default=20, ge=2, le=10_000, description="Recent workloads the length trend is fitted to."
+    )
+    workload_margin: float = Field(
+        default=0.2,
+        ge=0,
+        le=10,
+        description="Relative change of the mean response length within which a plan's measured step "
+        "time (and the verdict that it was slower) still holds.",
+    )
+    top_k: int = Field(default=8, ge=1, le=256, description="Fastest plans weighed against their cost.")
+    disaggregated: bool = Field(default=True, description="Also consider generation on its own slots.")
+    overlap_disaggregated: bool = Field(
+        default=False,
+        description="Disaggregated pools overlap steps (one-step off-policy); else they take turns.",
+    )
+    memory_buckets: int = Field(default=64, ge=8, le=4096, description="Memory resolution of the search.")
+    transition_pricing: Literal["layouts", "schedule"] = Field(
+        default="layouts",
+        description="How a move is priced: from the layouts alone (``transition_cost``; the simulator), "
+        "or from the GTG schedule the transition flow runs (``transition_plan``; the job, issue 16).",
+    )
+    max_alternatives: int = Field(default=5, ge=0, le=100, description="Rejected plans reported.")
+    calibration: CalibrationSettings = CalibrationSettings()
+    transition_calibration: CalibrationSettings | None = Field(
+        default=None,
+        description="How measured transitions refit the transition scales (None: as ``calibration``).",
+    )
+
+
+class StageTiming(_Frozen):
+    """How long one model-stage took in the last step, on which layout."""
+
+    stage: ModelStage
+    layout: Layout
+    seconds: float = Field(gt=0)
+    workload: Workload | None = Field(
+        default=None, description="The step's workload if not the observation's."
+    )
+
+
+class TransitionTiming(_Frozen):
+    """A transition that ran: what was predicted (unscaled terms inside) and how long it took."""
+
+    predicted: TransitionEstimate
+    seconds: float = Field(gt=0)
+
+
+class Observation(_Frozen):
+    """What the job reports after a step."""
+
+    step: int = Field(ge=0)
+    remaining_steps: int = Field(ge=0, description="Steps still to run.")
+    devices: int = Field(ge=1, description="Device slots available now (slots 0..devices-1).")
+    memory_per_device: int = Field(gt=0, description="Capacity of one slot, bytes.")
+    workload: Workload = Field(description="The workload expected next (e.g. recent response lengths).")
+    timings: tuple[StageTiming, ...] = Field(
+        default=(), description="Stage times measured since the last decision, on the plan in force."
+    )
+    memory_peaks: dict[int, int] = Field(default_factory=dict, description="Measured peak bytes per slot.")
+    transition: TransitionTiming | None = None
+    ready_devices: int | None = Field(
+        default=None,
+        ge=1,
+        description="Slots whose workers are started and warmed (a grow prepared ahead); None: "
+        "the slots of the plan in force.",
+    )
+
+
+class StepTerms(_Frozen):
+    """A measured step's prediction, unscaled, so that later calibrations re-price it."""
+
+    raw: dict[str, tuple[float, ...]] = Field(
+        description="Per model-stage, the cost model's unscaled term seconds (``cost_model.TERMS`` order)."
+    )
+    sync_raw: float = Field(ge=0, description="Unscaled weight-sync seconds.")
+
+
+class PlanRecord(_Frozen):
+    """What one plan measured when it ran (its stage times combined as the cost model combines them),
+    under which workload and devices, and whether it was left for a plan that measured faster."""
+
+    plan: GlobalPlan
+    devices: int = Field(ge=1)
+    batch: int = Field(ge=1)
+    prompt_len: int = Field(ge=1)
+    response_mean: float = Field(gt=0)
+    measured_s: tuple[float, ...] = Field(description="Recent measured step seconds, oldest first.")
+    predicted: tuple[StepTerms, ...] = Field(
+        description="The prediction of each of those steps, on the workload it ran, unscaled."
+    )
+    step: int = Field(ge=0, description="Step of the last measurement.")
+    left_for: str | None = Field(
+        default=None, description="Plan id it was left for after both were measured (it was slower)."
+    )
+
+    @model_validator(mode="after")
+    def _paired(self) -> PlanRecord:
+        if len(self.measured_s) != len(self.predicted):
+            raise ValueError(
+                f"{len(self.measured_s)} measured_s but {len(self.predicted)} predicted; "
+                "each measurement needs its prediction"
+            )
+        return self
+
+    @property
+    def plan_id(self) -> str:
+        return self.plan.plan_id
+
+
+class ControllerState(_Frozen):
+    """Everything ``decide`` carries from one step to the next."""
+
+    models: dict[str, ModelConfig]
+    stages: tuple[ModelStage, ...] = Field(description="The job's model-stages (``plan.stages_for``).")
+    profile: HardwareProfile
+    settings: ControllerSettings = ControllerSettings()
+    plan: GlobalPlan | None = None
+    devices: int | None = None
+    steps_since_switch: int = 0
+    samples: tuple[Sample, ...] = ()
+    transition_samples: tuple[Sample, ...] = ()
+    scales: Scales = Scales()
+    transition_scales: TransitionScales = TransitionScales()
+    records: tuple[PlanRecord, ...] = Field(default=(), description="Plans run and what they measured.")
+    highs: tuple[tuple[int, int], ...] = Field(
+        default=(), description="(step, high response length) of recent observations, for the forecast."
+    )
+
+    @classmethod
+    def initial(
+        cls,
+        models: Mapping[str, ModelConfig],
+        profile: HardwareProfile,
+        settings: ControllerSettings | None = None,
+        *,
+        stages: tuple[ModelStage, ...],
+        plan: GlobalPlan | None = None,
+        devices: int | None = None,
+    ) -> ControllerState:
+        """The controller before a job's first step; ``models``: model -> its config (a job's
+        ``NereusConfig.models``, or ``plan.models_for`` of one model config)."""
+        settings = settings or ControllerSettings()
+        return cls(
+            models=dict(models),
+            stages=stages,
+            profile=profile,
+            settings=settings,
+            plan=plan,
+            devices=devices,
+            steps_since_switch=settings.dwell,  # a plan the job starts on is not a switch: no dwell
+        )
+
+
+Reason = Literal["memory", "slower", "not_worth_it", "dwell", "current"]
+
+
+class Alternative(_Frozen):
+    plan_id: str
+    description: str
+    step_s: float
+    memory_peak: int
+    reason: Reason
+    detail: str
+
+
+class Decision(_Frozen):
+    """Keep or switch, with the numbers behind it."""
+
+    action: Literal["keep", "switch", "none"] = Field(description="none: no plan fits in memory.")
+    forced: bool
+    reason: str
+    plan: GlobalPlan | None = Field(description="The plan to run next (None when nothing fits).")
+    current: PlanEstimate | None
+    chosen: PlanEstimate | None = Field(description="The best candidate weighed (the new plan on a switch).")
+    gain_per_step_s: float = Field(
+        description="Expected step time of the current plan minus the chosen one's: each plan's "
+        "calibrated prediction times its measured/predicted ratio here, else the current plan's."
+    )
+    current_measured_s: float | None = Field(
+        default=None, description="The current plan's measured step time on this workload, if any."
+    )
+    horizon_steps: int
+    transition: TransitionEstimate | None
+    alternatives: tuple[Alternative, ...]
+    state: ControllerState
+    elapsed_s: float

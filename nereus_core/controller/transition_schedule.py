@@ -1,0 +1,241 @@
+"""A transition as the executor runs it, and what that costs: the prediction the controller trusts.
+
+    plan_moves(old, new, models, capacities, live) -> Planned: the GTG and the schedule of units
+        the transition flow runs (flows/job/transition.py calls this very function)
+    executed_cost(old, new, ...) -> TransitionEstimate of that schedule, in three unscaled terms
+        that the job's measured transitions calibrate (``TransitionScales``, controller.observe):
+          wire     per byte: each wave's busiest port (the GTG's transfer list) over the link,
+                   checkpoint reads over the store's bandwidth, copy syncs over the link
+          ops      per operation: device calls, layouts' process groups built, DeepSpeed
+                   engines built, point-to-point messages
+          durable  fixed costs of a new world: its rebuild, and workers started and warmed up
+                   (only the workers not prepared ahead: ``DevicePool.prepare``)
+
+Issue 16: the controller priced a transition by its bytes alone and was off by 2-20x; on a small
+model nearly all of a switch is per-operation cost (a train stage's engine, a relink's groups).
+``transition_cost.TransitionCosts`` holds those constants per hardware profile (``costs_for``; the
+durable price from layouts alone reads the same ones); the job's own transitions scale them.
+
+Boundary: pure planning over layouts and model configs; ``analytic_transition_cost`` in
+``transition_cost`` remains the estimate from layouts alone (the simulator's).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+from nereus_core.config import ModelConfig
+from nereus_core.controller.state import ControllerSettings
+from nereus_core.cost.calibration import CalibrationSettings
+from nereus_core.cost.hardware import HardwareProfile
+from nereus_core.cost.transition_cost import TransitionCosts, TransitionEstimate, TransitionScales, costs_for
+from nereus_core.emu import bytes_per_device, plan_reshard, shard_map
+from nereus_core.gtg import TransitionGraph, TransitionInfeasible, build_gtg
+from nereus_core.gtg.execution import NoStageSchedule, StageSchedule, stage_schedule
+from nereus_core.layout import Layout
+from nereus_core.plan import ModelStage, copies, own_state
+
+Plan = Mapping[str, Layout]
+
+
+# The controller of a job on a device pool: moves priced as the transition flow runs them, and each
+# measured transition moving the transition scales halfway (in log) at first: a job makes few
+# switches and one may run on a busier machine (the demo's on a shared 2-core machine: 0.3-3x).
+JOB_CONTROLLER = ControllerSettings(
+    transition_pricing="schedule", transition_calibration=CalibrationSettings(prior=1.0)
+)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The GTG of a transition on one device set, the schedule of units the executor runs, and why."""
+
+    graph: TransitionGraph
+    schedule: StageSchedule
+    reason: str
+
+
+def plan_moves(
+    old: Plan,
+    new: Plan,
+    models: Mapping[str, ModelConfig],
+    capacities: dict[int, int],
+    *,
+    live: bool,
+) -> Planned:
+    """The GTG over the model-stages that own state, and the schedule of whole units; a GTG order
+    that units cannot follow safely sends every changed stage durable (always safe: plan B alone
+    fits, which the GTG checks; ``TransitionInfeasible`` otherwise). ``models``: config by model."""
+    stateful = own_state(new)  # the job's model-stages that own state
+    stages = {s: (models[ModelStage(s).model], ModelStage(s).trains) for s in stateful}
+    a, b = {s: old[s] for s in stateful}, {s: new[s] for s in stateful}
+    graph = build_gtg(a, b, stages, capacities, allow_live=live)
+    try:
+        return Planned(graph, stage_schedule(graph, capacities), graph.reason)
+    except NoStageSchedule as err:
+        graph = build_gtg(a, b, stages, capacities, allow_live=False)
+        return Planned(graph, stage_schedule(graph, capacities), f"durable: {err}")
+
+
+class _Tally:
+    """The unscaled terms as the schedule adds them up."""
+
+    def __init__(self, bandwidth: float, costs: TransitionCosts, built: set[str]) -> None:
+        self.bandwidth, self.costs, self.built = bandwidth, costs, built
+        self.wire = self.ops = self.durable = 0.0
+        self.link_bytes = 0
+        self.calls = 0
+
+    def call(self, n: int = 1) -> None:
+        self.ops += n * self.costs.call_s
+        self.calls += n
+
+    def groups(self, layout: Layout) -> None:
+        if layout.key not in self.built:
+            self.built.add(layout.key)
+            self.ops += self.costs.groups_s
+
+    def engine(self, stage: str) -> None:
+        if ModelStage(stage).trains:
+            self.ops += self.costs.engine_s
+
+    def ports(self, transfers: list[tuple[int, int, int]]) -> None:
+        """Transfers that run at once: the busiest port's bytes over the link, one message per peer."""
+        port: dict[tuple[str, int], int] = defaultdict(int)
+        peers: dict[int, set[int]] = defaultdict(set)
+        for src, dst, nbytes in transfers:
+            port[("send", src)] += nbytes
+            port[("recv", dst)] += nbytes
+            peers[src].add(dst)
+            peers[dst].add(src)
+        busiest = max(port.values(), default=0)
+        self.link_bytes += busiest
+        self.wire += busiest / self.bandwidth
+        self.ops += max((len(p) for p in peers.values()), default=0) * self.costs.message_s
+
+    def read(self, config: ModelConfig, layout: Layout, train: bool) -> None:
+        """A model-stage rehydrated on ``layout``: every device reads its state at once."""
+        per = bytes_per_device(config, layout, train=train)
+        most = max((k["params"] + k["optimizer"] for k in per.values()), default=0)
+        self.wire += most / self.costs.store_read_bandwidth
+
+
+def _relink(t: _Tally, models: Mapping[str, ModelConfig], new: Plan, copy: ModelStage) -> None:
+    """Follow the train stage again: share its shards on its layout, else build and sync (one call)."""
+    source = new[copies(new)[copy]]
+    t.groups(new[copy])
+    t.call()
+    if new[copy] != source:
+        config = models[copy.model]
+        plan = plan_reshard(shard_map(config, source, train=False), shard_map(config, new[copy], train=False))
+        t.ports([(x.src, x.dst, x.nbytes) for x in plan.transfers])
+
+
+def _same_world(t: _Tally, planned: Planned, old: Plan, new: Plan, models: Mapping[str, ModelConfig]) -> None:
+    """What flows/job/transition.py's ``_run_schedule`` runs: per wave, its live moves in one call, its
+    other units one call each; then every changed copy unloaded and relinked."""
+    g = planned.graph
+    for wave in planned.schedule.waves:
+        moves = [u.partition(":")[2] for u in wave if u.startswith("move:")]
+        if moves:
+            t.call()
+            for stage in moves:
+                t.groups(new[stage])
+                t.engine(stage)
+            t.ports(
+                [(op.src, op.dst, op.nbytes) for op in g.ops if op.kind == "transfer" and op.stage in moves]
+            )  # type: ignore[misc]
+        for unit in wave:
+            kind, _, stage = unit.partition(":")
+            if kind == "unload":
+                t.call()
+            elif kind == "load":
+                t.call()
+                t.groups(new[stage])
+                t.engine(stage)
+                t.read(models[ModelStage(stage).model], new[stage], ModelStage(stage).trains)
+    for copy, source in copies(new).items():
+        if old[copy] != new[copy] or old[source] != new[source]:
+            t.call()  # unload the old copy
+            _relink(t, models, new, copy)
+
+
+def _new_world(t: _Tally, new: Plan, models: Mapping[str, ModelConfig], cold: int) -> None:
+    """What ``rehydrate_all`` runs: drop every shard, a new world (workers not prepared start and
+    warm up first), every model-stage rehydrated from the checkpoint, every copy relinked."""
+    t.call()
+    t.durable += t.costs.world_rebuild_s
+    if cold > 0:  # new workers start and warm up together
+        t.durable += t.costs.worker_start_s + t.costs.warm_up_s
+    for stage in own_state(new):
+        t.call()
+        t.groups(new[stage])
+        t.engine(stage)
+        t.read(models[stage.model], new[stage], stage.trains)
+    for copy in copies(new):
+        _relink(t, models, new, copy)
+
+
+def executed_cost(
+    old: Plan,
+    new: Plan,
+    models: Mapping[str, ModelConfig],
+    profile: HardwareProfile,
+    *,
+    capacity: int,
+    devices: int,
+    resize: bool = False,
+    cold: int = 0,
+    costs: TransitionCosts | None = None,
+    scales: TransitionScales | None = None,
+) -> TransitionEstimate:
+    """The cost of switching from ``old`` to ``new`` (every model-stage's layout) as the transition
+    flow runs it. ``resize``: the device set changes (a new world of ``devices`` slots); ``cold``:
+    how many of its workers were not started and warmed ahead. ``capacity``: bytes per slot."""
+    costs = costs or costs_for(profile)
+    keys = (_key(old), _key(new), tuple(sorted(models.items())))
+    terms = _terms(*keys, profile.intra_bw, capacity, devices, resize, cold, costs)
+    wire, ops, durable, link_bytes, calls = terms
+    return TransitionEstimate.of(
+        wire, ops, scales, durable, critical_bytes=link_bytes, transfers=calls, analytic=False
+    )
+
+
+def _key(plan: Plan) -> tuple[tuple[str, Layout], ...]:
+    return tuple(sorted((str(k), v) for k, v in plan.items()))
+
+
+@lru_cache(maxsize=1024)  # the controller prices the same pairs step after step
+def _terms(
+    old_key: tuple[tuple[str, Layout], ...],
+    new_key: tuple[tuple[str, Layout], ...],
+    models_key: tuple[tuple[str, ModelConfig], ...],
+    bandwidth: float,
+    capacity: int,
+    devices: int,
+    resize: bool,
+    cold: int,
+    costs: TransitionCosts,
+) -> tuple[float, float, float, int, int]:
+    old = {ModelStage(k): v for k, v in old_key}
+    new = {ModelStage(k): v for k, v in new_key}
+    models = dict(models_key)
+    if old == new and not resize:
+        return (0.0, 0.0, 0.0, 0, 0)
+    tally = _Tally(bandwidth, costs, set() if resize else {v.key for v in old.values()})
+    try:
+        planned = (
+            None
+            if resize
+            else plan_moves(old, new, models, dict.fromkeys(range(devices), capacity), live=True)
+        )
+    except TransitionInfeasible:  # the flow refuses it before anything moves; priced as a new world
+        planned = None
+    if planned is None:
+        _new_world(tally, new, models, cold if resize else 0)
+    else:
+        _same_world(tally, planned, old, new, models)
+    return (tally.wire, tally.ops, tally.durable, tally.link_bytes, tally.calls)

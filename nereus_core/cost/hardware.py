@@ -1,0 +1,298 @@
+"""Hardware profiles: what one device slot and the links between slots can do.
+
+A profile is the prior of the cost model (``cost_model.py``); calibration
+(``calibration.py``) scales its terms to what the running job measures. Two
+profiles ship: ``H100_SXM`` (the simulator's GPU, constants from
+shared/reference/hardware.md, each citing its row) and ``CPU_WORKERS`` (this
+project's CPU runtime: Dask worker processes standing in for devices, constants
+measured on the development machine by ``benchmarks/bench_calibration.py
+--profile``).
+
+Which link a group of slots uses follows from the slot numbers: slot ``d`` is on
+node ``d // devices_per_node``; a group inside one node uses the intra-node link,
+any other group the inter-node link.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# The latency terms of the cost model (cost_model.py's docstring defines them).
+COST_TERMS: tuple[str, ...] = (
+    "compute",
+    "decode",
+    "tp_comm",
+    "pp_comm",
+    "dp_comm",
+    "optimizer",
+    "overhead",
+    "dispatch",
+)
+
+
+class HardwareProfile(BaseModel):
+    """One kind of device slot, its node and its links (bandwidths in bytes/s, one direction)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, description="Short name, e.g. 'h100-sxm'.")
+    peak_flops: float = Field(gt=0, description="Dense matmul peak of one device, FLOP/s.")
+    flops_efficiency: float = Field(default=1.0, gt=0, le=1, description="Share of peak_flops reached.")
+    memory_bandwidth: float = Field(gt=0, description="Device memory bandwidth, bytes/s.")
+    memory_efficiency: float = Field(
+        default=1.0, gt=0, le=1, description="Share of memory_bandwidth reached."
+    )
+    intra_node_bandwidth: float = Field(gt=0, description="Per-device link bandwidth inside a node, bytes/s.")
+    intra_node_efficiency: float = Field(default=1.0, gt=0, le=1, description="Share of it reached.")
+    inter_node_bandwidth: float = Field(gt=0, description="Per-device link bandwidth across nodes, bytes/s.")
+    inter_node_efficiency: float = Field(default=1.0, gt=0, le=1, description="Share of it reached.")
+    devices_per_node: int = Field(ge=1, le=4096, description="Device slots per node (host).")
+    memory_per_device: int = Field(gt=0, description="Memory capacity of one device, bytes.")
+    collective_latency_s: float = Field(
+        ge=0, description="Latency of one hop of a collective (alpha of the alpha-beta model), seconds."
+    )
+    layer_overhead_s: float = Field(
+        default=0.0, ge=0, description="Fixed cost of running one decoder layer once (kernel launches), s."
+    )
+    call_overhead_s: float = Field(
+        default=0.0, ge=0, description="Fixed cost of dispatching one stage call, s."
+    )
+    dispatch_per_device_s: float = Field(
+        default=0.0, ge=0, description="Extra dispatch cost per device a stage call reaches, s."
+    )
+    generate_call_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Fixed cost of one generation call beyond its arithmetic (engine wake-up, weights "
+        "into the engine, KV cache allocated and freed), s.",
+    )
+    infer_call_s: float = Field(
+        default=0.0, ge=0, description="Fixed cost of one forward-only stage call over the batch, s."
+    )
+    train_call_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Fixed cost of one train stage call (all its micro-batches and optimizer steps), s.",
+    )
+    decode_step_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Fixed cost of one decode iteration of a replica (scheduler, sampling, launches), s.",
+    )
+    cores_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU pools only: host cores shared by the node's slots; None when each slot has its own.",
+    )
+    oversubscribed_slowdown: float = Field(
+        default=1.0,
+        ge=1,
+        description="CPU pools only: how much slower per-device work runs when a layout keeps twice as "
+        "many slots busy on a node as it has cores (2 = plain time-sharing).",
+    )
+    # The five sizes below are an fp32 model's; a lower-precision model.dtype (bf16) is counted at
+    # its own sizes (cost_geometry.value_bytes).
+    weight_bytes: int = Field(ge=1, le=8, description="Bytes per parameter of the weights.")
+    grad_bytes: int = Field(ge=1, le=8, description="Bytes per parameter of the gradients.")
+    optimizer_bytes: int = Field(
+        ge=0, le=32, description="Bytes per parameter of optimizer state (ZeRO-1 shards it over dp)."
+    )
+    activation_bytes: int = Field(ge=1, le=8, description="Bytes per activation value.")
+    kv_bytes: int = Field(ge=1, le=8, description="Bytes per KV-cache value.")
+    pipeline_schedule: Literal["gpipe", "1f1b"] = Field(
+        default="1f1b",
+        description="Micro-batch order of the training engine: gpipe keeps all m in flight, 1f1b at most p.",
+    )
+    activation_recompute: Literal["none", "selective", "full"] = Field(
+        default="selective",
+        description="Stored activations per layer (Korthikanti et al. 2022): none 34+5as/h, selective "
+        "(attention recomputed, as flash attention does) 34, full 2 bytes*s*b*h (one extra forward).",
+    )
+    max_generate_waves: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="Most waves a replica may split its generation batch into to bound the KV cache "
+        "(vLLM admits what fits); 1 runs the whole replica batch at once.",
+    )
+    gradient_bucket_bytes: int = Field(
+        default=2 * 10**9, gt=0, description="Gradient bytes per data-parallel all-reduce bucket."
+    )
+    transition_op_overhead_s: float = Field(
+        default=0.01, ge=0, description="Fixed cost of one transition operation (one transfer), s."
+    )
+    group_setup_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Fixed cost of creating the process groups of a plan's changed layouts (in parallel), s.",
+    )
+    engine_rebuild_s: float = Field(
+        default=0.0, ge=0, description="Fixed cost of rebuilding the generation engine on a new layout, s."
+    )
+    term_scales: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per-term multipliers fitted once for this machine (cost_model term -> scale); "
+        "the job's own calibration multiplies on top.",
+    )
+
+    @field_validator("term_scales")
+    @classmethod
+    def _known_terms(cls, value: dict[str, float]) -> dict[str, float]:
+        for term, scale in value.items():
+            if term not in COST_TERMS:
+                raise ValueError(f"term_scales: unknown term {term!r}; valid: {', '.join(COST_TERMS)}")
+            if not scale > 0:
+                raise ValueError(f"term_scales.{term}={scale}; a scale must be > 0")
+        return value
+
+    @property
+    def flops(self) -> float:
+        """Effective FLOP/s of one device."""
+        return self.peak_flops * self.flops_efficiency
+
+    @property
+    def hbm(self) -> float:
+        """Effective memory bandwidth of one device, bytes/s."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def intra_bw(self) -> float:
+        return self.intra_node_bandwidth * self.intra_node_efficiency
+
+    @property
+    def inter_bw(self) -> float:
+        return self.inter_node_bandwidth * self.inter_node_efficiency
+
+    def node_of(self, device: int) -> int:
+        return device // self.devices_per_node
+
+    def spans_nodes(self, devices: Iterable[int]) -> bool:
+        """Whether a group of slots reaches beyond one node."""
+        return len({d // self.devices_per_node for d in devices}) > 1
+
+    def link_bandwidth(self, devices: Iterable[int]) -> float:
+        """Effective per-device bandwidth of the slowest link inside a group of slots."""
+        return self.inter_bw if self.spans_nodes(devices) else self.intra_bw
+
+    def busy_slowdown(self, busy_on_node: int) -> float:
+        """Slowdown of per-device work when ``busy_on_node`` slots of one node work at once (1 = none):
+        (busy / cores) ** log2(oversubscribed_slowdown) beyond the cores; 2 means plain time-sharing."""
+        if self.cores_per_node is None or busy_on_node <= self.cores_per_node:
+            return 1.0
+        return (busy_on_node / self.cores_per_node) ** math.log2(self.oversubscribed_slowdown)
+
+
+# H100 SXM, 8 per node. Every constant cites its row of shared/reference/hardware.md.
+H100_SXM = HardwareProfile(
+    name="h100-sxm",
+    peak_flops=989.4e12,  # "bf16 dense matmul | 989.4 TFLOP/s peak" (NVIDIA H100 whitepaper)
+    # "training MFU for 8B | Megatron up to 47% on H100": MFU already holds the kernels' losses.
+    flops_efficiency=0.47,
+    memory_bandwidth=3.35e12,  # "HBM3 | 80 GB at 3.35 TB/s" (NVIDIA whitepaper)
+    memory_efficiency=0.9,  # "efficiency factors used by a public planner | ... HBM 0.9" (calculon)
+    intra_node_bandwidth=450e9,  # "NVLink 0.6 of 450 GB/s per direction" (calculon)
+    intra_node_efficiency=0.6,  # same row; 270 GB/s, below the ~380 GB/s measured p2p (nccl#1264)
+    inter_node_bandwidth=50e9,  # "InfiniBand | 8 x 400 Gb/s per node = 50 GB/s per GPU" (calculon h100)
+    inter_node_efficiency=0.9,  # "efficiency factors ... IB 0.9" (calculon)
+    devices_per_node=8,  # "Hardware (H100 SXM, 8 GPUs per node)"
+    memory_per_device=80 * 10**9,  # "HBM3 | 80 GB"
+    # Not in hardware.md: ~1 us per ring hop, so an 8-GPU all-reduce of a small buffer costs ~14 us
+    # (NCCL's low-latency protocol is in that range); calibration corrects it.
+    collective_latency_s=1e-6,
+    layer_overhead_s=2e-5,  # assumed: ~10 kernel launches of ~2 us per layer (CUDA graphs do less)
+    call_overhead_s=5e-3,  # assumed: one controller-to-workers dispatch per stage
+    dispatch_per_device_s=0.0,
+    # Fixed costs per stage call, fitted by benchmarks/validate_cost_model.py ("prior_fixed_costs_fit")
+    # to verl's two Qwen2.5-0.5B GSM8K PPO logs (shared data rl_length/) and checked there on the
+    # held-out gemma-2-2b log. They are the software stack's (eager vLLM with its cache freed and
+    # rebuilt each step, HF models under FSDP in micro-batches of 2-4), not the GPU's, so they carry
+    # over from the A100 the logs are taken to have run on. The per-decode-iteration cost fits to 0
+    # (the 256- and 512-token runs generate in the same time): iterations cost their weight reads
+    # and the per-layer launches above.
+    generate_call_s=13.83,
+    infer_call_s=3.43,
+    train_call_s=12.34,
+    decode_step_s=0.0,
+    weight_bytes=2,  # "Mixed-precision Adam: 16 bytes/param (2 weights + 2 grads + 12 optimizer)"
+    grad_bytes=2,
+    optimizer_bytes=12,
+    activation_bytes=2,  # Korthikanti's formula counts 16-bit activations
+    kv_bytes=2,  # "KV cache 2 * 32 * 8 * 128 * 2 B = 128 KiB per token" (bf16)
+    pipeline_schedule="1f1b",  # Megatron-LM's default schedule
+    activation_recompute="selective",  # flash attention keeps no s*s scores (Korthikanti sec. 4.2)
+    max_generate_waves=64,  # vLLM admits as many sequences as the KV cache holds
+    gradient_bucket_bytes=2 * 10**9,
+    transition_op_overhead_s=1e-3,
+    # A plan change brings up new NCCL communicators: 8 of 8 ranks took 16.3 s (NVIDIA/nccl#534), so
+    # about 2 s for the groups created in parallel (more at scale; calibration on the job's measured
+    # transitions corrects it). A changed generation layout rebuilds the vLLM engine: "init engine
+    # (profile, create kv cache, warmup model) took 34.11 s" plus 7.51 s of Dynamo bytecode transform
+    # with a warm compile cache (vllm-project/vllm#20264).
+    group_setup_s=2.0,
+    engine_rebuild_s=34.11 + 7.51,
+)
+
+# The CPU runtime (tasks/runtime/device_pool.py: one Dask worker process per slot, gloo, fp32,
+# DeepSpeed ZeRO-1), fitted on the development machine (2 cores shared with other jobs,
+# 4 worker slots) on 2026-11-29 by `.venv/bin/python -m benchmarks.bench_calibration
+# --profile --repeats 5`. The constants are its microbenchmarks: single-thread 512^3 matmul,
+# 64 MiB copy, 1-token forward of the tiny model per layer, gloo 2-slot all-reduce (2 hops)
+# and 4 MiB send, no-op pool calls on 1 and 4 slots, and a CPU loop on 1, 2 and 4 slots at
+# once (effective cores and sharing slowdown). ``term_scales`` are the calibration fit over
+# all 10 layouts x 3 stage kinds of a profiling workload (batch 4, prompt 24, response 8),
+# not the workload the benchmark then evaluates. The machine was loaded by other processes
+# (load average ~12), so single constants moved up to 3x between runs; the fitted scales
+# absorb that, and each job's own calibration corrects the rest.
+CPU_WORKERS = HardwareProfile(
+    name="cpu-workers",
+    peak_flops=26.8e9,
+    flops_efficiency=1.0,
+    memory_bandwidth=3.71e9,
+    memory_efficiency=1.0,
+    intra_node_bandwidth=1.84e9,
+    inter_node_bandwidth=0.1e9,  # not measured (one host); a 1 Gb/s network between hosts
+    devices_per_node=64,  # every slot of a LocalCluster is on this host
+    memory_per_device=2 * 1024**3,  # the config default (cluster.memory_per_device)
+    collective_latency_s=6.28e-4,
+    layer_overhead_s=5.96e-3,
+    call_overhead_s=1.55e-3,
+    dispatch_per_device_s=3.36e-3,
+    cores_per_node=1,  # effective: 2 slots at once ran 1.64x slower, 4 slots 3.43x
+    oversubscribed_slowdown=1.85,
+    weight_bytes=4,  # fp32 weights
+    grad_bytes=4,  # fp32 gradients
+    # Adam's two fp32 moments (8) plus the fp32 master partition DeepSpeed ZeRO-1 clones even
+    # from fp32 weights (deepspeed/runtime/zero/stage_1_and_2.py, single_partition_of_fp32_groups).
+    optimizer_bytes=12,
+    activation_bytes=4,
+    kv_bytes=4,
+    pipeline_schedule="gpipe",  # nereus_core/engine/train.py: all forwards, then all backwards
+    activation_recompute="none",
+    max_generate_waves=1,  # nereus_core/engine/forward.py generates the replica batch at once
+    gradient_bucket_bytes=2 * 10**9,
+    transition_op_overhead_s=5e-3,
+    term_scales={
+        "compute": 0.336,
+        "decode": 5.55,
+        "tp_comm": 2.45,
+        "pp_comm": 0.402,
+        "dp_comm": 12.5,
+        "optimizer": 18.0,
+        "overhead": 0.14,
+        "dispatch": 2.24,
+    },
+)
+
+PROFILES: dict[str, HardwareProfile] = {"cpu": CPU_WORKERS, "h100": H100_SXM}
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """A shipped profile by short name; ``ValueError`` naming the valid ones otherwise."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware profile {name!r}; valid: {', '.join(PROFILES)}") from None

@@ -1,0 +1,282 @@
+"""Latency and memory of one model-stage under one layout: the analytic prior the controller ranks plans by.
+
+Boundary: pure arithmetic over a ``ModelConfig``, a ``Layout`` (or arrays of
+candidate degrees), a ``Workload`` and a ``HardwareProfile``; nothing runs.
+Calibration (``calibration.py``) multiplies each latency term by a scale fitted
+to the running job; memory is not scaled (it gates feasibility, so it stays a
+conservative bound).
+
+Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
+- ``compute``: FLOPs / effective throughput; 2*params per token forward and 6*params
+  train, plus attention 4*L*h*s forward / 12*L*h*s train (hardware.md, "Training FLOPs").
+- ``decode``: memory-bound decode, per decode iteration (weights/tp + KV read) / HBM
+  bandwidth (hardware.md, "Decode is memory-bound"); a replica iterates until its longest
+  sequence ends and the stage waits for the slowest replica (``Workload.response_max``).
+- ``tp_comm``: per layer 2 all-reduces forward (+2 backward) of b*s*h values, plus
+  Megatron's vocab-parallel embedding/head collectives; a ring all-reduce moves
+  2(t-1)/t of the buffer and pays 2(t-1) hops of latency (hardware.md, "TP
+  traffic"; alpha-beta model of Thakur et al. 2005).
+- ``pp_comm``: the pipeline bubble (p-1)/(m+p-1) of the pipelined time
+  (Narayanan et al. 2021) plus the point-to-point sends between stages.
+- ``dp_comm``: ZeRO-1 gradient reduce-scatter + parameter all-gather = one ring
+  all-reduce of the device's gradients over dp (Rajbhandari et al. 2020).
+- ``optimizer``: the Adam step, memory-bound over the device's state shard.
+- ``overhead``: a fixed cost per decoder-layer pass of each micro-batch (kernel launches;
+  Python on CPU); for generation also one per decode iteration (``decode_step_s``:
+  scheduler, sampling) and the engine's per call (``generate_call_s``: wake-up, weights
+  into the engine, KV cache; fitted to verl's logs, see hardware.py).
+- ``dispatch``: a fixed cost per stage call plus one per device reached, plus an infer or
+  train pass's fixed cost per call (``infer_call_s``, ``train_call_s``; same fit). Kept
+  apart from generation's so calibration can scale the engine's and the passes' apart.
+
+Memory (bytes on the busiest device): weights, gradients, ZeRO-1 optimizer state
+sharded over dp, activations (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per
+layer in 16-bit, divided by t under TP+SP), KV cache for generation (2*L*kv*d*bytes
+per token). Time uses the mean response length and the longest one (generation's
+stragglers), memory the high quantile. Bytes per value: the profile's for an fp32 model, the
+model's own for ``model.dtype: bf16`` (``cost_geometry.value_bytes``).
+
+The formulas themselves, vectorized over candidate layouts, are in ``cost_terms``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nereus_core.config import ModelConfig, NereusConfig
+from nereus_core.cost.hardware import HardwareProfile
+from nereus_core.cost.terms import (
+    MEMORY_PARTS,
+    TERMS,
+    Geometry,
+    StageKind,
+    bubble_fraction,
+    is_contiguous,
+    korthikanti_bytes,
+    layout_geometry,
+    model_stats,
+    ring_bytes,
+    stage_tables,
+)
+from nereus_core.layout import Layout
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def stage_kind(stage: str) -> StageKind:
+    """``'actor/generate'`` -> ``'generate'``."""
+    kind = stage.partition("/")[2]
+    if kind not in ("generate", "infer", "train"):
+        raise ValueError(f"{stage!r} is not a model-stage; expected model/generate|infer|train")
+    return kind  # type: ignore[return-value]
+
+
+class Workload(_Frozen):
+    """What one PPO step asks of every model-stage."""
+
+    batch: int = Field(ge=1, description="Sequences per step (global).")
+    prompt_len: int = Field(ge=1, description="Prompt tokens per sequence.")
+    response_mean: float = Field(gt=0, description="Mean response tokens; latency uses it.")
+    response_high: int = Field(ge=1, description="High quantile (or max) of response tokens; memory uses it.")
+    response_max: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest response of the step: generation runs until it ends (the slowest replica "
+        "holds it); None takes response_high.",
+    )
+    ppo_epochs: int = Field(default=1, ge=1, description="Passes of the train stages over the batch.")
+    mini_batches: int = Field(
+        default=1,
+        ge=1,
+        description="Optimizer steps per epoch of a train stage (batch split this many ways).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Workload:
+        if self.response_high < self.response_mean:
+            raise ValueError(
+                f"response_high={self.response_high} is below response_mean={self.response_mean}; "
+                "the high quantile must be at least the mean"
+            )
+        if self.response_max is not None and self.response_max < self.response_high:
+            raise ValueError(
+                f"response_max={self.response_max} is below response_high={self.response_high}; "
+                "the longest response must be at least the high quantile"
+            )
+        return self
+
+    @property
+    def response_longest(self) -> int:
+        """The longest response generation waits for: ``response_max``, else ``response_high``."""
+        return self.response_high if self.response_max is None else self.response_max
+
+    @classmethod
+    def from_config(
+        cls, config: NereusConfig, lengths: Sequence[int] = (), quantile: float = 0.9
+    ) -> Workload:
+        """The job's workload: its batch, prompt length, PPO epochs and mini-batches, and the response
+        lengths generated (mean and ``quantile``; the config's response length until there are any)."""
+        job, ppo = config.job, config.ppo
+        mean, high = (
+            _mean_and_high(lengths, quantile) if len(lengths) else (job.response_len, job.response_len)
+        )
+        return cls(
+            batch=job.batch_size,
+            prompt_len=job.prompt_len,
+            response_mean=mean,
+            response_high=high,
+            response_max=max(max(lengths), high) if len(lengths) else None,
+            ppo_epochs=ppo.ppo_epochs,
+            mini_batches=ppo.mini_batches,
+        )
+
+    @classmethod
+    def from_lengths(
+        cls, *, batch: int, prompt_len: int, lengths: Sequence[int], quantile: float = 0.9
+    ) -> Workload:
+        """Mean and ``quantile`` of observed response lengths (memory then uses the quantile)."""
+        if not lengths:
+            raise ValueError("lengths is empty; give the observed response lengths")
+        mean, high = _mean_and_high(lengths, quantile)
+        return cls(
+            batch=batch,
+            prompt_len=prompt_len,
+            response_mean=mean,
+            response_high=high,
+            response_max=max(max(lengths), high),
+        )
+
+
+def _mean_and_high(lengths: Sequence[int], quantile: float) -> tuple[float, int]:
+    values = np.asarray(lengths, dtype=float)
+    mean = max(float(values.mean()), 1.0)
+    return mean, max(math.ceil(float(np.quantile(values, quantile))), math.ceil(mean))
+
+
+class Scales(_Frozen):
+    """Per-term multipliers fitted by calibration (1 = the analytic prior)."""
+
+    compute: float = Field(default=1.0, gt=0, description="Scale of the compute term.")
+    decode: float = Field(default=1.0, gt=0, description="Scale of the memory-bound decode term.")
+    tp_comm: float = Field(default=1.0, gt=0, description="Scale of tensor-parallel collectives.")
+    pp_comm: float = Field(default=1.0, gt=0, description="Scale of the pipeline bubble and sends.")
+    dp_comm: float = Field(default=1.0, gt=0, description="Scale of the gradient all-reduce.")
+    optimizer: float = Field(default=1.0, gt=0, description="Scale of the optimizer step.")
+    overhead: float = Field(default=1.0, gt=0, description="Scale of the per-layer fixed cost.")
+    dispatch: float = Field(default=1.0, gt=0, description="Scale of the per-call dispatch cost.")
+
+    def as_array(self) -> np.ndarray:
+        return np.array([getattr(self, t) for t in TERMS], dtype=float)
+
+    @classmethod
+    def from_array(cls, values: Sequence[float]) -> Scales:
+        return cls(**{t: float(v) for t, v in zip(TERMS, values, strict=True)})
+
+
+class MemoryEstimate(_Frozen):
+    """Bytes on the busiest device of a layout."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    kv_cache: int = 0
+
+    @property
+    def persistent(self) -> int:
+        """Held between steps: weights and (ZeRO-sharded) optimizer state."""
+        return self.weights + self.optimizer
+
+    @property
+    def transient(self) -> int:
+        """Held only while the stage runs: gradients (DeepSpeed ZeRO-1 frees them after the step,
+        as measured by benchmarks/bench_calibration.py), activations, KV cache."""
+        return self.gradients + self.activations + self.kv_cache
+
+    @property
+    def total(self) -> int:
+        return self.persistent + self.transient
+
+
+class Estimate(_Frozen):
+    """Predicted latency (per term and total) and per-device memory of one model-stage."""
+
+    stage: str
+    layout: str = Field(description="Layout key.")
+    raw: dict[str, float] = Field(description="Unscaled term seconds (what calibration fits against).")
+    terms: dict[str, float] = Field(description="Scaled term seconds.")
+    seconds: float
+    memory: MemoryEstimate
+
+
+def estimate(
+    stage: str,
+    layout: Layout,
+    workload: Workload,
+    model: ModelConfig,
+    profile: HardwareProfile,
+    scales: Scales | None = None,
+) -> Estimate:
+    """Latency and memory of ``stage`` on ``layout`` (see the module docstring for the terms)."""
+    return estimate_many(stage, [layout], workload, model, profile, scales)[0]
+
+
+def estimate_many(
+    stage: str,
+    layouts: Sequence[Layout],
+    workload: Workload,
+    model: ModelConfig,
+    profile: HardwareProfile,
+    scales: Scales | None = None,
+) -> list[Estimate]:
+    """``estimate`` of several layouts of one stage in one vectorized pass."""
+    stats = model_stats(model)
+    geos = [layout_geometry(stats, profile, layout) for layout in layouts]
+    geo = Geometry(*(np.concatenate(field) for field in zip(*geos, strict=True)))
+    raw, mem = stage_tables(stage_kind(stage), geo, workload, stats, profile)
+    scaled = raw * (scales or Scales()).as_array()[:, None]
+    return [
+        Estimate(
+            stage=stage,
+            layout=layout_label(layout),
+            raw=dict(zip(TERMS, raw[:, i].tolist(), strict=True)),
+            terms=dict(zip(TERMS, scaled[:, i].tolist(), strict=True)),
+            seconds=float(scaled[:, i].sum()),
+            memory=MemoryEstimate(
+                **{k: math.ceil(v) for k, v in zip(MEMORY_PARTS, mem[:, i].tolist(), strict=True)}
+            ),
+        )
+        for i, layout in enumerate(layouts)
+    ]
+
+
+def layout_label(layout: Layout) -> str:
+    """``tp2.pp1.dp4@0..7`` for consecutive slots, else the layout's full key."""
+    if is_contiguous(layout):
+        first, last = layout.devices[0], layout.devices[-1]
+        return f"tp{layout.tp}.pp{layout.pp}.dp{layout.dp}@{first}..{last}"
+    return layout.key
+
+
+__all__ = [
+    "MEMORY_PARTS",
+    "TERMS",
+    "Estimate",
+    "MemoryEstimate",
+    "Scales",
+    "Workload",
+    "bubble_fraction",
+    "estimate",
+    "estimate_many",
+    "korthikanti_bytes",
+    "layout_label",
+    "model_stats",
+    "ring_bytes",
+    "stage_kind",
+]

@@ -1,0 +1,268 @@
+"""The analytic formulas of the cost model, vectorized over candidate layouts.
+
+Boundary: numbers in, numbers out. ``stage_tables`` evaluates every latency term
+and memory part of one model-stage for an array of candidate layouts at once
+(one entry per candidate), so the controller can rank thousands of layouts in a
+few numpy operations; ``cost_model.estimate`` calls it with a single layout.
+The formulas and their sources are listed in ``cost_model``'s docstring.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import numpy as np
+
+from nereus_core.cost.geometry import (  # re-exported: callers read the geometry through this module
+    Geometry,
+    ModelStats,
+    Num,
+    contiguous_geometry,
+    is_contiguous,
+    layout_geometry,
+    model_stats,
+    pipeline_split,
+    slots,
+    split_arrays,
+    value_bytes,
+)
+from nereus_core.cost.hardware import COST_TERMS, HardwareProfile
+
+TERMS = COST_TERMS
+MEMORY_PARTS: tuple[str, ...] = ("weights", "gradients", "optimizer", "activations", "kv_cache")
+PERSISTENT = np.array([p in ("weights", "optimizer") for p in MEMORY_PARTS])  # the rest is transient
+StageKind = Literal["generate", "infer", "train"]
+__all__ = [
+    "MEMORY_PARTS",
+    "PERSISTENT",
+    "TERMS",
+    "Geometry",
+    "ModelStats",
+    "Num",
+    "contiguous_geometry",
+    "is_contiguous",
+    "layout_geometry",
+    "model_stats",
+    "pipeline_split",
+    "slots",
+    "split_arrays",
+    "stage_tables",
+    "value_bytes",
+]
+
+
+class WorkloadLike(Protocol):
+    """What the formulas read of a step's workload; ``cost_model.Workload`` is the one that validates it.
+
+    A protocol, not an import: the cost model builds on these formulas, never the other way round.
+    """
+
+    @property
+    def batch(self) -> int: ...
+    @property
+    def prompt_len(self) -> int: ...
+    @property
+    def response_mean(self) -> float: ...
+    @property
+    def response_high(self) -> int: ...
+    @property
+    def response_longest(self) -> int: ...
+    @property
+    def ppo_epochs(self) -> int: ...
+
+
+def ring_bytes(nbytes: Num, n: Num) -> Num:
+    """Bytes each device sends in a ring all-reduce of ``nbytes`` over ``n`` devices: 2(n-1)/n."""
+    return 2.0 * (n - 1) / n * nbytes
+
+
+def bubble_fraction(p: Num, m: Num) -> Num:
+    """Share of a pipelined pass spent idle: (p-1)/(m+p-1) (Narayanan et al. 2021)."""
+    return (p - 1) / (m + p - 1)
+
+
+def korthikanti_bytes(
+    stats: ModelStats, batch: Num, seq: Num, activation_bytes: int, recompute: str = "none"
+) -> Num:
+    """Stored activations of one layer (Korthikanti et al. 2022), s*b*h*(34 + 5*a*s/h) bytes in
+    16-bit; selective recomputation drops the 5*a*s/h attention part, full recomputation keeps
+    only the layer input, 2*s*b*h."""
+    h = stats.hidden
+    per_value = {"none": 34.0 + 5.0 * stats.heads * seq / h, "selective": 34.0, "full": 2.0}[recompute]
+    return seq * batch * h * per_value * activation_bytes / 2.0
+
+
+def stage_tables(
+    kind: StageKind, geo: Geometry, work: WorkloadLike, stats: ModelStats, profile: HardwareProfile
+) -> tuple[np.ndarray, np.ndarray]:
+    """Unscaled term seconds ``[len(TERMS), n]`` and memory bytes ``[len(MEMORY_PARTS), n]``."""
+    n = geo.tp.shape[0]
+    raw = np.zeros((len(TERMS), n))
+    mem = np.zeros((len(MEMORY_PARTS), n))
+    if kind == "generate":
+        _generate(raw, mem, geo, work, stats, profile)
+    else:
+        _forward_backward(raw, mem, kind == "train", geo, work, stats, profile)
+    # One dispatch per stage call, plus one per device it reaches (tasks/runtime/device_pool.py), plus a
+    # pass's
+    # fixed cost per call (hardware.py). Generation's per-call cost is the engine's and sits with its
+    # other engine costs in ``overhead`` (``_generate``), so calibration scales the two apart.
+    world = geo.tp * geo.pp * geo.dp
+    call = {"generate": 0.0, "infer": profile.infer_call_s, "train": profile.train_call_s}[kind]
+    raw[TERMS.index("dispatch")] = profile.call_overhead_s + world * profile.dispatch_per_device_s + call
+    for term, scale in profile.term_scales.items():
+        raw[TERMS.index(term)] *= scale
+    mem[MEMORY_PARTS.index("weights")] = geo.device_params * value_bytes(stats, profile).weight
+    return raw, mem
+
+
+def _slowdown(profile: HardwareProfile, busy: np.ndarray) -> np.ndarray:
+    """``HardwareProfile.busy_slowdown`` over an array of busy slots per node."""
+    if profile.cores_per_node is None:
+        return np.ones_like(busy, dtype=float)
+    ratio = np.maximum(busy / profile.cores_per_node, 1.0)
+    return ratio ** np.log2(profile.oversubscribed_slowdown)
+
+
+def _set(table: np.ndarray, names: tuple[str, ...], **values: np.ndarray | float) -> None:
+    for name, value in values.items():
+        table[names.index(name)] = value
+
+
+def _generate(
+    raw: np.ndarray,
+    mem: np.ndarray,
+    geo: Geometry,
+    work: WorkloadLike,
+    stats: ModelStats,
+    profile: HardwareProfile,
+) -> None:
+    """Prefill, then decode iterations through every pipeline stage until the slowest sequence ends.
+
+    A replica's batch runs in ``m`` waves of b/m sequences (m = 1 on the CPU runtime),
+    each wave holding its own KV cache. Pipeline stages run one after another for
+    every token, so compute and weight reads cover the whole model, split over tp only.
+    Stragglers (issue 17): a replica decodes until its longest sequence ends, and the
+    stage ends with the slowest replica, the one holding the step's longest response;
+    with continuous batching the waves before the last refill at the mean pace, so a
+    replica runs (m - 1) * mean + longest iterations. Each iteration reads the weights
+    and pays ``decode_step_s`` (scheduler, sampling, launches); the KV read and the
+    FLOPs follow the tokens actually generated (b * mean), whatever the schedule.
+    The engine's fixed cost per call (``generate_call_s``) is in ``overhead`` too.
+    """
+    tp, pp = geo.tp, geo.pp
+    slow = _slowdown(profile, geo.per_node / pp)  # one pipeline stage per replica works at a time
+    waves = np.minimum(geo.m, profile.max_generate_waves)
+    h, layers = stats.hidden, stats.layers
+    b = np.ceil(work.batch / geo.dp)
+    bw_ = np.ceil(b / waves)  # sequences per wave
+    prompt, resp = work.prompt_len, work.response_mean
+    ctx = prompt + resp / 2.0  # mean context a decode step attends to
+    flops = profile.flops * tp / slow
+    # hardware.md "Training FLOPs": forward ~ 2*params per token + attention 4*L*h*s.
+    prefill = b * prompt * (2.0 * stats.flop_params + 4.0 * layers * h * prompt)
+    decode_flops = resp * b * (2.0 * stats.flop_params + 4.0 * layers * h * ctx)
+    sizes = value_bytes(stats, profile)
+    kv_token = stats.kv_bytes_per_token(sizes.kv)
+    tp_kv = np.minimum(tp, stats.kv_heads)
+    # hardware.md "Decode is memory-bound": (weight bytes / tp + KV bytes read) / HBM bandwidth.
+    weight_read, kv_read = stats.total_params * sizes.weight / tp, ctx * kv_token / tp_kv
+    iters = (waves - 1.0) * resp + work.response_longest  # decode iterations of the slowest replica
+    passes = waves + iters  # one prefill per wave and the decode iterations
+    alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
+    act = sizes.activation
+    # Per pass: 2 all-reduces per layer, 1 for the vocab-parallel embedding, 2 gathers to sample.
+    tp_latency = passes * (2 * layers + 3) * 2.0 * (tp - 1) * alpha
+    tp_bytes = 2 * layers * ring_bytes(b * h * act * (prompt + resp), tp) / geo.tp_bw
+    # Per pass: p-1 hidden-state sends forward and the sampled token back to the first stage.
+    pp_comm = (pp > 1) * (passes * pp * alpha + (pp - 1) * b * h * act * (prompt + resp) / geo.pp_bw)
+    _set(
+        raw,
+        TERMS,
+        compute=(prefill + decode_flops) / flops,
+        decode=(iters * weight_read + waves * bw_ * resp * kv_read) * slow / profile.hbm,
+        tp_comm=(tp > 1) * (tp_latency + tp_bytes),
+        pp_comm=pp_comm,
+        overhead=passes * layers * profile.layer_overhead_s * slow
+        + iters * profile.decode_step_s
+        + profile.generate_call_s,
+    )
+    seq_high = prompt + work.response_high
+    share = geo.stage_layers / layers
+    logits = bw_ * stats.logit_width / tp * 4.0  # fp32 logits of the last position of each sequence
+    prefill_act = korthikanti_bytes(stats, bw_, prompt, act, profile.activation_recompute) / tp
+    _set(
+        mem,
+        MEMORY_PARTS,
+        activations=prefill_act + logits,
+        kv_cache=bw_ * seq_high * kv_token * share / tp_kv,
+    )
+
+
+def _forward_backward(
+    raw: np.ndarray,
+    mem: np.ndarray,
+    train: bool,
+    geo: Geometry,
+    work: WorkloadLike,
+    stats: ModelStats,
+    profile: HardwareProfile,
+) -> None:
+    """A pipelined pass over prompt + response (infer), plus backward and the Adam step (train)."""
+    tp, pp, dp, m = geo.tp, geo.pp, geo.dp, geo.m
+    slow = _slowdown(profile, geo.per_node * np.minimum(pp, m) / pp)  # stages of a replica work together
+    h, layers = stats.hidden, geo.stage_layers
+    b = np.ceil(work.batch / dp)
+    bm = np.ceil(b / m)
+    seq = work.prompt_len + work.response_mean
+    epochs = work.ppo_epochs if train else 1
+    sizes = value_bytes(stats, profile)
+    alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
+    act = sizes.activation
+    # hardware.md "Training FLOPs": 2*params + 4*L*h*s per token forward, 6*params + 12*L*h*s train.
+    mult, attn = (6.0, 12.0) if train else (2.0, 4.0)
+    if train and profile.activation_recompute == "full":
+        mult, attn = 8.0, 16.0  # one more forward per micro-batch
+    compute_mb = (
+        bm * seq * (mult * geo.stage_flop_params + attn * layers * h * seq) * slow / (profile.flops * tp)
+    )
+    # hardware.md "TP traffic": 2 all-reduces per layer forward (+2 backward) of b*s*h values;
+    # plus the vocab-parallel embedding (1) and log-prob (3) all-reduces (Megatron-LM).
+    reduces = (4 if train else 2) * layers
+    tp_mb = (tp > 1) * (
+        (reduces + 4) * 2.0 * (tp - 1) * alpha + reduces * ring_bytes(bm * seq * h * act, tp) / geo.tp_bw
+    )
+    overhead_mb = (3.0 if train else 1.0) * layers * profile.layer_overhead_s * slow
+    # Narayanan et al. 2021: with m micro-batches a pass takes (m+p-1) stage slots, m of them busy;
+    # the idle (p-1) slots are the bubble, (p-1)/(m+p-1) of the pass.
+    bubble = (pp - 1) * (compute_mb + tp_mb + overhead_mb)
+    sends = (2.0 if train else 1.0) * (m + pp - 2) * (alpha + bm * seq * h * act / geo.pp_bw)
+    _set(
+        raw,
+        TERMS,
+        compute=epochs * m * compute_mb,
+        tp_comm=epochs * m * tp_mb,
+        pp_comm=epochs * (bubble + (pp > 1) * sends),
+        overhead=epochs * m * overhead_mb,
+    )
+    seq_high = work.prompt_len + work.response_high
+    per_layer = korthikanti_bytes(stats, bm, seq_high, act, profile.activation_recompute) / tp
+    logits = bm * seq_high * stats.logit_width / tp * 4.0  # fp32 log-softmax input on the last stage
+    if not train:
+        _set(mem, MEMORY_PARTS, activations=per_layer + logits)
+        return
+    grads = geo.device_params * sizes.grad
+    buckets = np.ceil(grads / profile.gradient_bucket_bytes)
+    # ZeRO-1 (Rajbhandari et al. 2020): reduce-scatter + all-gather = one ring all-reduce volume.
+    dp_comm = (dp > 1) * (ring_bytes(grads, dp) / geo.dp_bw + buckets * 2.0 * (dp - 1) * alpha)
+    # Adam reads and writes its state shard, reads the gradient shard, writes weights (all-gathered).
+    opt_bytes = geo.device_params * ((2.0 * sizes.optimizer + sizes.grad + sizes.weight) / dp + sizes.weight)
+    _set(raw, TERMS, dp_comm=epochs * dp_comm, optimizer=epochs * opt_bytes * slow / profile.hbm)
+    in_flight = m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp)
+    _set(
+        mem,
+        MEMORY_PARTS,
+        gradients=grads,
+        optimizer=np.ceil(geo.device_params / dp) * sizes.optimizer,
+        activations=in_flight * layers * per_layer + 2.0 * logits,
+    )

@@ -1,0 +1,312 @@
+"""What a transition and a weight sync cost: the controller's prediction of moving state between plans.
+
+Boundary: pure arithmetic over layouts, model configs and a ``HardwareProfile`` (or the transfer
+list of a reshard plan), scaled by factors calibrated on the job's own measured transitions
+(``TransitionScales``). The per-operation and fixed costs of a transition on each hardware profile
+(``TransitionCosts``, ``costs_for``) live here, for the executed schedule's price
+(``transition_plan``) and the durable price from layouts alone. Per-stage step latency and memory
+are ``cost_model.py``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+from pydantic import Field
+
+from nereus_core.config import ModelConfig
+from nereus_core.cost.geometry import value_bytes
+from nereus_core.cost.hardware import HardwareProfile
+from nereus_core.cost.stage_cost import _Frozen, stage_kind
+from nereus_core.cost.terms import Num, model_stats
+from nereus_core.layout import Layout
+from nereus_core.plan import ModelStage
+
+
+class TransferLike(Protocol):
+    """One copy of a slice between device slots (``emu.Transfer`` has these fields)."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+class TransitionScales(_Frozen):
+    """Calibrated multipliers of the transition cost."""
+
+    wire: float = Field(default=1.0, gt=0, description="Scale of the bytes-over-links time.")
+    ops: float = Field(default=1.0, gt=0, description="Scale of the per-operation overhead.")
+    durable: float = Field(default=1.0, gt=0, description="Scale of a durable switch's fixed cost.")
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.wire, self.ops, self.durable], dtype=float)
+
+    @classmethod
+    def from_array(cls, values: Sequence[float]) -> TransitionScales:
+        wire, ops, durable = (float(v) for v in values)
+        return cls(wire=wire, ops=ops, durable=durable)
+
+
+class TransitionCosts(_Frozen):
+    """Per-operation and fixed costs of running a transition on a device pool, before calibration
+    (issue 16): the executed schedule's (``transition_plan.executed_cost``) and a durable switch's
+    from layouts alone (``durable_seconds``) both read them."""
+
+    call_s: float = Field(
+        default=0.02, ge=0, description="One device call: a wave of moves, an unload, a load, a relink, s."
+    )
+    groups_s: float = Field(default=0.01, ge=0, description="A layout's process groups built, s.")
+    engine_s: float = Field(
+        default=0.07, ge=0, description="A train stage's DeepSpeed engine built on its new devices, s."
+    )
+    message_s: float = Field(default=1e-3, ge=0, description="One point-to-point message to a peer, s.")
+    world_rebuild_s: float = Field(
+        default=0.06, ge=0, description="Every rank leaves the world and joins a new one, s."
+    )
+    worker_start_s: float = Field(
+        default=3.0, ge=0, description="Workers of a grow started and their actors placed (at once), s."
+    )
+    warm_up_s: float = Field(
+        default=8.0, ge=0, description="DeepSpeed's first engine on new workers (at once), s."
+    )
+    store_read_bandwidth: float = Field(
+        default=200e6, gt=0, description="Bytes/s one device reads back from the checkpoint."
+    )
+
+
+# The CPU runtime, from the demo's journals (journal/<id>.jsonl: seconds per unit; four runs on a
+# 2-core machine shared with other work, 2 and 4 slots): a wave moving two train stages 0.20-0.22 s,
+# one train and two inference stages 0.11 s, two inference stages 0.03 s; a train stage rehydrated
+# 0.05-0.09 s, an inference one 0.01-0.025 s; a relink (a call, maybe groups) 0.01-0.045 s; a
+# prepared 2 -> 4 world 0.055-0.06 s. Starting and warming workers: the pool's own start-up
+# (README: DeepSpeed's first engine ~8 s). The H100 figures are not measured here (placeholders of
+# the right order: NCCL communicators and engines cost seconds); calibration scales them.
+COSTS: dict[str, TransitionCosts] = {
+    "cpu-workers": TransitionCosts(),
+    "h100-sxm": TransitionCosts(call_s=0.005, engine_s=1.0, world_rebuild_s=5.0, store_read_bandwidth=2e9),
+}
+
+
+def costs_for(profile: HardwareProfile) -> TransitionCosts:
+    """The transition costs of ``profile`` (the CPU runtime's for a profile without its own)."""
+    return COSTS.get(profile.name, COSTS["cpu-workers"])
+
+
+class TransitionEstimate(_Frozen):
+    """Predicted cost of moving state from one plan to another."""
+
+    seconds: float
+    wire_s: float = Field(description="Unscaled time of the busiest port (send or receive).")
+    ops_s: float = Field(description="Unscaled per-operation overhead on the busiest device.")
+    durable_s: float = Field(
+        default=0.0,
+        description="Unscaled fixed cost of a durable switch (0 for a live one): ``durable_seconds``.",
+    )
+    critical_bytes: int = Field(description="Bytes through the busiest port.")
+    transfers: int = Field(description="Operations counted (transfers, or changed layouts when analytic).")
+    analytic: bool = Field(description="True when estimated from layouts (no transfer list was given).")
+
+    @property
+    def terms(self) -> tuple[float, float, float]:
+        """The unscaled terms, in the order of ``TransitionScales.as_array`` (what calibration fits)."""
+        return (self.wire_s, self.ops_s, self.durable_s)
+
+    @classmethod
+    def of(
+        cls,
+        wire_s: float,
+        ops_s: float,
+        scales: TransitionScales | None,
+        durable_s: float = 0.0,
+        **rest: int | bool,
+    ) -> TransitionEstimate:
+        s = scales or TransitionScales()
+        seconds = s.wire * wire_s + s.ops * ops_s + s.durable * durable_s
+        return cls(seconds=seconds, wire_s=wire_s, ops_s=ops_s, durable_s=durable_s, **rest)
+
+
+def transition_cost(
+    transfers: Iterable[TransferLike | tuple[int, int, int]],
+    profile: HardwareProfile,
+    scales: TransitionScales | None = None,
+) -> TransitionEstimate:
+    """Cost of a list of transfers: the busiest port's bytes / its link bandwidth + per-op overhead.
+
+    Every device sends and receives at once; transfers through the same port queue
+    behind each other, so the critical path is the busiest port (a lower bound of
+    any schedule, reached when the GTG keeps every port busy). Same-device copies
+    run at memory bandwidth.
+    """
+    send: dict[int, float] = {}
+    recv: dict[int, float] = {}
+    ops: dict[int, int] = {}
+    sent_bytes: dict[int, int] = {}
+    count = 0
+    for item in transfers:
+        src, dst, nbytes = item if isinstance(item, tuple) else (item.src, item.dst, item.nbytes)
+        count += 1
+        ops[src] = ops.get(src, 0) + 1
+        ops[dst] = ops.get(dst, 0) + 1 if dst != src else ops.get(dst, 0)
+        if src == dst:
+            send[src] = send.get(src, 0.0) + nbytes / profile.hbm
+            continue
+        bw = profile.inter_bw if profile.node_of(src) != profile.node_of(dst) else profile.intra_bw
+        send[src] = send.get(src, 0.0) + nbytes / bw + profile.collective_latency_s
+        recv[dst] = recv.get(dst, 0.0) + nbytes / bw + profile.collective_latency_s
+        sent_bytes[src] = sent_bytes.get(src, 0) + nbytes
+        sent_bytes[dst] = sent_bytes.get(dst, 0) + nbytes
+    wire = max([*send.values(), *recv.values(), 0.0])
+    ops_s = max(ops.values(), default=0) * profile.transition_op_overhead_s
+    return TransitionEstimate.of(
+        wire,
+        ops_s,
+        scales,
+        critical_bytes=max(sent_bytes.values(), default=0),
+        transfers=count,
+        analytic=False,
+    )
+
+
+def held_fraction(
+    new_tp: Num, new_pp: Num, old_tp: Num, old_pp: Num, new_dp: Num = 1, old_dp: Num = 1
+) -> Num:
+    """Share of a device's new shard it already holds under the old layout, shards nested axis by
+    axis: min(1, t_new/t_old) * min(1, p_new/p_old) (* min(1, d_new/d_old) for dp-sharded state).
+
+    With generation coarser than training on every axis this is HybridFlow's (Sheng et al.
+    2025, Table 2) (tg*pg)/(t*p), i.e. a transfer of M/(tg*pg) - M/(t*p) per device.
+    """
+    return (
+        np.minimum(1.0, new_tp / old_tp) * np.minimum(1.0, new_pp / old_pp) * np.minimum(1.0, new_dp / old_dp)
+    )
+
+
+def reshard_bytes(
+    stage: str, old: Layout | None, new: Layout, model: ModelConfig, profile: HardwareProfile
+) -> int:
+    """Bytes the busiest device of ``new`` receives when ``stage`` moves from ``old`` to ``new``:
+    the part of its new shard it does not hold (``held_fraction``; all of it on a device new to
+    the model-stage). Optimizer state (train stages) is sharded over dp as well."""
+    if old == new:
+        return 0
+    stats = model_stats(model)
+    per = value_bytes(stats, profile)
+    weights = stats.total_params * per.weight / (new.tp * new.pp)
+    state = stats.total_params * per.optimizer / new.world_size if stage_kind(stage) == "train" else 0
+    if old is None or set(new.devices) - set(old.devices):
+        return math.ceil(weights + state)
+    held_w = held_fraction(new.tp, new.pp, old.tp, old.pp)
+    held_s = held_fraction(new.tp, new.pp, old.tp, old.pp, new.dp, old.dp)
+    return math.ceil(weights * (1.0 - held_w) + state * (1.0 - held_s))
+
+
+def durable_seconds(
+    new: dict[str, Layout], models: dict[str, ModelConfig], profile: HardwareProfile, costs: TransitionCosts
+) -> float:
+    """Unscaled fixed cost of a durable switch onto ``new``: one world rebuilt, one engine per train
+    stage, and every stage's state read from the checkpoint, its busiest device reading its whole
+    shard (``reshard_bytes`` of a device new to the stage; weights, and optimizer state for train
+    stages) at the store's bandwidth per device, stage after stage as ``rehydrate_all`` runs them;
+    the inference copies are relinked to their train stages, not read."""
+    engines, read = 0, 0
+    for stage, layout in new.items():
+        if not ModelStage(stage).owns_state:
+            continue
+        engines += stage_kind(stage) == "train"
+        read += reshard_bytes(stage, None, layout, models[stage.partition("/")[0]], profile)
+    return costs.world_rebuild_s + engines * costs.engine_s + read / costs.store_read_bandwidth
+
+
+def setup_seconds(old: dict[str, Layout], new: dict[str, Layout], profile: HardwareProfile) -> float:
+    """Fixed cost of bringing up the layouts of ``new`` whose degrees or devices differ from ``old``
+    (issue 17): their process groups, created in parallel (one ``group_setup_s``), and the
+    generation engine rebuilt when generation's layout changed (``engine_rebuild_s``)."""
+    changed = [
+        s
+        for s, v in new.items()
+        if s not in old
+        or old[s].model_copy(update={"micro_batches": 1}) != v.model_copy(update={"micro_batches": 1})
+    ]
+    if not changed:
+        return 0.0
+    engine = profile.engine_rebuild_s if any(stage_kind(s) == "generate" for s in changed) else 0.0
+    return profile.group_setup_s + engine
+
+
+def analytic_transition_cost(
+    old: dict[str, Layout],
+    new: dict[str, Layout],
+    models: dict[str, ModelConfig],
+    profile: HardwareProfile,
+    scales: TransitionScales | None = None,
+    *,
+    durable: bool = False,
+    costs: TransitionCosts | None = None,
+) -> TransitionEstimate:
+    """Transition cost from layouts alone (no transfer list): the sum over model-stages of the
+    busiest device's receive bytes (an upper bound of one device's total) over the slowest link.
+
+    ``durable`` (the device set changes, so the world is rebuilt): nothing moves device to device;
+    every model-stage is rehydrated or relinked (one operation each) at ``durable_seconds`` of
+    ``costs`` (the profile's, ``costs_for``, unless given)."""
+    if durable:
+        ops_s = len(new) * profile.transition_op_overhead_s
+        fixed = durable_seconds(new, models, profile, costs or costs_for(profile))
+        return TransitionEstimate.of(
+            0.0, ops_s, scales, fixed, critical_bytes=0, transfers=len(new), analytic=True
+        )
+    total, changed, inter = 0, 0, False
+    for stage, layout in new.items():
+        before = old.get(stage)
+        if before == layout:
+            continue
+        changed += 1
+        total += reshard_bytes(stage, before, layout, models[stage.partition("/")[0]], profile)
+        inter = inter or profile.spans_nodes((*layout.devices, *(before.devices if before else ())))
+    bw = profile.inter_bw if inter else profile.intra_bw
+    wire = total / bw + (profile.collective_latency_s if changed else 0.0)
+    ops_s = changed * profile.transition_op_overhead_s + setup_seconds(old, new, profile)
+    return TransitionEstimate.of(wire, ops_s, scales, critical_bytes=total, transfers=changed, analytic=True)
+
+
+def sync_seconds(
+    model: ModelConfig,
+    profile: HardwareProfile,
+    gen_tp: Num,
+    gen_pp: Num,
+    *,
+    link: Iterable[int],
+    train: tuple[Num, Num] | None = None,
+) -> Num:
+    """Unscaled time to refresh the generation copy of the actor after its update, each step,
+    for generation degrees ``gen_tp`` x ``gen_pp`` (scalars or one per candidate layout).
+
+    Colocated (``train`` = actor/train's ``(tp, pp)``), the 3D-HybridEngine reshard of HybridFlow
+    (Table 2): each generation device receives the part of its shard M/(tg*pg) it does not hold
+    (``held_fraction``) over ``link``, the slots of a training replica. Disaggregated (``train``
+    None), each generation device receives its whole shard over ``link``, a generation slot and a
+    training slot (receivers bound the time: the training pool has at least as many senders).
+    """
+    stats = model_stats(model)
+    shard_g = stats.total_params * value_bytes(stats, profile).weight / (gen_tp * gen_pp)
+    nbytes = shard_g if train is None else shard_g * (1.0 - held_fraction(gen_tp, gen_pp, *train))
+    latency = np.where(nbytes > 0, profile.collective_latency_s, 0.0)  # nothing to move, no round
+    return nbytes / profile.link_bandwidth(link) + latency
+
+
+def weight_sync_s(
+    train: Layout, generate: Layout, model: ModelConfig, profile: HardwareProfile, *, colocated: bool
+) -> float:
+    """``sync_seconds`` of two layouts of the actor (train and generate)."""
+    if colocated:
+        degrees = (train.tp, train.pp)
+        return float(
+            sync_seconds(
+                model, profile, generate.tp, generate.pp, link=train.replica_groups()[0], train=degrees
+            )
+        )
+    link = (generate.devices[0], train.devices[0])
+    return float(sync_seconds(model, profile, generate.tp, generate.pp, link=link))

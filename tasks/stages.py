@@ -1,0 +1,258 @@
+"""Prefect tasks of one PPO step: one per stage, each a thin call into nereus_core on the pool.
+
+Every stage task returns ``(result, seconds inside the task)`` so the flow can
+tell the time spent in stages from the orchestration around them. Rollout
+tensors are small (token ids and per-token floats) and stay in the driver; the
+models' weights never leave the devices (weight sync moves them device to device).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from safetensors.torch import load_file, save_file
+
+from nereus_core.config import ModelConfig, NereusConfig
+from nereus_core.count_task import make_prompts, rule_score, synthetic_responses
+from nereus_core.engine.shard import OptimizerSettings
+from nereus_core.engine.train import score_mse_loss
+from nereus_core.layout import Layout
+from nereus_core.rl import rollout as ro
+from nereus_core.rl.ppo import PPOSettings
+from tasks import model_ops
+from tasks.reshard import sync_copy
+from tasks.runtime.device_pool import DevicePool
+
+Timed = tuple[Any, float]
+
+
+def timed(fn: Any, *args: Any, **kwargs: Any) -> Timed:
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def reward_fit_key(config: NereusConfig) -> str:
+    """What the fitted reward model depends on, hashed: model, task, fit settings, seed."""
+    parts = {
+        "model": config.model.model_dump(mode="json"),
+        "task": config.job.task_settings.model_dump(mode="json"),
+        "response_lens": list(config.job.response_lens()),
+        "batch": config.ppo.reward_fit_batch,
+        "steps": config.ppo.reward_fit_steps,
+        "lr": config.ppo.reward_fit_lr,
+        "seed": config.job.seed,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _fit_cache_key(_: Any, parameters: dict[str, Any]) -> str:
+    # The result is a path inside cache_dir: another cache directory is another cache.
+    where = hashlib.sha256(str(Path(parameters["cache_dir"]).resolve()).encode()).hexdigest()[:8]
+    return f"nereus-reward-fit-{parameters['key']}-{where}"
+
+
+@task(
+    cache_key_fn=_fit_cache_key,
+    persist_result=True,
+    result_serializer="json",
+    retries=1,
+)
+def fit_reward_model(
+    pool: DevicePool, layout: Layout, config: NereusConfig, key: str, cache_dir: str
+) -> dict[str, Any]:
+    """Fit the reward model (value head) to the task's rule score on synthetic responses; cached by key."""
+    value_config = config.model.model_copy(update={"head": "value"})
+    settings = OptimizerSettings(lr=config.ppo.reward_fit_lr)
+    job, task_settings = config.job, config.job.task_settings
+    gen = torch.Generator().manual_seed(job.seed + 17)
+    model_ops.load_model(pool, layout, name="reward/fit", config=value_config, optimizer=settings)
+    losses = []
+    lens = job.response_lens()  # it must score every response length the job will generate
+    try:
+        for step in range(config.ppo.reward_fit_steps):
+            prompts = make_prompts(task_settings, config.ppo.reward_fit_batch, job.seed + 1_000_003, step)
+            length = lens[step % len(lens)]
+            responses = synthetic_responses(prompts, length, gen, config.model.vocab_size)
+            batch = {"ids": torch.cat([prompts, responses], 1), "score": rule_score(prompts, responses)}
+            losses.append(model_ops.train(pool, layout, batch, name="reward/fit", loss_fn=score_mse_loss))
+        state = model_ops.full_state(pool, layout, name="reward/fit", config=value_config)
+    finally:
+        model_ops.unload_model(pool, layout, name="reward/fit")
+    path = Path(cache_dir) / f"reward-{key}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    os.replace(tmp, path)  # readers never see a half-written file
+    return {
+        "path": str(path),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+    }
+
+
+def load_reward_state(path: str) -> dict[str, torch.Tensor]:
+    return load_file(path)
+
+
+@task(cache_policy=NO_CACHE)
+def generate(
+    pool: DevicePool,
+    layout: Layout,
+    prompts: torch.Tensor,
+    *,
+    name: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    prompt_mask: torch.Tensor | None = None,
+    stopping: ro.Stopping = ro.NO_STOP,
+) -> Timed:
+    """actor/generate: sample responses with the KV cache, each stopping at an EOS id or the limit."""
+    return timed(
+        model_ops.sample,
+        pool,
+        layout,
+        prompts,
+        name=name,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        prompt_mask=prompt_mask,
+        eos_ids=stopping.eos_ids,
+        pad_id=stopping.pad_id,
+    )
+
+
+@task(cache_policy=NO_CACHE)
+def experience(
+    pool: DevicePool,
+    layouts: dict[str, Layout],
+    ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Every forward pass over the rollout in one task, each stage timed on its own: ``layouts`` maps
+    the model-stage to run (reward/infer, reference/infer, actor/train for the old log-probs,
+    critic/infer) to its layout. One task instead of four: a task costs ~10 ms here, a forward pass
+    of the demo's models ~50 ms (OpenRLHF groups the same passes as ``make_experience``)."""
+    outputs, seconds = {}, {}
+    for name, layout in layouts.items():
+        outputs[name], seconds[name] = timed(
+            model_ops.forward, pool, layout, ids, name=name, attention_mask=attention_mask
+        )
+    return outputs, seconds
+
+
+def timed_rule_score(prompts: torch.Tensor, responses: torch.Tensor) -> Timed:
+    """The task's verifiable score (logged beside the reward model's)."""
+    return timed(rule_score, prompts, responses)
+
+
+def advantages(rollout: ro.Rollout, settings: PPOSettings) -> Timed:
+    """KL-shaped rewards, GAE and whitening: ~2 ms of tensor math in the driver, a plain call."""
+    return timed(ro.compute_advantages, rollout, settings)
+
+
+# What train returns for each model: the loss and the statistics verl logs per PPO step.
+ACTOR_STATS = ("loss", "clip_frac", "approx_kl", "entropy", "grad_norm")
+CRITIC_STATS = ("loss", "value_clip_frac", "grad_norm")
+
+
+def train_epochs(
+    pool: DevicePool,
+    layout: Layout,
+    rollout: ro.Rollout,
+    *,
+    name: str,
+    objective: Any,
+    keys: tuple[str, ...],
+    settings: PPOSettings,
+    seed: int,
+    with_entropy: bool,
+    group_size: int = 1,
+) -> dict[str, float]:
+    """``settings.ppo_epochs`` passes of optimizer steps over ``settings.mini_batches`` seeded
+    mini-batches (of whole groups of ``group_size`` rows) with the loss ``objective``; returns the
+    statistics ``keys``: each the mean over optimizer steps (mini-batches x epochs) of each step's
+    mean over micro-batches and replicas (grad_norm is one value per optimizer step)."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = []
+    for _ in range(settings.ppo_epochs):
+        for rows in ro.minibatch_rows(rollout.prompts.shape[0], settings.mini_batches, gen, group_size):
+            batch = rollout.train_batch(rows)
+            steps.append(
+                model_ops.train_stats(
+                    pool, layout, batch, name=name, loss_fn=objective, with_entropy=with_entropy
+                )
+            )
+    return {key: sum(step[key] for step in steps) / len(steps) for key in keys if key in steps[0]}
+
+
+def _train_epochs(
+    pool: DevicePool,
+    layout: Layout,
+    rollout: ro.Rollout,
+    *,
+    name: str,
+    critic: bool,
+    settings: PPOSettings,
+    seed: int,
+) -> dict[str, float]:
+    objective = functools.partial(ro.critic_objective if critic else ro.actor_objective, settings=settings)
+    keys = CRITIC_STATS if critic else ACTOR_STATS
+    return train_epochs(
+        pool,
+        layout,
+        rollout,
+        name=name,
+        objective=objective,
+        keys=keys,
+        settings=settings,
+        seed=seed,
+        with_entropy=not critic,
+    )
+
+
+@task(cache_policy=NO_CACHE)
+def train(
+    pool: DevicePool,
+    layout: Layout,
+    rollout: ro.Rollout,
+    *,
+    name: str,
+    critic: bool,
+    settings: PPOSettings,
+    seed: int,
+    sync: tuple[Layout, str, ModelConfig] | None = None,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """actor/train or critic/train: PPO epochs over shuffled mini-batches, then (``sync``: the
+    inference copy's layout, name and config) the new weights into the inference layout. Returns
+    ``(stats, timings)``: the mean loss and statistics over the optimizer steps (``ACTOR_STATS`` or
+    ``CRITIC_STATS``), and the seconds of ``train`` and ``sync``, each timed on its own."""
+    stats, seconds = timed(
+        _train_epochs, pool, layout, rollout, name=name, critic=critic, settings=settings, seed=seed
+    )
+    timings = {"train": seconds}
+    if sync is not None:
+        dst, dst_name, config = sync
+        _, timings["sync"] = timed(
+            sync_inference_copy, pool, layout, dst, src_name=name, dst_name=dst_name, config=config
+        )
+    return stats, timings
+
+
+def sync_inference_copy(
+    pool: DevicePool, src: Layout, dst: Layout, *, src_name: str, dst_name: str, config: ModelConfig
+) -> None:
+    """The inference copy takes the trained parameters device to device (the EMU reshard plan of
+    the two layouts; tasks/reshard.py): nothing passes through the driver."""
+    sync_copy(pool, config, source=src_name, source_layout=src, copy=dst_name, copy_layout=dst)
