@@ -123,7 +123,7 @@ def reward_fit_cache_dir(checkout: Path | None = None) -> str:
     differently, never reuses this one's fit unseen (issue 13)."""
     if os.environ.get("NEREUS_CACHE_DIR"):
         return os.environ["NEREUS_CACHE_DIR"]
-    checkout = (checkout or Path(__file__).resolve().parents[1]).resolve()
+    checkout = (checkout or Path(__file__).resolve().parents[2]).resolve()
     tag = hashlib.sha256(str(checkout).encode()).hexdigest()[:12]
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return str(base / "nereus" / f"{checkout.name}-{tag}")
