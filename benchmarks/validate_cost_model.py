@@ -41,7 +41,7 @@ from nereus_core.cost.hardware import H100_SXM, HardwareProfile
 from nereus_core.cost.stage_cost import Workload, estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import models_for
-from nereus_core.sim import stage_world as sw
+from nereus_core.sim import stage_world
 
 QWEN_05B = ModelConfig(  # Qwen/Qwen2.5-0.5B-Instruct config.json
     vocab_size=151936,
@@ -65,8 +65,12 @@ GEMMA2_2B = ModelConfig(  # google/gemma-2-2b-it config.json; head_dim 288 here 
 )
 # The world's view of the same models: parameters (config.json sizes) and bf16 KV bytes per token.
 SIZES = {
-    "qwen": sw.ModelSize(params=494e6, layers=24, kv_bytes_per_token=2 * 24 * 2 * 64 * 2, hidden=896),
-    "gemma": sw.ModelSize(params=2.61e9, layers=26, kv_bytes_per_token=2 * 26 * 4 * 256 * 2, hidden=2304),
+    "qwen": stage_world.ModelSize(
+        params=494e6, layers=24, kv_bytes_per_token=2 * 24 * 2 * 64 * 2, hidden=896
+    ),
+    "gemma": stage_world.ModelSize(
+        params=2.61e9, layers=26, kv_bytes_per_token=2 * 26 * 4 * 256 * 2, hidden=2304
+    ),
 }
 # NVIDIA A100 80GB SXM datasheet; NVLink 3: 600 GB/s both directions, 300 one way.
 A100 = H100_SXM.model_copy(
@@ -118,8 +122,8 @@ def load(data: Path, run: str, every: int) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in r.items() if v} for r in rows[::every]]
 
 
-def stats(run: str, row: dict[str, float]) -> sw.StepStats:
-    return sw.StepStats(
+def stats(run: str, row: dict[str, float]) -> stage_world.StepStats:
+    return stage_world.StepStats(
         batch=RUNS[run].batch,
         prompt_mean=row["prompt_length/mean"],
         response_mean=max(row["response_length/mean"], 1.0),
@@ -128,30 +132,32 @@ def stats(run: str, row: dict[str, float]) -> sw.StepStats:
     )
 
 
-def padded(run: str) -> sw.StepStats:
+def padded(run: str) -> stage_world.StepStats:
     """What verl 0.1's actor and critic passes compute on: every sequence left-padded to
     max_prompt_length and its response padded to max_response_length (no padding removal yet)."""
     r = RUNS[run]
-    return sw.StepStats(r.batch, r.max_prompt, r.max_response, r.max_response, r.max_response)
+    return stage_world.StepStats(r.batch, r.max_prompt, r.max_response, r.max_response, r.max_response)
 
 
 # --------------------------------------------------------------------------- the world
 
 
-def world_s(run: str, row: dict[str, float], col: str, c: sw.WorldConstants, seed: int) -> float:
+def world_s(run: str, row: dict[str, float], col: str, c: stage_world.WorldConstants, seed: int) -> float:
     """The world's seconds of one logged stage. verl 0.1's ``generate_sequences`` recomputes the
     actor's old log-probs right after generation, inside ``timing/gen`` (its logs have no separate
     ``timing/old_log_prob``), so the world's ``timing/gen`` is generation plus one actor forward."""
     r, kind = RUNS[run], STAGES[col][0]
     size, pad = SIZES[r.model], padded(run)
     if kind != "generate":
-        return sw.stage_s(kind, pad, size, sw.A100_80GB, c, tp=1, dp=r.gpus, seed=seed)
+        return stage_world.stage_s(kind, pad, size, stage_world.A100_80GB, c, tp=1, dp=r.gpus, seed=seed)
     t = r.rollout_tp
-    out = sw.stage_s(kind, stats(run, row), size, sw.A100_80GB, c, tp=t, dp=r.gpus // t, seed=seed)
-    return out + sw.stage_s("infer", pad, size, sw.A100_80GB, c, tp=1, dp=r.gpus, seed=seed)
+    out = stage_world.stage_s(
+        kind, stats(run, row), size, stage_world.A100_80GB, c, tp=t, dp=r.gpus // t, seed=seed
+    )
+    return out + stage_world.stage_s("infer", pad, size, stage_world.A100_80GB, c, tp=1, dp=r.gpus, seed=seed)
 
 
-def fit_world(rows: dict[str, list[dict[str, float]]], fit_on: list[str]) -> sw.WorldConstants:
+def fit_world(rows: dict[str, list[dict[str, float]]], fit_on: list[str]) -> stage_world.WorldConstants:
     """``stage_world.fit`` on the fitted runs: the passes first, then generation on ``timing/gen``
     less the old-log-prob forward the fitted passes predict."""
     passes, gens = [], []
@@ -160,18 +166,30 @@ def fit_world(rows: dict[str, list[dict[str, float]]], fit_on: list[str]) -> sw.
         for row in rows[run]:
             for col, (kind, _) in STAGES.items():
                 if kind != "generate":
-                    passes.append((kind, padded(run), SIZES[r.model], sw.A100_80GB, 1, r.gpus, row[col]))
-    c = sw.fit(passes, sw.WorldConstants())
+                    passes.append(
+                        (kind, padded(run), SIZES[r.model], stage_world.A100_80GB, 1, r.gpus, row[col])
+                    )
+    c = stage_world.fit(passes, stage_world.WorldConstants())
     for run in fit_on:
         r = RUNS[run]
         for i, row in enumerate(rows[run]):
             s = stats(run, row)
-            fwd = sw.stage_s("infer", padded(run), SIZES[r.model], sw.A100_80GB, c, tp=1, dp=r.gpus, seed=i)
+            fwd = stage_world.stage_s(
+                "infer", padded(run), SIZES[r.model], stage_world.A100_80GB, c, tp=1, dp=r.gpus, seed=i
+            )
             t = r.rollout_tp
             gens.append(
-                ("generate", s, SIZES[r.model], sw.A100_80GB, t, r.gpus // t, row["timing/gen"] - fwd)
+                (
+                    "generate",
+                    s,
+                    SIZES[r.model],
+                    stage_world.A100_80GB,
+                    t,
+                    r.gpus // t,
+                    row["timing/gen"] - fwd,
+                )
             )
-    return sw.fit(gens, c)
+    return stage_world.fit(gens, c)
 
 
 # --------------------------------------------------------------------------- the cost model's prior
@@ -244,7 +262,9 @@ def fit_prior(rows: dict[str, list[dict[str, float]]], fit_on: list[str]) -> dic
 # --------------------------------------------------------------------------- the report
 
 
-def report(run: str, rows: list[dict[str, float]], c: sw.WorldConstants, split: str) -> dict[str, object]:
+def report(
+    run: str, rows: list[dict[str, float]], c: stage_world.WorldConstants, split: str
+) -> dict[str, object]:
     stages = {}
     for col in STAGES:
         actual = [r[col] for r in rows]
@@ -313,9 +333,12 @@ def nemo_rl_check() -> dict[str, object]:
     gen, passes = Layout.contiguous(dp=n), Layout.contiguous(dp=n, micro_batches=32)
     stages = {"actor/generate": gen, "actor/infer": passes, "reference/infer": passes, "actor/train": passes}
     prior = {s: estimate(s, v, work, models[s.split("/")[0]], H100_SXM).seconds for s, v in stages.items()}
-    step = sw.StepStats(work.batch, prompt, mean, work.response_max, 1, work.response_high)
-    size, c = model_size(LLAMA_3_8B), sw.FITTED
-    world = {s: sw.stage_s(s.split("/")[1], step, size, sw.H100_80GB, c, tp=1, dp=n, seed=0) for s in stages}
+    step = stage_world.StepStats(work.batch, prompt, mean, work.response_max, 1, work.response_high)
+    size, c = model_size(LLAMA_3_8B), stage_world.FITTED
+    world = {
+        s: stage_world.stage_s(s.split("/")[1], step, size, stage_world.H100_80GB, c, tp=1, dp=n, seed=0)
+        for s in stages
+    }
     out: dict[str, object] = {"published": NEMO_RL, "assumed": "150 prompt tokens; p90 2x mean; max at cap"}
     for name, per in (("prior", prior), ("world", world)):
         total = sum(per.values())
@@ -335,7 +358,7 @@ def main() -> None:
     args = parser.parse_args()
     out = {
         "benchmark": "validate_cost_model",
-        "gpu_assumed": sw.A100_80GB.name,
+        "gpu_assumed": stage_world.A100_80GB.name,
         "experiments": [experiment(args.data, QWEN, args.every)],
         "held_out_published": {"nemo_rl_grpo_llama3.1_8b_16xh100": nemo_rl_check()},
     }

@@ -31,7 +31,7 @@ from nereus_core.count_task import TaskSettings, make_prompts
 from nereus_core.dataset.rows import Example
 from nereus_core.dataset.sampler import Sampler
 from nereus_core.rewards import registry
-from nereus_core.rl import rollout as ro
+from nereus_core.rl import rollout
 
 Decode = Callable[[Sequence[int]], str]  # token ids -> text, special tokens skipped
 
@@ -49,9 +49,9 @@ class PromptBatch:
         """Each prompt ``group`` times, the copies side by side (GRPO's groups; ``rollout.grouped``)."""
         if group == 1:
             return self
-        mask = None if self.prompt_mask is None else ro.grouped(self.prompt_mask, group)
+        mask = None if self.prompt_mask is None else rollout.grouped(self.prompt_mask, group)
         examples = tuple(ex for ex in self.examples for _ in range(group))
-        return PromptBatch(ro.grouped(self.prompts, group), mask, examples)
+        return PromptBatch(rollout.grouped(self.prompts, group), mask, examples)
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class PromptSource(Protocol):
     """What the step asks for its prompts, stop ids and rule scores."""
 
     @property
-    def stopping(self) -> ro.Stopping: ...
+    def stopping(self) -> rollout.Stopping: ...
 
     def batch(self, step: int) -> PromptBatch: ...
 
@@ -83,7 +83,7 @@ class CountSource:
     batch_size: int
     seed: int
     reward: registry.RewardFn = field(default_factory=lambda: registry.resolve("count"))
-    stopping: ro.Stopping = ro.NO_STOP  # the job's: none; tests give stop ids to vary the lengths
+    stopping: rollout.Stopping = rollout.NO_STOP  # the job's: none; tests give stop ids to vary the lengths
 
     def batch(self, step: int) -> PromptBatch:
         return PromptBatch(make_prompts(self.settings, self.batch_size, self.seed, step))
@@ -122,7 +122,7 @@ class DatasetSource:
     sampler: Sampler
     reward: registry.RewardFn
     decode: Decode = field(repr=False)
-    stopping: ro.Stopping = ro.NO_STOP
+    stopping: rollout.Stopping = rollout.NO_STOP
 
     def __post_init__(self) -> None:
         if len(self.examples) != len(self.prompt_ids) or len(self.examples) != self.sampler.size:

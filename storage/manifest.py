@@ -26,8 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from storage.errors import RunDirError
 
@@ -53,11 +54,7 @@ class SnapshotNotFoundError(SnapshotError, RunDirError, LookupError):
     """No committed snapshot matches the request; the message lists the committed steps."""
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class SliceEntry(_Frozen):
+class SliceEntry(Frozen):
     """One tensor slice: one record batch of a data file."""
 
     name: str = Field(min_length=1, description="Tensor name: HF parameter name, '<param>:exp_avg', ...")
@@ -70,7 +67,7 @@ class SliceEntry(_Frozen):
     nbytes: int = Field(ge=0, description="Length of the raw bytes.")
 
 
-class FileEntry(_Frozen):
+class FileEntry(Frozen):
     """One Arrow IPC data file of a snapshot (one per device)."""
 
     path: str = Field(description="File name, relative to the snapshot directory.")
@@ -79,7 +76,7 @@ class FileEntry(_Frozen):
     slices: tuple[SliceEntry, ...] = Field(description="The file's record batches, in order.")
 
 
-class Manifest(_Frozen):
+class Manifest(Frozen):
     """The committed description of one snapshot."""
 
     format: Literal["nereus-emu-snapshot"] = FORMAT

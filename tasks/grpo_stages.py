@@ -13,9 +13,9 @@ from prefect.cache_policies import NO_CACHE
 
 from nereus_core.config import ModelConfig
 from nereus_core.layout import Layout
-from nereus_core.rl import rollout as ro
 from nereus_core.rl.algorithm import AlgorithmConfig
-from nereus_core.rl.ppo import PPOSettings
+from nereus_core.rl.ppo import PPOConfig
+from nereus_core.rl.rollout import Rollout, grpo_objective
 from tasks.runtime.device_pool import DevicePool
 from tasks.stages import ACTOR_STATS, sync_inference_copy, timed, train_epochs
 
@@ -27,10 +27,10 @@ GRPO_ACTOR_STATS = (*ACTOR_STATS, "kl_loss")
 def train_actor(
     pool: DevicePool,
     layout: Layout,
-    rollout: ro.Rollout,
+    rollout: Rollout,
     *,
     name: str,
-    settings: PPOSettings,
+    settings: PPOConfig,
     algorithm: AlgorithmConfig,
     seed: int,
     sync: tuple[Layout, str, ModelConfig] | None = None,
@@ -38,7 +38,7 @@ def train_actor(
     """actor/train on GRPO's loss: ``settings.ppo_epochs`` passes over ``settings.mini_batches``
     mini-batches of whole groups, then (``sync``: the generation copy's layout, name and config) the
     new weights into the generation layout. Returns ``(stats, timings)`` as ``ppo_stages.train``."""
-    objective = functools.partial(ro.grpo_objective, settings=settings, algorithm=algorithm)
+    objective = functools.partial(grpo_objective, settings=settings, algorithm=algorithm)
     stats, seconds = timed(
         train_epochs,
         pool,

@@ -26,8 +26,16 @@ from nereus_core.count_task import make_prompts, rule_score, synthetic_responses
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.engine.train import score_mse_loss
 from nereus_core.layout import Layout
-from nereus_core.rl import rollout as ro
-from nereus_core.rl.ppo import PPOSettings
+from nereus_core.rl.ppo import PPOConfig
+from nereus_core.rl.rollout import (
+    NO_STOP,
+    Rollout,
+    Stopping,
+    actor_objective,
+    compute_advantages,
+    critic_objective,
+    minibatch_rows,
+)
 from tasks import model_ops
 from tasks.reshard import sync_copy
 from tasks.runtime.device_pool import DevicePool
@@ -115,7 +123,7 @@ def generate(
     temperature: float,
     seed: int,
     prompt_mask: torch.Tensor | None = None,
-    stopping: ro.Stopping = ro.NO_STOP,
+    stopping: Stopping = NO_STOP,
 ) -> Timed:
     """actor/generate: sample responses with the KV cache, each stopping at an EOS id or the limit."""
     return timed(
@@ -157,9 +165,9 @@ def timed_rule_score(prompts: torch.Tensor, responses: torch.Tensor) -> Timed:
     return timed(rule_score, prompts, responses)
 
 
-def advantages(rollout: ro.Rollout, settings: PPOSettings) -> Timed:
+def advantages(rollout: Rollout, settings: PPOConfig) -> Timed:
     """KL-shaped rewards, GAE and whitening: ~2 ms of tensor math in the driver, a plain call."""
-    return timed(ro.compute_advantages, rollout, settings)
+    return timed(compute_advantages, rollout, settings)
 
 
 # What train returns for each model: the loss and the statistics verl logs per PPO step.
@@ -170,12 +178,12 @@ CRITIC_STATS = ("loss", "value_clip_frac", "grad_norm")
 def train_epochs(
     pool: DevicePool,
     layout: Layout,
-    rollout: ro.Rollout,
+    rollout: Rollout,
     *,
     name: str,
     objective: Any,
     keys: tuple[str, ...],
-    settings: PPOSettings,
+    settings: PPOConfig,
     seed: int,
     with_entropy: bool,
     group_size: int = 1,
@@ -187,7 +195,7 @@ def train_epochs(
     gen = torch.Generator().manual_seed(seed)
     steps = []
     for _ in range(settings.ppo_epochs):
-        for rows in ro.minibatch_rows(rollout.prompts.shape[0], settings.mini_batches, gen, group_size):
+        for rows in minibatch_rows(rollout.prompts.shape[0], settings.mini_batches, gen, group_size):
             batch = rollout.train_batch(rows)
             steps.append(
                 model_ops.train_stats(
@@ -200,14 +208,14 @@ def train_epochs(
 def _train_epochs(
     pool: DevicePool,
     layout: Layout,
-    rollout: ro.Rollout,
+    rollout: Rollout,
     *,
     name: str,
     critic: bool,
-    settings: PPOSettings,
+    settings: PPOConfig,
     seed: int,
 ) -> dict[str, float]:
-    objective = functools.partial(ro.critic_objective if critic else ro.actor_objective, settings=settings)
+    objective = functools.partial(critic_objective if critic else actor_objective, settings=settings)
     keys = CRITIC_STATS if critic else ACTOR_STATS
     return train_epochs(
         pool,
@@ -226,11 +234,11 @@ def _train_epochs(
 def train(
     pool: DevicePool,
     layout: Layout,
-    rollout: ro.Rollout,
+    rollout: Rollout,
     *,
     name: str,
     critic: bool,
-    settings: PPOSettings,
+    settings: PPOConfig,
     seed: int,
     sync: tuple[Layout, str, ModelConfig] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:

@@ -24,6 +24,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
+from flows.cli import data as cli_data
+from flows.cli import prefect_server as cli_prefect
+from flows.cli import watchdog as cli_watchdog
 from flows.cli.inputs import (
     MAX_DEVICES_ENV,
     SCHEDULER_ENV,
@@ -33,9 +36,6 @@ from flows.cli.inputs import (
     read_config_file,
     run_dir_problem,
 )
-from flows.cli import data as cli_data
-from flows.cli import prefect_server as cli_prefect
-from flows.cli import watchdog as cli_watchdog
 from flows.job import tracking
 from nereus_core import __version__, faults
 from nereus_core.config import ConfigError, parse_config

@@ -19,11 +19,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from nereus_core import prompt_source as ps
+from nereus_core import prompt_source
 from nereus_core.config import ConfigError, NereusConfig
 from nereus_core.dataset.sampler import Sampler
-from nereus_core.hf import tokenizer as tk
-from nereus_core.rl import rollout as ro
+from nereus_core.hf.tokenizer import (
+    TokenizerError,
+    chat_prompt_ids,
+    decode_text,
+    load_tokenizer,
+    pad_token_id,
+    stop_token_ids,
+    vocab_problem,
+)
+from nereus_core.rl import rollout
 from storage.datasets import DatasetError, load_data
 
 _LOG = logging.getLogger("nereus.data")
@@ -33,17 +41,17 @@ _LOG = logging.getLogger("nereus.data")
 class JobData:
     """The training prompts of every step and, when the config validates, the validation prompts."""
 
-    train: ps.PromptSource
-    val: ps.DatasetSource | None = None
+    train: prompt_source.PromptSource
+    val: prompt_source.DatasetSource | None = None
 
 
 def job_data(cfg: NereusConfig, log: Callable[[str], None] = _LOG.info) -> JobData:
     """The prompt sources of ``cfg`` (see the module docstring); ConfigError in one line."""
     if cfg.data is None:
-        return JobData(ps.CountSource(cfg.job.task_settings, prompts_per_step(cfg), cfg.job.seed))
+        return JobData(prompt_source.CountSource(cfg.job.task_settings, prompts_per_step(cfg), cfg.job.seed))
     try:
         return _dataset_sources(cfg, log)
-    except (tk.TokenizerError, DatasetError, ValueError) as err:
+    except (TokenizerError, DatasetError, ValueError) as err:
         raise ConfigError(str(err).splitlines()[0]) from None
 
 
@@ -55,29 +63,29 @@ def prompts_per_step(cfg: NereusConfig) -> int:
 def _dataset_sources(cfg: NereusConfig, log: Callable[[str], None]) -> JobData:
     data, where = cfg.data, cfg.model.tokenizer_dir
     assert data is not None and where is not None  # the config refuses data without a tokenizer
-    tokenizer = tk.load_tokenizer(where)
-    problem = tk.vocab_problem(tokenizer, cfg.model.vocab_size)
+    tokenizer = load_tokenizer(where)
+    problem = vocab_problem(tokenizer, cfg.model.vocab_size)
     if problem:
         raise ConfigError(problem)
-    stops = tk.stop_token_ids(tokenizer, cfg.model.path)
-    stopping = ro.Stopping(eos_ids=stops, pad_id=tk.pad_token_id(tokenizer, stops))
+    stops = stop_token_ids(tokenizer, cfg.model.path)
+    stopping = rollout.Stopping(eos_ids=stops, pad_id=pad_token_id(tokenizer, stops))
     rendered: dict[str, list[int]] = {}
 
     def render(messages: Sequence[Mapping[str, str]]) -> list[int]:
         # The length policy and the prompts read the same rendering: each chat is rendered once.
         key = repr([(m["role"], m["content"]) for m in messages])
         if key not in rendered:
-            rendered[key] = tk.chat_prompt_ids(tokenizer, [messages])[0]
+            rendered[key] = chat_prompt_ids(tokenizer, [messages])[0]
         return rendered[key]
 
     splits = load_data(data, tokenize=render, log=log)
     assert cfg.reward is not None  # the config refuses data without a text reward (sections_problem)
     reward = cfg.reward.resolve()
-    decode = partial(tk.decode_text, tokenizer)
+    decode = partial(decode_text, tokenizer)
 
-    def source(split: str, sampler: Sampler) -> ps.DatasetSource:
+    def source(split: str, sampler: Sampler) -> prompt_source.DatasetSource:
         examples = tuple(splits[split].examples)
-        return ps.DatasetSource(
+        return prompt_source.DatasetSource(
             examples=examples,
             prompt_ids=tuple(tuple(render(ex.chat())) for ex in examples),
             sampler=sampler,

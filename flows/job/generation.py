@@ -19,19 +19,18 @@ import torch
 from prefect import get_run_logger
 
 from flows.job.records import JobRecords
-from nereus_core import job as jb
-from nereus_core import prompt_source as ps
+from nereus_core import job, prompt_source
 from nereus_core.config.data import ValidationConfig
 from nereus_core.plan import ModelStage
-from nereus_core.rl import rollout as ro
-from tasks import stages as st
+from nereus_core.rl.rollout import Rollout, Stopping, response_mask
+from tasks import stages
 from tasks.runtime.device_pool import DevicePool
 
 
 def _generate(
-    pool: DevicePool, state: jb.JobState, batch: ps.PromptBatch, stopping: ro.Stopping, **how: Any
+    pool: DevicePool, state: job.JobState, batch: prompt_source.PromptBatch, stopping: Stopping, **how: Any
 ) -> tuple[torch.Tensor, float]:
-    return st.generate(
+    return stages.generate(
         pool,
         state.layouts[ModelStage.ACTOR_GENERATE],
         batch.prompts,
@@ -45,13 +44,13 @@ def _generate(
 
 def rollout(
     pool: DevicePool,
-    state: jb.JobState,
+    state: job.JobState,
     records: JobRecords,
     step: int,
-    source: ps.PromptSource,
+    source: prompt_source.PromptSource,
     *,
     group: int = 1,
-) -> tuple[ro.Rollout, ps.Scores]:
+) -> tuple[Rollout, prompt_source.Scores]:
     """Step ``step``'s prompts (each ``group`` times, copies side by side: GRPO's groups), their
     sampled responses and masks (one generator per replica: every row, copies of one prompt included,
     draws its own tokens), and the rule's scores (``rule_score``; a reward function that raises fails
@@ -62,16 +61,16 @@ def rollout(
         responses, s = _generate(
             pool, state, batch, stopping, temperature=cfg.ppo.temperature, seed=cfg.job.seed * 7919 + step
         )
-        mask = ro.response_mask(responses, stopping.eos_ids)
+        mask = response_mask(responses, stopping.eos_ids)
         call.add("actor", "generate", int(mask.sum()), s)
-    r = ro.Rollout(prompts=batch.prompts, responses=responses, mask=mask, prompt_mask=batch.prompt_mask)
+    r = Rollout(prompts=batch.prompts, responses=responses, mask=mask, prompt_mask=batch.prompt_mask)
     with records.plain(step, pid, "task", "rule_score", batch.prompts.shape[0]):
         scores = source.score(batch, responses, mask)
     r.rule_score = scores.score
     return r, scores
 
 
-def rollout_columns(r: ro.Rollout, scores: ps.Scores) -> dict[str, Any]:
+def rollout_columns(r: Rollout, scores: prompt_source.Scores) -> dict[str, Any]:
     """What ``rollouts/step=N.parquet`` keeps: the rollout's tensors, lengths and decoded responses."""
     return {**r.columns(), **({"response_text": list(scores.texts)} if scores.texts is not None else {})}
 
@@ -82,15 +81,15 @@ def val_key(data_source: str) -> str:
     return f"val-core/{data_source}/reward/mean@1"
 
 
-def validate(pool: DevicePool, state: jb.JobState, source: ps.DatasetSource) -> dict[str, float]:
+def validate(pool: DevicePool, state: job.JobState, source: prompt_source.DatasetSource) -> dict[str, float]:
     """Greedy responses to every validation prompt, scored; the mean per data source under
     ``val_key``, and ``val_s`` (the seconds it took)."""
     start, scored = time.perf_counter(), []
     for batch in source.val_batches():
         responses, _ = _generate(pool, state, batch, source.stopping, temperature=0.0, seed=0)
-        mask = ro.response_mask(responses, source.stopping.eos_ids)
+        mask = response_mask(responses, source.stopping.eos_ids)
         scored.append((batch, source.score(batch, responses, mask)))
-    out: dict[str, float] = {val_key(k): v for k, v in ps.mean_by_source(scored).items()}
+    out: dict[str, float] = {val_key(k): v for k, v in prompt_source.mean_by_source(scored).items()}
     out["val_s"] = time.perf_counter() - start
     get_run_logger().info(
         "validation: %s (%d prompts, %.1f s)",

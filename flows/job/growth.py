@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from nereus_core import job as jb
+from nereus_core import job
 from nereus_core.config import NereusConfig, ScenarioEvent
 from nereus_core.plan import slots_needed
 from tasks import model_ops
@@ -27,8 +27,8 @@ from tasks.runtime.device_pool import DevicePool
 
 
 def resume_start(
-    cfg: NereusConfig, point: jb.ResumePoint | None
-) -> tuple[NereusConfig, jb.ResumePoint | None, int | None]:
+    cfg: NereusConfig, point: job.ResumePoint | None
+) -> tuple[NereusConfig, job.ResumePoint | None, int | None]:
     """The config and resume point a run starts on, and the devices it grows to once they are warm:
     a resume onto more devices than the checkpoint's starts on the checkpoint's (when its plan needs
     no more) and grows to the rest; anything else starts as asked."""
@@ -37,7 +37,7 @@ def resume_start(
     if slots_needed(point.layouts) > point.checkpoint_devices:  # a finished switch needs the new devices
         return cfg, point, None
     start = replace(point, devices=point.checkpoint_devices)
-    return jb.resumed_config(cfg, start), start, point.devices
+    return job.resumed_config(cfg, start), start, point.devices
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Growing:
 
     target: int | None = None
 
-    def event(self, pool: DevicePool, state: jb.JobState, step: int) -> ScenarioEvent | None:
+    def event(self, pool: DevicePool, state: job.JobState, step: int) -> ScenarioEvent | None:
         """Before ``step``: start preparing any grow to come; a device event once one is ready."""
         cfg = state.config
         ahead = [e.devices for e in cfg.job.scenario if e.step > step and e.devices]

@@ -15,11 +15,11 @@ from typing import Any
 from flows.job import generation, step_parts
 from flows.job.data import job_data
 from flows.job.records import JobRecords
-from nereus_core import job as jb
-from nereus_core import prompt_source as ps
+from nereus_core import job
 from nereus_core.plan import ModelStage
-from nereus_core.rl import rollout as ro
-from tasks import grpo_stages as gs
+from nereus_core.prompt_source import PromptSource
+from nereus_core.rl import rollout
+from tasks import grpo_stages
 from tasks.runtime.device_pool import DevicePool
 
 # The forward passes over the rollout, of those the job has (actor/train: the old log-probs).
@@ -28,10 +28,10 @@ PASSES = (ModelStage.REFERENCE_INFER, ModelStage.ACTOR_TRAIN)
 
 def run_step(
     pool: DevicePool,
-    state: jb.JobState,
+    state: job.JobState,
     records: JobRecords,
     step: int,
-    prompt_source: ps.PromptSource | None = None,
+    prompt_source: PromptSource | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """One GRPO step; returns its statistics and every generated response's length (as PPO's).
     ``prompt_source``: the step's prompts (batch_size / group_size of them), stop ids and rule, as
@@ -43,16 +43,16 @@ def run_step(
     n_tok = int(r.attention_mask.sum())
     r.score = r.rule_score  # verifiable reward: the rule itself
     out = step_parts.forward_passes(pool, state, records, step, r, PASSES)
-    r.old_logp = ro.response_logp(out[ModelStage.ACTOR_TRAIN], t_len)
+    r.old_logp = rollout.response_logp(out[ModelStage.ACTOR_TRAIN], t_len)
     if ModelStage.REFERENCE_INFER in out:
-        r.ref_logp = ro.response_logp(out[ModelStage.REFERENCE_INFER], t_len)
+        r.ref_logp = rollout.response_logp(out[ModelStage.REFERENCE_INFER], t_len)
     with records.plain(step, pid, "grpo", "advantages", b * t_len):
-        ro.compute_group_advantages(r, cfg.algorithm, cfg.ppo)
+        rollout.compute_group_advantages(r, cfg.algorithm, cfg.ppo)
     source, generate = ModelStage.ACTOR_TRAIN, ModelStage.ACTOR_GENERATE
-    config = jb.model_config(cfg, source)
+    config = job.model_config(cfg, source)
     sync = None if generate in state.aliased else (plan[generate], str(generate), config)
     with records.task_call(step, pid) as call:
-        trained, seconds = gs.train_actor(
+        trained, seconds = grpo_stages.train_actor(
             pool,
             plan[source],
             r,

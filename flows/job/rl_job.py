@@ -29,14 +29,13 @@ from flows.job import start as job_start
 from flows.job.data import job_data
 from flows.job.records import JobRecords, done_line, log_decision
 from flows.job.transition import transition_flow
-from nereus_core import job as jb
-from nereus_core import prompt_source as ps
+from nereus_core import job
 from nereus_core.config import NereusConfig
 from nereus_core.controller.decide import TransitionTiming
 from nereus_core.plan import copies
-from nereus_core.rl import rollout as ro
-from tasks import job_ops, model_ops
-from tasks import stages as st
+from nereus_core.prompt_source import PromptSource
+from nereus_core.rl import rollout
+from tasks import job_ops, model_ops, stages
 from tasks.controller import controller_step
 from tasks.runtime.device_pool import DevicePool
 
@@ -45,10 +44,10 @@ PASSES = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # f
 
 def run_step(
     pool: DevicePool,
-    state: jb.JobState,
+    state: job.JobState,
     records: JobRecords,
     step: int,
-    prompt_source: ps.PromptSource | None = None,
+    prompt_source: PromptSource | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """One PPO step on the plan in force; returns its statistics (scores, losses, PPO statistics,
     response lengths) and every generated response's length. ``prompt_source``: the prompts, stop ids and
@@ -59,18 +58,20 @@ def run_step(
     n_tok = int(r.attention_mask.sum())
     # reward/infer runs only when the job scores with a reward model (the plan has it)
     out = step_parts.forward_passes(pool, state, records, step, r, PASSES)
-    r.score = ro.final_score(out["reward/infer"], r.attention_mask) if "reward/infer" in out else r.rule_score
-    r.ref_logp = ro.response_logp(out["reference/infer"], t_len)
-    r.old_logp = ro.response_logp(out["actor/train"], t_len)
-    r.values = ro.response_values(out["critic/infer"], t_len)
+    r.score = (
+        rollout.final_score(out["reward/infer"], r.attention_mask) if "reward/infer" in out else r.rule_score
+    )
+    r.ref_logp = rollout.response_logp(out["reference/infer"], t_len)
+    r.old_logp = rollout.response_logp(out["actor/train"], t_len)
+    r.values = rollout.response_values(out["critic/infer"], t_len)
     with records.plain(step, pid, "ppo", "advantages", b * t_len):
-        ro.compute_advantages(r, cfg.ppo)
+        rollout.compute_advantages(r, cfg.ppo)
     trained: dict[str, dict[str, float]] = {}
     for copy, source in copies(plan).items():
-        model, config = source.model, jb.model_config(cfg, source)
+        model, config = source.model, job.model_config(cfg, source)
         sync = None if copy in state.aliased else (plan[copy], str(copy), config)
         with records.task_call(step, pid) as call:
-            trained[model], seconds = st.train(
+            trained[model], seconds = stages.train(
                 pool,
                 plan[source],
                 r,
@@ -92,16 +93,16 @@ STEPS = {"ppo": run_step, "grpo": grpo_step.run_step}
 
 
 def decide_and_switch(
-    pool: DevicePool, state: jb.JobState, records: JobRecords, step: int, *, why: str = "", **seen: Any
-) -> jb.JobState:
+    pool: DevicePool, state: job.JobState, records: JobRecords, step: int, *, why: str = "", **seen: Any
+) -> job.JobState:
     """Ask the controller after ``step`` (``seen``: the step's rows and measured lengths); carry out
     the switch it admits or forces; return the state in force next."""
-    obs = jb.observation(state, step=step, ready_devices=pool.ready_devices, **seen)
+    obs = job.observation(state, step=step, ready_devices=pool.ready_devices, **seen)
     outcome, decision, state = controller_step(state, obs)
     log_decision(decision, step)
-    if isinstance(outcome, jb.Fail):
-        raise jb.JobFailed(f"after step {step}{why}: {outcome.reason}")
-    if isinstance(outcome, jb.Keep):
+    if isinstance(outcome, job.Fail):
+        raise job.JobFailed(f"after step {step}{why}: {outcome.reason}")
+    if isinstance(outcome, job.Keep):
         return state
     transition_id = f"t{len(records.transitions):03d}-step{step}"
     stats: dict[str, Any] = {}
@@ -113,7 +114,7 @@ def decide_and_switch(
         get_run_logger().error("switch aborted, plan A stays: the checkpoint could not be written: %s", err)
         stats["note"] = "aborted: the checkpoint could not be written"
         records.transition(transition_id, step, state, outcome, stats, "aborted")
-        return jb.commit(state, outcome, "aborted")
+        return job.commit(state, outcome, "aborted")
     verify = state.config.job.verify_transitions
     before = job_ops.probe(pool, state.config, state.layouts) if verify else None
     status = "failed"
@@ -162,10 +163,10 @@ def decide_and_switch(
         stats.get("bytes_moved", 0),
         outcome.reason,
     )
-    return jb.commit(state, outcome, status, timing)  # type: ignore[arg-type]
+    return job.commit(state, outcome, status, timing)  # type: ignore[arg-type]
 
 
-def _checkpoint(pool: DevicePool, state: jb.JobState, records: JobRecords, step: int) -> float:
+def _checkpoint(pool: DevicePool, state: job.JobState, records: JobRecords, step: int) -> float:
     """Every model's state as ``step``, unless that checkpoint is already written; returns seconds."""
     if records.run.checkpoint_path(step).exists():
         return 0.0
@@ -208,7 +209,7 @@ def ppo_job(
                 for step in range(point.step if point else 0, cfg.job.steps):
                     events = [e for e in state.config.job.scenario if e.step == step]
                     event = events[0] if events else growing.event(pool, state, step)  # workers warm: grow
-                    state, what = jb.apply_event(state, event)
+                    state, what = job.apply_event(state, event)
                     if what:
                         source = "scenario" if events else "workers ready"
                         logger.info("%s before step %d: %s", source, step, ", ".join(what))
@@ -228,7 +229,7 @@ def ppo_job(
                     if every and (step + 1) % every == 0 and step + 1 < cfg.job.steps:
                         _try_checkpoint(pool, state, records, step + 1)
             if not _try_checkpoint(pool, state, records, cfg.job.steps, attempts=2):
-                raise jb.JobFailed(f"the final checkpoint (step {cfg.job.steps}) could not be written twice")
+                raise job.JobFailed(f"the final checkpoint (step {cfg.job.steps}) could not be written twice")
         summary = records.summary(state, time.perf_counter() - start, started["fit"])
         if "val_before_train" in started:
             summary["val_before_train"] = started["val_before_train"]
@@ -242,7 +243,7 @@ def ppo_job(
 
 
 def _try_checkpoint(
-    pool: DevicePool, state: jb.JobState, records: JobRecords, step: int, attempts: int = 1
+    pool: DevicePool, state: job.JobState, records: JobRecords, step: int, attempts: int = 1
 ) -> bool:
     """A periodic checkpoint; a failed write is logged and the previous checkpoint stays in force."""
     for attempt in range(1, attempts + 1):

@@ -25,7 +25,7 @@ from prefect import get_run_logger
 
 from flows.job.records import QuietCompletedTasks, past_transitions, rounded
 from flows.job.transition import rehydrate_all
-from nereus_core import job as jb
+from nereus_core import job
 from nereus_core.config import ConfigError, NereusConfig, parse_config
 from nereus_core.config.from_yaml import parse_yaml
 from nereus_core.engine.hf_load import hf_source
@@ -33,8 +33,7 @@ from nereus_core.plan import ModelStage, layouts_json
 from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.lock import run_lock
 from storage.run_dir import TRANSITIONS_TABLE, RunDir
-from tasks import job_ops, model_ops
-from tasks import stages as st
+from tasks import job_ops, model_ops, stages
 from tasks.runtime.device_pool import DevicePool
 
 
@@ -49,7 +48,7 @@ def resolve(config: NereusConfig | dict[str, Any] | str) -> NereusConfig:
 @contextmanager
 def opened(
     cfg: NereusConfig, out_dir: str, devices: int | None
-) -> Iterator[tuple[RunDir, NereusConfig, jb.ResumePoint | None]]:
+) -> Iterator[tuple[RunDir, NereusConfig, job.ResumePoint | None]]:
     """The run directory, locked for this driver while the run goes on, the job's config as it
     resumes, and the resume point (None: a fresh run). An unfinished run of the same config in
     ``out_dir`` is resumed; a completed one or another config's is refused (``ConfigError``)."""
@@ -69,7 +68,7 @@ def opened(
                 f"nereus resume {out_dir}, or choose another --out"
             )
         interrupted = {j.transition_id: j for j in journals(run.root) if j.status() == "interrupted"}
-        point = jb.resume_point(
+        point = job.resume_point(
             run.latest_checkpoint(), {k: j.header() or {} for k, j in interrupted.items()}, devices
         )
         for name, verdict in point.journals.items():
@@ -80,12 +79,12 @@ def opened(
             else:
                 interrupted[name].record("transition", ABORT, rolled_back_by="resume")
         run.begin_incarnation()
-        yield run, jb.resumed_config(stored, point), point
+        yield run, job.resumed_config(stored, point), point
 
 
 def bring_up(
-    pool: DevicePool, run: RunDir, cfg: NereusConfig, point: jb.ResumePoint | None
-) -> tuple[jb.JobState, dict[str, Any]]:
+    pool: DevicePool, run: RunDir, cfg: NereusConfig, point: job.ResumePoint | None
+) -> tuple[job.JobState, dict[str, Any]]:
     """The job's state with every model resident on its plan; returns it and what start-up found:
     the reward fit's figures (``fit``) or whether the resume was verified (``resume_verified_bitwise``)."""
     logger = get_run_logger()
@@ -93,7 +92,7 @@ def bring_up(
     if point is not None:
         state, verified = _resume(pool, run, cfg, point)
         return state, {"fit": {}, "resume_verified_bitwise": verified}
-    state = jb.start(cfg)
+    state = job.start(cfg)
     run.write_plan(state.plan_id, layouts_json(state.layouts))
     reward = state.layouts.get(ModelStage.REWARD_INFER)
     # Nothing to fit when a rule scores the responses (GRPO's, or reward.function on text) or when
@@ -102,10 +101,10 @@ def bring_up(
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, None)
         return state, {"fit": {}}
     cache_dir = reward_fit_cache_dir()
-    fit = st.fit_reward_model(pool, reward, cfg, st.reward_fit_key(cfg), cache_dir)
+    fit = stages.fit_reward_model(pool, reward, cfg, stages.reward_fit_key(cfg), cache_dir)
     if not Path(fit["path"]).exists():  # the cache outlived its file: fit again
-        fit = st.fit_reward_model.with_options(refresh_cache=True)(
-            pool, reward, cfg, st.reward_fit_key(cfg), cache_dir
+        fit = stages.fit_reward_model.with_options(refresh_cache=True)(
+            pool, reward, cfg, stages.reward_fit_key(cfg), cache_dir
         )
     logger.info(
         "reward model fitted: mse %s -> %s (%s)",
@@ -113,7 +112,7 @@ def bring_up(
         rounded(fit["last_loss"]),
         fit["path"],
     )
-    job_ops.load_models(pool, cfg, state.layouts, state.aliased, st.load_reward_state(fit["path"]))
+    job_ops.load_models(pool, cfg, state.layouts, state.aliased, stages.load_reward_state(fit["path"]))
     return state, {"fit": fit}
 
 
@@ -130,11 +129,11 @@ def reward_fit_cache_dir(checkout: Path | None = None) -> str:
 
 
 def _resume(
-    pool: DevicePool, run: RunDir, cfg: NereusConfig, point: jb.ResumePoint
-) -> tuple[jb.JobState, bool]:
+    pool: DevicePool, run: RunDir, cfg: NereusConfig, point: job.ResumePoint
+) -> tuple[job.JobState, bool]:
     """Rehydrate every model of the resumed job from the checkpoint at ``point.step`` (journaled),
     then check its live state against the live digests the checkpoint recorded."""
-    state = jb.resumed(cfg, point, past_transitions(run.read_rows(TRANSITIONS_TABLE)))  # calibration kept
+    state = job.resumed(cfg, point, past_transitions(run.read_rows(TRANSITIONS_TABLE)))  # calibration kept
     why = f"resume from the checkpoint at step {point.step}"
     if point.replan:
         why += f" on {point.devices} devices (was {point.checkpoint_devices})"

@@ -16,21 +16,20 @@ import torch
 
 from flows.job import generation
 from flows.job.records import JobRecords
-from nereus_core import job as jb
-from nereus_core import prompt_source as ps
+from nereus_core import job, prompt_source
 from nereus_core.plan import ModelStage
-from nereus_core.rl import rollout as ro
+from nereus_core.rl import rollout
 from nereus_core.rl.ppo import masked_mean
-from tasks import stages as st
+from tasks import stages
 from tasks.runtime.device_pool import DevicePool
 
 
 def forward_passes(
     pool: DevicePool,
-    state: jb.JobState,
+    state: job.JobState,
     records: JobRecords,
     step: int,
-    r: ro.Rollout,
+    r: rollout.Rollout,
     passes: Iterable[str],
 ) -> dict[str, torch.Tensor]:
     """Those of ``passes`` (model-stages) the plan in force has, over the rollout ``r`` in one task,
@@ -39,14 +38,14 @@ def forward_passes(
     run = [ModelStage(k) for k in passes if k in plan]
     n_tok = int(r.attention_mask.sum())
     with records.task_call(step, pid) as call:
-        out, seconds = st.experience(pool, {str(k): plan[k] for k in run}, r.ids, r.attention_mask)
+        out, seconds = stages.experience(pool, {str(k): plan[k] for k in run}, r.ids, r.attention_mask)
         for key in run:
             call.add(key.model, "infer", n_tok, seconds[key])
     return out
 
 
 def write_rollout(
-    records: JobRecords, state: jb.JobState, step: int, r: ro.Rollout, scores: ps.Scores
+    records: JobRecords, state: job.JobState, step: int, r: rollout.Rollout, scores: prompt_source.Scores
 ) -> None:
     """Persist the rollout: the step's own work (the old log-probs are checked against it), a stage."""
     with records.plain(step, state.plan_id, "rollout", "write", 0):
@@ -54,10 +53,10 @@ def write_rollout(
 
 
 def step_stats(
-    state: jb.JobState,
+    state: job.JobState,
     step: int,
-    r: ro.Rollout,
-    scores: ps.Scores,
+    r: rollout.Rollout,
+    scores: prompt_source.Scores,
     trained: Mapping[str, Mapping[str, float]],
 ) -> dict[str, Any]:
     """What every step reports: scores, the KL to the reference (when the job runs it), tokens, each
@@ -72,6 +71,6 @@ def step_stats(
         **kl,
         "tokens": int(r.mask.sum()),
         **{f"{model}_{k}": v for model, stats in trained.items() for k, v in stats.items()},
-        **ro.length_stats(r.mask, state.config.job.response_len),
+        **rollout.length_stats(r.mask, state.config.job.response_len),
         **{f"reward_{k}": v for k, v in scores.extras.items()},
     }

@@ -11,15 +11,13 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
+
+from nereus_core.frozen import Frozen
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; ``str(err)`` is the one line to show the user."""
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 SHOWN_CHARS = 60  # the most characters of a bad value an error line shows
@@ -64,7 +62,7 @@ def _emit(text: str, parts: list[str], budget: list[int]) -> None:
     budget[0] -= len(text)
 
 
-class ClusterConfig(_Frozen):
+class ClusterConfig(Frozen):
     """The device pool: how many device slots and how much memory each has."""
 
     devices: int = Field(default=2, ge=1, le=4096, description="Device slots in the pool.")
@@ -124,7 +122,7 @@ class ClusterConfig(_Frozen):
 TrackerName = Literal["console", "tensorboard", "mlflow", "wandb"]
 
 
-class TrainerConfig(_Frozen):
+class TrainerConfig(Frozen):
     """Where a run's per-step metrics go besides its own tables (verl's ``trainer`` section).
 
     ``console``: the step table in the run logger at INFO (at DEBUG without it); ``tensorboard``:
@@ -155,7 +153,7 @@ class TrainerConfig(_Frozen):
         return value
 
 
-class CriticConfig(_Frozen):
+class CriticConfig(Frozen):
     """Where the critic's weights come from."""
 
     path: str | None = Field(

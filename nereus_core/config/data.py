@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from nereus_core.config.base import _Frozen, shown
+from nereus_core.config.base import shown
+from nereus_core.frozen import Frozen
 from nereus_core.hf.tokenizer import chat_template_error
 from nereus_core.rewards import registry
 
@@ -53,7 +54,7 @@ def _check_files(files: tuple[str, ...]) -> tuple[str, ...]:
     return files
 
 
-class DataConfig(_Frozen):
+class DataConfig(Frozen):
     """Prompt data in verl's format and how the job reads it (``nereus_core.dataset``)."""
 
     train_files: tuple[str, ...] = Field(
@@ -87,7 +88,7 @@ class DataConfig(_Frozen):
         return _check_files(files)
 
 
-class ValidationConfig(_Frozen):
+class ValidationConfig(Frozen):
     """When the job scores the validation prompts (verl's ``trainer.test_freq``, ``val_before_train``)."""
 
     every: int = Field(default=0, ge=0, description="Validate every N steps; 0: never during training.")
@@ -97,7 +98,7 @@ class ValidationConfig(_Frozen):
     )
 
 
-class RewardConfig(_Frozen):
+class RewardConfig(Frozen):
     """Which function scores a response (``nereus_core.rewards.registry``), and a reward model."""
 
     function: str = Field(

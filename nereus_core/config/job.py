@@ -25,7 +25,6 @@ from nereus_core.config.base import (
     ConfigError,
     CriticConfig,
     TrainerConfig,
-    _Frozen,
     name_error,
     shown,
 )
@@ -41,14 +40,15 @@ from nereus_core.config.model import LLAMA_3_8B as LLAMA_3_8B
 from nereus_core.config.model import ModelConfig
 from nereus_core.config.model import RopeScaling as RopeScaling
 from nereus_core.count_task import MIN_VOCAB, TaskSettings
+from nereus_core.frozen import Frozen
 from nereus_core.hf.files import HFDirError, value_model
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems, stages_for
 from nereus_core.rl.algorithm import AlgorithmConfig
-from nereus_core.rl.ppo import PPOSettings
+from nereus_core.rl.ppo import PPOConfig
 
 
-class ScenarioEvent(_Frozen):
+class ScenarioEvent(Frozen):
     """Something that happens to a running job before step ``step`` (the demo's scripted changes).
 
     ``devices``: the pool grows or shrinks to this many slots (a LocalCluster gains or loses
@@ -69,7 +69,7 @@ class ScenarioEvent(_Frozen):
         return self
 
 
-class JobConfig(_Frozen):
+class JobConfig(Frozen):
     """What one run does: its steps, batch, lengths, task, checkpoints, adaptation and scenario (the
     PPO maths' settings are ``ppo``)."""
 
@@ -119,7 +119,7 @@ class JobConfig(_Frozen):
         return TaskSettings(name=self.task, prompt_len=self.prompt_len, response_len=self.response_len)
 
 
-class NereusConfig(_Frozen):
+class NereusConfig(Frozen):
     """The whole resolved config of a run."""
 
     name: str = Field(
@@ -131,7 +131,7 @@ class NereusConfig(_Frozen):
     model: ModelConfig = ModelConfig()
     job: JobConfig = JobConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
-    ppo: PPOSettings = PPOSettings()
+    ppo: PPOConfig = PPOConfig()
     trainer: TrainerConfig = TrainerConfig()
     plan: dict[ModelStage, Layout] = Field(
         default_factory=dict, description="Initial layout per model-stage, e.g. 'actor/train'."

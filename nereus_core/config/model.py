@@ -8,11 +8,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nereus_core.config.base import _Frozen
+from nereus_core.frozen import Frozen
 from nereus_core.hf.files import imported_section
 
 
-class RopeScaling(_Frozen):
+class RopeScaling(Frozen):
     """Llama 3's RoPE frequency scaling (Hugging Face ``rope_type: llama3``; Llama-3.1's config.json)."""
 
     rope_type: Literal["llama3"] = Field(default="llama3", description="Only Llama 3's scaling.")
@@ -31,7 +31,7 @@ class RopeScaling(_Frozen):
         return self
 
 
-class ModelConfig(_Frozen):
+class ModelConfig(Frozen):
     """A Llama-style decoder; field names follow Hugging Face ``LlamaConfig`` where one exists."""
 
     architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM"] = Field(

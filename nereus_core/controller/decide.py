@@ -26,8 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from nereus_core.controller import admission as adm
-from nereus_core.controller import history as ph
+from nereus_core.controller import admission, history
 from nereus_core.controller.search import Searcher, SearchSpace
 from nereus_core.controller.state import (
     Alternative,
@@ -111,7 +110,7 @@ def observe(observation: Observation, state: ControllerState) -> ControllerState
             "samples": tuple(samples),
             "scales": scales,
             "steps_since_switch": state.steps_since_switch + (1 if state.plan is not None else 0),
-            "highs": ph.push_high(state.highs, observation.step, high, s.forecast_window),
+            "highs": history.push_high(state.highs, observation.step, high, s.forecast_window),
         }
     )
 
@@ -138,12 +137,12 @@ def _remember(
     if state.plan is None or current is None or state.devices is None:
         return state
     s = state.settings
-    work = ph.measured_workload(state.plan, observation.timings) or observation.workload
+    work = history.measured_workload(state.plan, observation.timings) or observation.workload
     at = current if work == observation.workload else evaluate_plan(state.plan, work, state, usable)
-    seconds = ph.step_measurement(state.plan, at, observation.timings, overlap=s.overlap_disaggregated)
+    seconds = history.step_measurement(state.plan, at, observation.timings, overlap=s.overlap_disaggregated)
     if seconds is None:
         return state
-    records = ph.remember(
+    records = history.remember(
         state.records,
         state.plan,
         seconds=seconds,
@@ -209,7 +208,7 @@ def _candidates(
     ).run()
     top = [f.plan for f in found.feasible[: s.top_k]]
     # Plans that ran here are weighed too (by what they measured), wherever the search ranks them.
-    ran = ph.measured_plans(state.records, workload, devices, s.workload_margin)
+    ran = history.measured_plans(state.records, workload, devices, s.workload_margin)
     top += [p for p in ran if p not in top and p.devices[-1] < devices]
     models, profile, scales = state.models, state.profile, state.scales
     fill_cache(top, workload, models=models, profile=profile, scales=scales, cache=cache)
@@ -223,23 +222,23 @@ def _option(
     observation: Observation,
     state: ControllerState,
     planner: TransferPlanner | None,
-) -> adm.Option:
+) -> admission.Option:
     """A candidate as admission weighs it: its measured/predicted ratio here if it ran, and whether
     it was left for a plan that measured faster."""
     margin = state.settings.workload_margin
-    record = ph.find(state.records, e.plan.plan_id, observation.workload, observation.devices, margin)
+    record = history.find(state.records, e.plan.plan_id, observation.workload, observation.devices, margin)
     durable = state.plan is not None and state.devices not in (None, observation.devices)  # a new world
-    return adm.Option(
+    return admission.Option(
         est=e,
         move=_transition(state.plan, e.plan, state, planner, durable=durable, observation=observation),
-        ratio=ph.ratio(record, _pricing(state)),
+        ratio=history.ratio(record, _pricing(state)),
         left_for=record.left_for if record is not None else None,
     )
 
 
-def _pricing(state: ControllerState) -> ph.Pricing:
+def _pricing(state: ControllerState) -> history.Pricing:
     s = state.settings
-    return ph.Pricing(state.scales, state.transition_scales.wire, s.overlap_disaggregated)
+    return history.Pricing(state.scales, state.transition_scales.wire, s.overlap_disaggregated)
 
 
 def _record_here(observation: Observation, state: ControllerState) -> PlanRecord | None:
@@ -247,7 +246,7 @@ def _record_here(observation: Observation, state: ControllerState) -> PlanRecord
     if state.plan is None:
         return None
     margin = state.settings.workload_margin
-    return ph.find(state.records, state.plan.plan_id, observation.workload, observation.devices, margin)
+    return history.find(state.records, state.plan.plan_id, observation.workload, observation.devices, margin)
 
 
 def decide(
@@ -262,11 +261,11 @@ def decide(
     if state.plan is not None and state.plan.devices[-1] < observation.devices:
         current = evaluate_plan(state.plan, observation.workload, state, usable, cache)
     state = _remember(observation, state, current, usable)
-    forced = adm.forced_reason(observation, state.plan, state.devices, current)
+    forced = admission.forced_reason(observation, state.plan, state.devices, current)
     here = _record_here(observation, state)
     pricing = _pricing(state)
-    basis = adm.Basis(ph.ratio(here, pricing) or 1.0, ph.spread(here, pricing))
-    choosing = ph.forecast(observation.workload, state.highs, s.forecast_steps)
+    basis = admission.Basis(history.ratio(here, pricing) or 1.0, history.spread(here, pricing))
+    choosing = history.forecast(observation.workload, state.highs, s.forecast_steps)
     cache_choose = cache if choosing == observation.workload else {}
     budget = int(usable * (1.0 - s.choose_headroom))
     exact, rejected, variants = _candidates(
@@ -280,12 +279,12 @@ def decide(
     horizon = min(observation.remaining_steps, s.horizon)
     options = [_option(e, observation, state, transfers) for e in exact]
     if forced:
-        verdict = adm.forced(
+        verdict = admission.forced(
             forced, options, rejected, current=current, basis=basis, horizon=horizon, usable=usable
         )
     else:
         assert current is not None
-        verdict = adm.admit(
+        verdict = admission.admit(
             options,
             rejected,
             current=current,
@@ -294,15 +293,17 @@ def decide(
             settings=s,
             steps_since_switch=state.steps_since_switch,
         )
-    return _finish(verdict, observation, state, current, basis, ph.measured(here), horizon, variants, started)
+    return _finish(
+        verdict, observation, state, current, basis, history.measured(here), horizon, variants, started
+    )
 
 
 def _finish(
-    verdict: adm.Verdict,
+    verdict: admission.Verdict,
     observation: Observation,
     state: ControllerState,
     current: PlanEstimate | None,
-    basis: adm.Basis,
+    basis: admission.Basis,
     current_measured: float | None,
     horizon: int,
     variants: list,
@@ -310,11 +311,11 @@ def _finish(
 ) -> Decision:
     action, chosen = verdict.action, verdict.chosen
     plan = {"keep": state.plan, "switch": chosen.est.plan if chosen else None, "none": None}[action]
-    alternatives = adm.with_variants(verdict.alternatives, variants, plan, current)
+    alternatives = admission.with_variants(verdict.alternatives, variants, plan, current)
     records = state.records
     left = action == "switch" and not verdict.forced and chosen is not None and chosen.measured
     if left and current_measured is not None and state.plan is not None:  # both measured: it was slower
-        records = ph.mark_left(records, state.plan.plan_id, chosen.est.plan.plan_id)
+        records = history.mark_left(records, state.plan.plan_id, chosen.est.plan.plan_id)
     new_state = state.model_copy(
         update={
             "plan": plan if action != "none" else state.plan,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from nereus_core.config import ModelConfig
 from nereus_core.cost.calibration import CalibrationSettings, Sample
@@ -20,15 +20,12 @@ from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.plan_estimate import PlanEstimate
 from nereus_core.cost.stage_cost import Scales, Workload
 from nereus_core.cost.transition_cost import TransitionEstimate, TransitionScales
+from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, ModelStage
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class ControllerSettings(_Frozen):
+class ControllerSettings(Frozen):
     """When a plan change is admitted, and what the search may consider."""
 
     margin: float = Field(default=0.2, ge=0, le=100, description="Gain must beat (1 + margin) x cost.")
@@ -93,7 +90,7 @@ class ControllerSettings(_Frozen):
     )
 
 
-class StageTiming(_Frozen):
+class StageTiming(Frozen):
     """How long one model-stage took in the last step, on which layout."""
 
     stage: ModelStage
@@ -104,14 +101,14 @@ class StageTiming(_Frozen):
     )
 
 
-class TransitionTiming(_Frozen):
+class TransitionTiming(Frozen):
     """A transition that ran: what was predicted (unscaled terms inside) and how long it took."""
 
     predicted: TransitionEstimate
     seconds: float = Field(gt=0)
 
 
-class Observation(_Frozen):
+class Observation(Frozen):
     """What the job reports after a step."""
 
     step: int = Field(ge=0)
@@ -132,7 +129,7 @@ class Observation(_Frozen):
     )
 
 
-class StepTerms(_Frozen):
+class StepTerms(Frozen):
     """A measured step's prediction, unscaled, so that later calibrations re-price it."""
 
     raw: dict[str, tuple[float, ...]] = Field(
@@ -141,7 +138,7 @@ class StepTerms(_Frozen):
     sync_raw: float = Field(ge=0, description="Unscaled weight-sync seconds.")
 
 
-class PlanRecord(_Frozen):
+class PlanRecord(Frozen):
     """What one plan measured when it ran (its stage times combined as the cost model combines them),
     under which workload and devices, and whether it was left for a plan that measured faster."""
 
@@ -173,7 +170,7 @@ class PlanRecord(_Frozen):
         return self.plan.plan_id
 
 
-class ControllerState(_Frozen):
+class ControllerState(Frozen):
     """Everything ``decide`` carries from one step to the next."""
 
     models: dict[str, ModelConfig]
@@ -220,7 +217,7 @@ class ControllerState(_Frozen):
 Reason = Literal["memory", "slower", "not_worth_it", "dwell", "current"]
 
 
-class Alternative(_Frozen):
+class Alternative(Frozen):
     plan_id: str
     description: str
     step_s: float
@@ -229,7 +226,7 @@ class Alternative(_Frozen):
     detail: str
 
 
-class Decision(_Frozen):
+class Decision(Frozen):
     """Keep or switch, with the numbers behind it."""
 
     action: Literal["keep", "switch", "none"] = Field(description="none: no plan fits in memory.")

@@ -45,7 +45,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from nereus_core.config import ModelConfig, NereusConfig
 from nereus_core.cost.hardware import HardwareProfile
@@ -62,11 +62,8 @@ from nereus_core.cost.terms import (
     ring_bytes,
     stage_tables,
 )
+from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 def stage_kind(stage: str) -> StageKind:
@@ -77,7 +74,7 @@ def stage_kind(stage: str) -> StageKind:
     return kind  # type: ignore[return-value]
 
 
-class Workload(_Frozen):
+class Workload(Frozen):
     """What one PPO step asks of every model-stage."""
 
     batch: int = Field(ge=1, description="Sequences per step (global).")
@@ -159,7 +156,7 @@ def _mean_and_high(lengths: Sequence[int], quantile: float) -> tuple[float, int]
     return mean, max(math.ceil(float(np.quantile(values, quantile))), math.ceil(mean))
 
 
-class Scales(_Frozen):
+class Scales(Frozen):
     """Per-term multipliers fitted by calibration (1 = the analytic prior)."""
 
     compute: float = Field(default=1.0, gt=0, description="Scale of the compute term.")
@@ -179,7 +176,7 @@ class Scales(_Frozen):
         return cls(**{t: float(v) for t, v in zip(TERMS, values, strict=True)})
 
 
-class MemoryEstimate(_Frozen):
+class MemoryEstimate(Frozen):
     """Bytes on the busiest device of a layout."""
 
     weights: int = 0
@@ -204,7 +201,7 @@ class MemoryEstimate(_Frozen):
         return self.persistent + self.transient
 
 
-class Estimate(_Frozen):
+class Estimate(Frozen):
     """Predicted latency (per term and total) and per-device memory of one model-stage."""
 
     stage: str

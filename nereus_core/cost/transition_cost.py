@@ -20,8 +20,9 @@ from pydantic import Field
 from nereus_core.config import ModelConfig
 from nereus_core.cost.geometry import value_bytes
 from nereus_core.cost.hardware import HardwareProfile
-from nereus_core.cost.stage_cost import _Frozen, stage_kind
+from nereus_core.cost.stage_cost import stage_kind
 from nereus_core.cost.terms import Num, model_stats
+from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from nereus_core.plan import ModelStage
 
@@ -34,7 +35,7 @@ class TransferLike(Protocol):
     nbytes: int
 
 
-class TransitionScales(_Frozen):
+class TransitionScales(Frozen):
     """Calibrated multipliers of the transition cost."""
 
     wire: float = Field(default=1.0, gt=0, description="Scale of the bytes-over-links time.")
@@ -50,7 +51,7 @@ class TransitionScales(_Frozen):
         return cls(wire=wire, ops=ops, durable=durable)
 
 
-class TransitionCosts(_Frozen):
+class TransitionCosts(Frozen):
     """Per-operation and fixed costs of running a transition on a device pool, before calibration
     (issue 16): the executed schedule's (``transition_plan.executed_cost``) and a durable switch's
     from layouts alone (``durable_seconds``) both read them."""
@@ -95,7 +96,7 @@ def costs_for(profile: HardwareProfile) -> TransitionCosts:
     return COSTS.get(profile.name, COSTS["cpu-workers"])
 
 
-class TransitionEstimate(_Frozen):
+class TransitionEstimate(Frozen):
     """Predicted cost of moving state from one plan to another."""
 
     seconds: float

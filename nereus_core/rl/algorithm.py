@@ -2,7 +2,7 @@
 
 Boundary: names and numbers only, validated when built; the formulas live in ``grpo.py`` and
 ``ppo.py`` and accept exactly the names checked here (their registries are the lists of valid
-names). The settings both algorithms share have one owner, ``PPOSettings`` (the ``ppo:`` section):
+names). The settings both algorithms share have one owner, ``PPOConfig`` (the ``ppo:`` section):
 ``clip_ratio`` (GRPO's ``epsilon``), ``ppo_epochs``, ``mini_batches``, the learning rates, the
 temperature, and the KL terms (``kl_coef``/``kl_kind``: a penalty on the reward; ``use_kl_loss``,
 ``kl_loss_coef`` (TRL ``beta``), ``kl_loss_kind``: a loss term). This section adds only what a

@@ -254,7 +254,7 @@ LossAndStats = tuple[torch.Tensor, dict[str, torch.Tensor]]
 PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], LossAndStats]
 ValueLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], LossAndStats]
 
-# name -> function, as verl's core_algos registries; PPOSettings accepts exactly these names.
+# name -> function, as verl's core_algos registries; PPOConfig accepts exactly these names.
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"gae": gae}
 POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": policy_loss}
 VALUE_LOSSES: dict[str, ValueLoss] = {"clipped_mse": value_loss}
@@ -274,7 +274,7 @@ def one_of(registry: Collection[str]) -> AfterValidator:
     return AfterValidator(lambda name: known_name(name, registry))
 
 
-class PPOSettings(BaseModel):
+class PPOConfig(BaseModel):
     """PPO hyper-parameters; defaults suit the tiny demo model on the ``count`` task."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -315,7 +315,7 @@ class PPOSettings(BaseModel):
         return self.kl_coef > 0 or self.use_kl_loss
 
     @model_validator(mode="after")
-    def _check_kl_loss(self) -> PPOSettings:
+    def _check_kl_loss(self) -> PPOConfig:
         if self.use_kl_loss and self.kl_loss_coef == 0:
             raise ValueError(
                 "use_kl_loss=true with kl_loss_coef=0 adds nothing; set kl_loss_coef > 0 (e.g. 0.001) "
@@ -331,7 +331,7 @@ __all__ = [
     "VALUE_LOSSES",
     "KLKind",
     "LossAndStats",
-    "PPOSettings",
+    "PPOConfig",
     "gae",
     "kl_loss",
     "kl_penalty",

@@ -131,7 +131,7 @@ def response_mask(responses_bt: torch.Tensor, eos_ids: tuple[int, ...] = ()) -> 
     return (stops_before_bt == 0).float()
 
 
-def compute_advantages(rollout: Rollout, settings: ppo.PPOSettings) -> None:
+def compute_advantages(rollout: Rollout, settings: ppo.PPOConfig) -> None:
     """Fill rewards, advantages and returns (KL-shaped reward, GAE, optional whitening)."""
     rollout.rewards = ppo.shaped_rewards(
         rollout.score, rollout.old_logp, rollout.ref_logp, rollout.mask, settings.kl_coef, settings.kl_kind
@@ -150,7 +150,7 @@ def grouped(prompts_pp: torch.Tensor, group_size: int) -> torch.Tensor:
     return prompts_pp.repeat_interleave(group_size, dim=0)
 
 
-def compute_group_advantages(rollout: Rollout, algorithm: AlgorithmConfig, settings: ppo.PPOSettings) -> None:
+def compute_group_advantages(rollout: Rollout, algorithm: AlgorithmConfig, settings: ppo.PPOConfig) -> None:
     """Fill rewards and advantages for GRPO: a response's reward is its score minus, with
     ``settings.kl_coef`` > 0, the KL penalty summed over its tokens (verl's ``use_kl_in_reward``:
     token rewards from ``ppo.shaped_rewards``, summed per response); its advantage is
@@ -191,7 +191,7 @@ def grpo_objective(
     logp_full: torch.Tensor,
     batch: dict[str, torch.Tensor],
     *,
-    settings: ppo.PPOSettings,
+    settings: ppo.PPOConfig,
     algorithm: AlgorithmConfig,
 ) -> ppo.LossAndStats:
     """The actor's GRPO loss on a micro-batch (``grpo.grpo_loss``): the clipped surrogate with
@@ -225,7 +225,7 @@ def grpo_objective(
 
 
 def actor_objective(
-    logp_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
+    logp_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOConfig
 ) -> ppo.LossAndStats:
     """The actor's loss on a micro-batch: PPO's clipped surrogate (+ KL loss when enabled), as its
     share of the mini-batch's token-mean (``ppo.minibatch_share``) when the batch says its size.
@@ -248,7 +248,7 @@ def actor_objective(
 
 
 def critic_objective(
-    values_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOSettings
+    values_full: torch.Tensor, batch: dict[str, torch.Tensor], *, settings: ppo.PPOConfig
 ) -> ppo.LossAndStats:
     """The critic's loss on a micro-batch: clipped value loss against the returns, weighted as the
     actor's; statistic ``value_clip_frac`` (verl's vf_clipfrac)."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from nereus_core.config import LLAMA_3_8B, ConfigError, ModelConfig
 from nereus_core.controller.decide import ControllerSettings
+from nereus_core.frozen import Frozen
 from nereus_core.plan import ModelStage, stages_for
 from nereus_core.rl.algorithm import AlgorithmConfig
 
@@ -22,11 +23,7 @@ StrategyKind = Literal["nereus", "static", "openrlhf", "verl"]
 OpenRLHFPlacement = Literal["separate", "paired", "colocated"]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class NoiseSettings(_Frozen):
+class NoiseSettings(Frozen):
     """How the simulated "measured" times differ from the world's true times."""
 
     stage_sigma: float = Field(
@@ -37,7 +34,7 @@ class NoiseSettings(_Frozen):
     )
 
 
-class DecisionSettings(_Frozen):
+class DecisionSettings(Frozen):
     """When the adaptive strategy asks the controller, and what a decision costs the job."""
 
     every: int = Field(
@@ -63,7 +60,7 @@ class DecisionSettings(_Frozen):
     )
 
 
-class StrategySpec(_Frozen):
+class StrategySpec(Frozen):
     """One strategy of the sweep."""
 
     kind: StrategyKind = Field(description="nereus (adaptive), static, openrlhf or verl.")
@@ -87,7 +84,7 @@ class StrategySpec(_Frozen):
     )
 
 
-class TraceSpec(_Frozen):
+class TraceSpec(Frozen):
     """One trace of the sweep: a CSV and how to read it."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Short name, e.g. grow-1024.")
@@ -99,7 +96,7 @@ class TraceSpec(_Frozen):
     strategies: tuple[str, ...] = Field(default=(), description="Strategies to run on it (empty: all).")
 
 
-class SweepSettings(_Frozen):
+class SweepSettings(Frozen):
     """Where the (trace, strategy, seed) runs execute."""
 
     mode: Literal["auto", "dask", "inprocess"] = Field(
@@ -117,7 +114,7 @@ def _default_strategies() -> dict[str, StrategySpec]:
     return {k: StrategySpec(kind=k) for k in ("nereus", "static", "openrlhf", "verl")}
 
 
-class SimConfig(_Frozen):
+class SimConfig(Frozen):
     """Everything one ``nereus simulate`` run needs."""
 
     name: str = Field(default="nereus-sim", min_length=1, description="Name of the simulation.")

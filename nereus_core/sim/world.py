@@ -27,8 +27,7 @@ from nereus_core.cost.terms import PERSISTENT, Geometry, layout_geometry, model_
 from nereus_core.cost.transition_cost import TransitionEstimate, weight_sync_s
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, MODEL_STAGES, PPO_STAGES, GlobalPlan, ModelStage, model_of, models_for
-from nereus_core.sim import stage_world as sw
-from nereus_core.sim import transitions
+from nereus_core.sim import stage_world, transitions
 from nereus_core.sim.config import NoiseSettings
 from nereus_core.sim.trace import Trace
 
@@ -44,13 +43,13 @@ class StageEval(NamedTuple):
     transient: float
 
 
-def model_size(m: ModelConfig) -> sw.ModelSize:
+def model_size(m: ModelConfig) -> stage_world.ModelSize:
     """Parameters, layers, bf16 KV bytes per token and width of a decoder (Llama/Qwen shapes)."""
     h, kv = m.hidden_size, m.num_key_value_heads * m.head_dim
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * m.intermediate_size
     head = 1 if m.head == "value" else m.vocab_size * h
     embed = m.vocab_size * h + (0 if m.tie_word_embeddings else head)
-    return sw.ModelSize(
+    return stage_world.ModelSize(
         params=float(m.num_hidden_layers * per_layer + embed),
         layers=m.num_hidden_layers,
         kv_bytes_per_token=2.0 * m.num_hidden_layers * kv * 2,
@@ -76,7 +75,7 @@ class World:
         self.trace, self.profile, self.seed, self.stages = trace, profile, seed, stages
         self.models = {m: v for m, v in models_for(model).items() if m in {model_of(s) for s in stages}}
         self.sizes = {name: model_size(m) for name, m in self.models.items()}
-        self.constants = sw.FITTED
+        self.constants = stage_world.FITTED
         # One noise column per model-stage there is (and the sync), whichever the job has: a stage meets
         # the same noise in a PPO and a GRPO run of one (trace, seed).
         rng = np.random.default_rng([seed, 20_260_117])
@@ -101,7 +100,7 @@ class World:
         found = self._lengths.get(k)
         if found is None:
             tr = self.trace
-            stats = sw.StepStats(
+            stats = stage_world.StepStats(
                 batch=int(tr.batch[k]),
                 prompt_mean=float(tr.prompt_len[k]),
                 response_mean=float(tr.response_mean[k]),
@@ -109,7 +108,9 @@ class World:
                 response_p90=float(tr.response_p90[k]),
             )
             rng = np.random.default_rng([self.seed, k, 17])
-            found = self._lengths[k] = sw.draw_lengths(stats, rng, self.constants.length_concentration)
+            found = self._lengths[k] = stage_world.draw_lengths(
+                stats, rng, self.constants.length_concentration
+            )
         return found
 
     def truth_s(self, stage: str, layout: Layout, work: Workload, *, recompute: bool = False) -> float:
@@ -120,17 +121,21 @@ class World:
         if found is None:
             size, c = self.sizes[model_of(stage)], self.constants
             p = self.profile
-            gpu = sw.Gpu(p.name, p.peak_flops, p.memory_bandwidth, float(self.trace.memory_bytes(k)))
-            shape = sw.Shape(layout.tp, layout.pp, layout.dp, layout.micro_batches, p.devices_per_node)
+            gpu = stage_world.Gpu(p.name, p.peak_flops, p.memory_bandwidth, float(self.trace.memory_bytes(k)))
+            shape = stage_world.Shape(
+                layout.tp, layout.pp, layout.dp, layout.micro_batches, p.devices_per_node
+            )
             lengths, prompt = self.lengths(k), float(work.prompt_len)
             kind = stage_kind(stage)
             if kind == "generate":
-                found = sw.generation_s(lengths, prompt, size, gpu, c, shape)
+                found = stage_world.generation_s(lengths, prompt, size, gpu, c, shape)
             elif kind == "train":
-                one = sw.pass_time_s(lengths, prompt, size, gpu, c, shape, train=True, recompute=recompute)
+                one = stage_world.pass_time_s(
+                    lengths, prompt, size, gpu, c, shape, train=True, recompute=recompute
+                )
                 found = c.train_fixed_s + (one - c.train_fixed_s) * work.ppo_epochs
             else:
-                found = sw.pass_time_s(lengths, prompt, size, gpu, c, shape, train=False)
+                found = stage_world.pass_time_s(lengths, prompt, size, gpu, c, shape, train=False)
             self._truth[key] = found
         return found
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_trl as bt
-from benchmarks import grpo_peer_job as pj
+from benchmarks import bench_trl, grpo_peer_job
 from examples.rewards.digit_share import digit_share, trl_digit_share
 from nereus_core.config import parse_config
 from nereus_core.plan import ModelStage
@@ -22,9 +21,9 @@ pytest.importorskip("trl")
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The benchmark's model directory (tokenizer beside it) and GSM8K train split."""
     root = tmp_path_factory.mktemp("bench")
-    tokenizer = pj.write_tokenizer(root / "model")
-    pj.write_model(root / "model", tokenizer.eos_token_id)
-    return root / "model", pj.write_data(root / "gsm8k")
+    tokenizer = grpo_peer_job.write_tokenizer(root / "model")
+    grpo_peer_job.write_model(root / "model", tokenizer.eos_token_id)
+    return root / "model", grpo_peer_job.write_data(root / "gsm8k")
 
 
 def test_the_reward_counts_digits_and_trl_gets_the_same_numbers() -> None:
@@ -47,11 +46,11 @@ def test_both_systems_are_given_the_same_job(
     job: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model_dir, train = job
-    s = pj.Settings(steps=3)
-    monkeypatch.chdir(pj.ROOT)  # reward.function is relative to where Nereus runs
+    s = grpo_peer_job.Settings(steps=3)
+    monkeypatch.chdir(grpo_peer_job.ROOT)  # reward.function is relative to where Nereus runs
     for slots in (1, 2):
-        cfg = parse_config(pj.nereus_config(model_dir, train, s, slots))
-        args = pj.trl_args(s, tmp_path)
+        cfg = parse_config(grpo_peer_job.nereus_config(model_dir, train, s, slots))
+        args = grpo_peer_job.trl_args(s, tmp_path)
         assert cfg.model.path is not None and Path(cfg.model.path) == model_dir
         assert cfg.data is not None and [Path(f) for f in cfg.data.train_files] == [train]
         assert cfg.data.shuffle is False and args.shuffle_dataset is False  # prompts in file order
@@ -78,13 +77,13 @@ def test_every_prompt_fits_so_neither_system_filters(job: tuple[Path, Path]) -> 
     model_dir, train = job
     from nereus_core.hf.tokenizer import load_tokenizer
 
-    lengths = pj.prompt_lengths(load_tokenizer(model_dir), train)
+    lengths = grpo_peer_job.prompt_lengths(load_tokenizer(model_dir), train)
     assert len(lengths) == 400  # the converter's train split of GSM8K's first 500 test problems
-    assert 20 < max(lengths) <= pj.Settings().max_prompt_len
+    assert 20 < max(lengths) <= grpo_peer_job.Settings().max_prompt_len
 
 
 def test_figures_are_medians_and_token_rates() -> None:
-    out = bt.figures([1.0, 3.0, 2.0], [10, 20, 30], [0.1, 0.2, 0.3])
+    out = bench_trl.figures([1.0, 3.0, 2.0], [10, 20, 30], [0.1, 0.2, 0.3])
     assert out["step_s_median"] == 2.0
     assert out["tokens_per_s"] == 10.0  # 60 tokens over 6 seconds
     assert out["reward"] == [0.1, 0.2, 0.3] and out["steps"] == 3 and out["generated_tokens"] == 60
@@ -92,18 +91,18 @@ def test_figures_are_medians_and_token_rates() -> None:
 
 def test_rounds_are_pooled_and_ratios_are_of_medians() -> None:
     def run(walls: list[float], tokens: int) -> dict[str, object]:
-        return bt.figures(walls, [tokens], [0.0] * len(walls))
+        return bench_trl.figures(walls, [tokens], [0.0] * len(walls))
 
     rounds = [
         {"trl": run([1.0, 1.0, 2.0], 30), "nereus_1slot": run([3.0, 2.0, 4.0], 30)},
         {"trl": run([2.0, 2.0, 2.0], 30), "nereus_1slot": run([6.0, 5.0, 5.0], 30)},
     ]
-    assert bt.pooled(rounds, "trl") == {"step_s_median": 2.0, "tokens_per_s": 6.0}  # 60 tokens, 10 s
-    nereus = bt.pooled(rounds, "nereus_1slot")
+    assert bench_trl.pooled(rounds, "trl") == {"step_s_median": 2.0, "tokens_per_s": 6.0}  # 60 tokens, 10 s
+    nereus = bench_trl.pooled(rounds, "nereus_1slot")
     assert nereus["step_s_median"] == 4.5 and nereus["tokens_per_s"] == 2.4  # 60 tokens, 25 s
     assert nereus["step_ratio_vs_trl"] == 2.25  # 4.5 over the pooled TRL median 2.0
     assert nereus["step_ratio_vs_trl_per_round"] == [3.0, 2.5]
     # A failed run is left out, with TRL's run of that round: ratios stay within one round's load.
     rounds.append({"trl": run([9.0], 9), "nereus_1slot": {"status": "failed: worker lost"}})
-    assert bt.pooled(rounds, "nereus_1slot") == nereus
-    assert bt.pooled(rounds[2:], "nereus_1slot") == {"status": "no completed run"}
+    assert bench_trl.pooled(rounds, "nereus_1slot") == nereus
+    assert bench_trl.pooled(rounds[2:], "nereus_1slot") == {"status": "no completed run"}

@@ -12,7 +12,7 @@ import torch
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.transition import transition_flow
-from nereus_core import job as jb
+from nereus_core import job
 from nereus_core.config import NereusConfig
 from nereus_core.engine.train import lm_loss, score_mse_loss
 from nereus_core.layout import Layout
@@ -38,10 +38,10 @@ def batch_ids() -> torch.Tensor:
     return torch.randint(1, 11, (8, 8), generator=torch.Generator().manual_seed(3))
 
 
-def load_job(pool: DevicePool, cfg: NereusConfig) -> jb.JobState:
+def load_job(pool: DevicePool, cfg: NereusConfig) -> job.JobState:
     """The job's start state, with every model loaded on ``pool`` (a fresh reward model among them)."""
-    state = jb.start(cfg)
-    reward = init_full_state(jb.model_config(cfg, "reward/infer"))
+    state = job.start(cfg)
+    reward = init_full_state(job.model_config(cfg, "reward/infer"))
     job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward)
     return state
 
@@ -50,7 +50,7 @@ def gathered(pool: DevicePool, cfg: NereusConfig, plan: dict[str, Layout]) -> St
     """The full state (weights and optimizer) of each model-stage that owns state, gathered from ``plan``."""
     return {
         stage: gather_state(
-            pool, plan[stage], name=stage, config=jb.model_config(cfg, stage), train=stage.trains
+            pool, plan[stage], name=stage, config=job.model_config(cfg, stage), train=stage.trains
         )
         for stage in own_state(PPO_STAGES)
     }

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nereus_core.layout import Layout
-from nereus_core.rl import rollout as ro
 from nereus_core.rl.algorithm import AlgorithmConfig
-from nereus_core.rl.ppo import PPOSettings
+from nereus_core.rl.ppo import PPOConfig
+from nereus_core.rl.rollout import Rollout, grouped, grpo_objective
 from tasks import grpo_stages, model_ops
 
 
@@ -24,17 +24,15 @@ def test_train_actor_keeps_groups_whole_and_averages_statistics(monkeypatch: Any
         return {"loss": 10 * i, "clip_frac": i, "approx_kl": i, "entropy": i, "grad_norm": i}
 
     monkeypatch.setattr(model_ops, "train_stats", fake_train_stats)
-    prompts = ro.grouped(torch.arange(8).view(4, 2), 4)  # four prompts, four copies each
-    rollout = ro.Rollout(
-        prompts=prompts, responses=torch.ones(16, 3, dtype=torch.long), mask=torch.ones(16, 3)
-    )
+    prompts = grouped(torch.arange(8).view(4, 2), 4)  # four prompts, four copies each
+    rollout = Rollout(prompts=prompts, responses=torch.ones(16, 3, dtype=torch.long), mask=torch.ones(16, 3))
     algorithm = AlgorithmConfig(name="grpo", group_size=4)
     stats, timings = grpo_stages.train_actor.fn(
         None,
         Layout.contiguous(),
         rollout,
         name="actor/train",
-        settings=PPOSettings(ppo_epochs=2, mini_batches=2),
+        settings=PPOConfig(ppo_epochs=2, mini_batches=2),
         algorithm=algorithm,
         seed=0,
     )
@@ -42,6 +40,6 @@ def test_train_actor_keeps_groups_whole_and_averages_statistics(monkeypatch: Any
     for c in calls:
         rows = [tuple(p.tolist()) for p in c["prompts"]]
         assert len(rows) == 8 and all(rows.count(p) == 4 for p in set(rows))  # two whole groups
-        assert c["loss_fn"].func is ro.grpo_objective and c["loss_fn"].keywords["algorithm"] is algorithm
+        assert c["loss_fn"].func is grpo_objective and c["loss_fn"].keywords["algorithm"] is algorithm
     assert stats["loss"] == pytest.approx(25.0) and stats["grad_norm"] == pytest.approx(2.5)
     assert "kl_loss" not in stats and set(timings) == {"train"}  # no KL term, no sync asked

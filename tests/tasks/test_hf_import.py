@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nereus_core import job as jb
+from nereus_core import job
 from nereus_core.config import ModelConfig, parse_config
 from nereus_core.engine.hf_load import HFSource, fresh_value_head
 from nereus_core.engine.shard import shard_state
@@ -140,7 +140,7 @@ def test_job_loads_from_model_path_and_exports_it_bitwise_at_step_0(
 
     path, model = written[kind]
     cfg = parse_config({"model": {"path": str(path), "seed": 5}, "plan": PLANS[kind]})
-    state = jb.start(cfg)
+    state = job.start(cfg)
     job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward_state=None)
     try:
         run = RunDir.create(tmp_path / "run", cfg.model_dump(mode="json"))

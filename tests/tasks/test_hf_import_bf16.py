@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nereus_core import job as jb
+from nereus_core import job
 from nereus_core.config import parse_config
 from storage.export import export_hf
 from storage.run_dir import RunDir
@@ -38,7 +38,7 @@ def test_bf16_directory_imports_and_exports_bitwise_in_bf16(pool: DevicePool, tm
     plan = {stage: tp2 for stage in ("actor/train", "actor/generate", "critic/train", "critic/infer")}
     plan |= {"reference/infer": {"tp": 1, "pp": 2, "dp": 1, "devices": [0, 1], "micro_batches": 2}}
     cfg = parse_config({"model": {"path": str(path), "dtype": "bf16"}, "plan": plan})
-    state = jb.start(cfg)
+    state = job.start(cfg)
     job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward_state=None)
     ids = torch.randint(0, SIZES["vocab_size"], (4, 10), generator=torch.Generator().manual_seed(3))
     try:

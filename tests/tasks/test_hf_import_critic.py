@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nereus_core import job as jb
+from nereus_core import job
 from nereus_core.config import parse_config
 from storage.export import export_hf
 from storage.run_dir import RunDir
@@ -57,7 +57,7 @@ def test_a_critic_of_its_own_shapes_loads_computes_and_exports_as_its_directory(
     ids = torch.randint(0, SIZES["vocab_size"], (4, 10), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = critic(ids).logits[..., 0]
-    state = jb.start(cfg)
+    state = job.start(cfg)
     with DevicePool(2, failure_grace_s=10.0) as pool:
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward_state=None)
         for stage in ("critic/train", "critic/infer"):

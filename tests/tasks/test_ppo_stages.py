@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nereus_core.layout import Layout
-from nereus_core.rl import rollout as ro
-from nereus_core.rl.ppo import PPOSettings
+from nereus_core.rl.ppo import PPOConfig
+from nereus_core.rl.rollout import Rollout
 from tasks import model_ops
 from tasks import stages as ppo_stages
 
@@ -25,12 +25,12 @@ def test_train_averages_each_statistic_over_optimizer_steps(monkeypatch: Any, cr
         return {**{key: i for key in keys}, "loss": 10 * i, "ratio_mean": -1.0}
 
     monkeypatch.setattr(model_ops, "train_stats", fake_train_stats)
-    rollout = ro.Rollout(
+    rollout = Rollout(
         prompts=torch.zeros(8, 2, dtype=torch.long),
         responses=torch.zeros(8, 3, dtype=torch.long),
         mask=torch.ones(8, 3),
     )
-    settings = PPOSettings(ppo_epochs=2, mini_batches=2)
+    settings = PPOConfig(ppo_epochs=2, mini_batches=2)
     stats, timings = ppo_stages.train.fn(
         None, Layout.contiguous(), rollout, name="m", critic=critic, settings=settings, seed=0
     )

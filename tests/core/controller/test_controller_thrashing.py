@@ -87,9 +87,9 @@ def test_a_switch_that_measures_slower_is_undone_once_and_not_retried(monkeypatc
     assert path[:3] == [a, b, a]
     assert b not in path[2:]  # other plans may be tried once A slows, B never again
     # Without the verdict "B was slower", the noisy A steps send it back to B: A -> B -> A -> B.
-    from nereus_core.controller import decide as ctl
+    from nereus_core.controller.decide import ph
 
-    monkeypatch.setattr(ctl.ph, "mark_left", lambda records, plan_id, for_id: tuple(records))
+    monkeypatch.setattr(ph, "mark_left", lambda records, plan_id, for_id: tuple(records))
     assert _flip_world(40, slow_after=10)[:4] == [a, b, a, b]
 
 

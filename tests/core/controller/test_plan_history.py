@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nereus_core.controller import history
 from nereus_core.controller.decide import ControllerSettings, ControllerState, evaluate_plan
-from nereus_core.controller import history as ph
 from nereus_core.cost.stage_cost import TERMS, Scales, Workload
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, PPO_STAGES, GlobalPlan, models_for
@@ -29,10 +29,10 @@ def test_a_measurement_is_re_priced_with_the_scales_of_the_day(then, now, wire) 
     (else a plan left for being slower looks fast again once the scales rise)."""
     state = ControllerState.initial(models_for(MID), H100, ControllerSettings(), stages=PPO_STAGES)
     old = state.model_copy(update={"scales": Scales.from_array(then)})
-    kept = ph.Pricing(old.scales, 1.0, False).terms(evaluate_plan(PLAN, WORK, old, 72 * GB))
+    kept = history.Pricing(old.scales, 1.0, False).terms(evaluate_plan(PLAN, WORK, old, 72 * GB))
     new = state.model_copy(update={"scales": Scales.from_array(now)})
     wired = new.model_copy(
         update={"transition_scales": new.transition_scales.model_copy(update={"wire": wire})}
     )
     expected = evaluate_plan(PLAN, WORK, wired, 72 * GB).step_s
-    assert abs(ph.Pricing(wired.scales, wire, False).seconds(PLAN, kept) - expected) <= 1e-9 * expected
+    assert abs(history.Pricing(wired.scales, wire, False).seconds(PLAN, kept) - expected) <= 1e-9 * expected

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nereus_core import job as jb
+from nereus_core import job
 from nereus_core.config import parse_config
 from nereus_core.controller.decide import TransitionTiming, calibrated_on
 from nereus_core.controller.transition_schedule import executed_cost, plan_moves
@@ -94,7 +94,7 @@ def test_a_new_world_costs_its_rebuild_and_workers_started_only_when_not_prepare
 
 
 def test_the_controller_prices_the_schedule_and_calibrates_on_what_switches_took() -> None:
-    state = jb.start(CFG)
+    state = job.start(CFG)
     assert state.controller.settings.transition_pricing == "schedule"
     old, new = plan(), plan(actor_train=DP2)
     before = cost(old, new, scales=state.controller.transition_scales)
@@ -117,15 +117,15 @@ def test_a_resumed_job_keeps_the_calibration_of_the_switches_it_made() -> None:
     old, new = plan(), plan(actor_train=DP2)
     first = cost(old, new)
     runs = [TransitionTiming(predicted=first, seconds=2.5 * first.seconds)] * 2
-    point = jb.ResumePoint(4, jb.start(CFG).layouts, 2, 2, CFG.job.response_len, {})
-    resumed = jb.resumed(CFG, point, runs)
+    point = job.ResumePoint(4, job.start(CFG).layouts, 2, 2, CFG.job.response_len, {})
+    resumed = job.resumed(CFG, point, runs)
     assert (
         resumed.controller.transition_samples
-        == calibrated_on(jb.start(CFG).controller, runs).transition_samples
+        == calibrated_on(job.start(CFG).controller, runs).transition_samples
     )
     assert (
         resumed.controller.transition_scales
-        == calibrated_on(jb.start(CFG).controller, runs).transition_scales
+        == calibrated_on(job.start(CFG).controller, runs).transition_scales
     )
     assert cost(old, new, scales=resumed.controller.transition_scales).seconds > 1.5 * first.seconds
-    assert jb.resumed(CFG, point).controller.transition_samples == ()
+    assert job.resumed(CFG, point).controller.transition_samples == ()

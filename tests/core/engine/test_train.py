@@ -20,14 +20,14 @@ from nereus_core.engine.shard import load_shard
 from nereus_core.engine.train import train_step
 from nereus_core.layout import Layout
 from nereus_core.model.weights import hf_config, init_full_state
-from nereus_core.rl.ppo import PPOSettings
+from nereus_core.rl.ppo import PPOConfig
 from nereus_core.rl.rollout import actor_objective
 from tests.support.dist_utils import run_world
 from tests.support.model_configs import TWO_HEADS
 
 STATS_MODEL = TWO_HEADS
 PROMPT, RESPONSE, ROWS = 3, 5, 4
-ACTOR = PPOSettings(clip_ratio=0.2)
+ACTOR = PPOConfig(clip_ratio=0.2)
 # name -> (layout, ZeRO stage). Each layout cuts the 4 rows into the same two chunks of two (two
 # micro-batches of one replica, or one per replica), so one single-device reference fits them all.
 # ZeRO-1/2 give DeepSpeed's norm; stage 0 the engine's own.

@@ -16,7 +16,7 @@ from nereus_core.rl.ppo import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
     VALUE_LOSSES,
-    PPOSettings,
+    PPOConfig,
     gae,
     kl_loss,
     kl_penalty,
@@ -267,20 +267,20 @@ def test_actor_objective_statistics_on_the_response_columns() -> None:
     logp_full = torch.cat([t([[123.0]]), old + torch.log(t([RATIOS]))], dim=1)
     entropy_full = t([[1000.0, 1, 2, 3, 4, 5, 6, 1000]])
     batch = {"mask": t([MASK]), "old_logp": old, "advantages": t([ADVANTAGES]), "entropy": entropy_full}
-    loss, stats = actor_objective(logp_full, batch, settings=PPOSettings())
+    loss, stats = actor_objective(logp_full, batch, settings=PPOConfig())
     assert float(loss) == pytest.approx(0.7 / 6)
     assert set(stats) == {"clip_frac", "approx_kl", "entropy"}
     assert float(stats["clip_frac"]) == pytest.approx(2 / 6)
     assert float(stats["entropy"]) == pytest.approx(21 / 6)  # the padded 1000 and the prompt's left out
     del batch["entropy"]
-    assert "entropy" not in actor_objective(logp_full, batch, settings=PPOSettings())[1]
+    assert "entropy" not in actor_objective(logp_full, batch, settings=PPOConfig())[1]
 
 
 def test_critic_objective_reports_the_value_clip_fraction() -> None:
     # Prompt of 2, response of 4: the response's values are columns 1..4 of the head's 6.
     values_full = t([[50.0, 0.5, 0.1, -0.5, 9.0, 50.0]])
     batch = {"mask": t([[1, 1, 1, 0]]), "values": t([[0.0] * 4]), "returns": t([[1.0, 1.0, -0.1, 5.0]])}
-    loss, stats = critic_objective(values_full, batch, settings=PPOSettings(value_clip=0.2))
+    loss, stats = critic_objective(values_full, batch, settings=PPOConfig(value_clip=0.2))
     assert float(loss) == pytest.approx(0.5 * 1.61 / 3)
     assert set(stats) == {"value_clip_frac"} and float(stats["value_clip_frac"]) == pytest.approx(1 / 3)
 
@@ -309,7 +309,7 @@ def test_registries_name_the_functions() -> None:
 
 
 def test_ppo_settings_defaults() -> None:
-    s = PPOSettings()
+    s = PPOConfig()
     assert (s.gamma, s.lam, s.clip_ratio, s.value_clip, s.kl_coef, s.kl_kind) == (
         1.0,
         0.95,
@@ -322,7 +322,7 @@ def test_ppo_settings_defaults() -> None:
     assert (s.whiten_advantages, s.temperature, s.actor_lr, s.critic_lr) == (True, 1.0, 1e-3, 1e-3)
     assert (s.reward_fit_steps, s.reward_fit_lr, s.reward_fit_batch) == (300, 1e-3, 64)
     assert ADVANTAGE_ESTIMATORS[s.advantage_estimator] is gae
-    for name, field in PPOSettings.model_fields.items():
+    for name, field in PPOConfig.model_fields.items():
         assert field.description, f"{name} has no description"
 
 
@@ -340,10 +340,10 @@ def test_ppo_settings_defaults() -> None:
 )
 def test_ppo_settings_reject_bad_values(data: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
-        PPOSettings.model_validate(data)
+        PPOConfig.model_validate(data)
 
 
 def test_ppo_settings_are_frozen() -> None:
-    s = PPOSettings(use_kl_loss=True, kl_loss_coef=0.001)
+    s = PPOConfig(use_kl_loss=True, kl_loss_coef=0.001)
     with pytest.raises(ValidationError):
         s.gamma = 0.5  # type: ignore[misc]

@@ -10,22 +10,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nereus_core.rl import ppo
-from nereus_core.rl import rollout as ro
+from nereus_core.rl import ppo, rollout
 
 PROMPT, MAX_NEW_TOKENS = 3, 6
-SETTINGS = ppo.PPOSettings(kl_coef=0.1, kl_kind="k3", use_kl_loss=True, kl_loss_coef=0.2, value_clip=0.3)
+SETTINGS = ppo.PPOConfig(kl_coef=0.1, kl_kind="k3", use_kl_loss=True, kl_loss_coef=0.2, value_clip=0.3)
 
 
 def test_response_mask_keeps_the_first_stop_token_and_nothing_after() -> None:
     responses = torch.tensor([[5, 7, 2, 2, 9], [5, 6, 6, 6, 6], [3, 5, 1, 3, 3], [4, 4, 4, 4, 3]])
-    mask = ro.response_mask(responses, eos_ids=(3, 5))
+    mask = rollout.response_mask(responses, eos_ids=(3, 5))
     assert mask.tolist() == [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     # Pad id equal to a stop id: the mask still ends at the first one.
     padded = torch.tensor([[8, 0, 0, 0], [8, 8, 8, 8]])
-    assert ro.response_mask(padded, eos_ids=(0,)).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
-    assert ro.response_mask(responses).tolist() == torch.ones(4, 5).tolist()
-    assert ro.length_stats(mask, limit=5) == {
+    assert rollout.response_mask(padded, eos_ids=(0,)).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert rollout.response_mask(responses).tolist() == torch.ones(4, 5).tolist()
+    assert rollout.length_stats(mask, limit=5) == {
         "response_len_mean": 2.0,
         "response_len_max": 5.0,
         "response_clip_frac": 0.25,
@@ -34,12 +33,12 @@ def test_response_mask_keeps_the_first_stop_token_and_nothing_after() -> None:
 
 def test_stopping_refuses_negative_ids() -> None:
     with pytest.raises(ValueError, match="eos_ids"):
-        ro.Stopping(eos_ids=(-1,))
-    assert ro.NO_STOP.eos_ids == () and ro.NO_STOP.pad_id == 0
+        rollout.Stopping(eos_ids=(-1,))
+    assert rollout.NO_STOP.eos_ids == () and rollout.NO_STOP.pad_id == 0
 
 
 def test_padded_rollout_attention_mask_lengths_and_columns() -> None:
-    r = ro.Rollout(
+    r = rollout.Rollout(
         prompts=torch.tensor([[0, 0, 4], [5, 6, 7]]),
         prompt_mask=torch.tensor([[0, 0, 1], [1, 1, 1]]),
         responses=torch.tensor([[8, 2, 0], [9, 9, 9]]),
@@ -51,15 +50,15 @@ def test_padded_rollout_attention_mask_lengths_and_columns() -> None:
     batch = r.train_batch(torch.tensor([1, 0]))
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0]]
     assert batch["tokens_per_row"].tolist() == [2.5, 2.5]
-    unpadded = ro.Rollout(prompts=r.prompts, responses=r.responses, mask=torch.ones(2, 3))
+    unpadded = rollout.Rollout(prompts=r.prompts, responses=r.responses, mask=torch.ones(2, 3))
     assert unpadded.attention_mask.tolist() == torch.ones(2, 6).tolist()
 
 
 def test_final_score_reads_the_last_real_token() -> None:
     values = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.5, 0.6, 0.7, 0.8]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    assert ro.final_score(values, mask).tolist() == pytest.approx([0.3, 0.8])
-    assert ro.final_score(values).tolist() == pytest.approx([9.0, 0.8])
+    assert rollout.final_score(values, mask).tolist() == pytest.approx([0.3, 0.8])
+    assert rollout.final_score(values).tolist() == pytest.approx([9.0, 0.8])
 
 
 def test_minibatch_shares_average_to_the_minibatch_token_mean() -> None:
@@ -88,7 +87,7 @@ def _step(
 
     ``junk``, when given, overwrites the estimators' outputs in the padding columns, so the losses
     see arbitrary values there (the estimators' own zeros are checked separately)."""
-    r = ro.Rollout(
+    r = rollout.Rollout(
         prompts=fields["prompts"],
         responses=fields["responses"],
         mask=fields["mask"],
@@ -97,7 +96,7 @@ def _step(
         ref_logp=fields["ref_logp"],
         values=fields["values"],
     )
-    ro.compute_advantages(r, SETTINGS)
+    rollout.compute_advantages(r, SETTINGS)
     out = {"rewards": r.rewards, "advantages": r.advantages, "returns": r.returns}
     if junk is not None:
         pad = r.mask == 0
@@ -107,8 +106,8 @@ def _step(
     batch["entropy"] = entropy_full
     logp_full = logp_full.clone().requires_grad_(True)
     values_full = values_full.clone().requires_grad_(True)
-    actor_loss, actor_stats = ro.actor_objective(logp_full, batch, settings=SETTINGS)
-    critic_loss, critic_stats = ro.critic_objective(values_full, batch, settings=SETTINGS)
+    actor_loss, actor_stats = rollout.actor_objective(logp_full, batch, settings=SETTINGS)
+    critic_loss, critic_stats = rollout.critic_objective(values_full, batch, settings=SETTINGS)
     (actor_loss + critic_loss).backward()
     return {
         **out,
@@ -118,7 +117,7 @@ def _step(
         **critic_stats,
         "logp_grad": logp_full.grad,
         "values_grad": values_full.grad,
-        **ro.length_stats(r.mask, limit=MAX_NEW_TOKENS),
+        **rollout.length_stats(r.mask, limit=MAX_NEW_TOKENS),
     }
 
 

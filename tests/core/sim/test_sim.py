@@ -346,33 +346,37 @@ def test_every_strategy_gets_recomputation_when_a_train_stage_would_not_fit() ->
 def test_world_generation_waits_for_the_tail_and_fit_recovers_its_constants() -> None:
     from dataclasses import replace
 
-    from nereus_core.sim import stage_world as sw
+    from nereus_core.sim import stage_world
 
-    size = sw.ModelSize(params=5e8, layers=24, kv_bytes_per_token=12288)
-    c = sw.WorldConstants(
+    size = stage_world.ModelSize(params=5e8, layers=24, kv_bytes_per_token=12288)
+    c = stage_world.WorldConstants(
         generate_fixed_s=3.0, decode_step_s=0.02, infer_fixed_s=1.0, train_fixed_s=4.0, mfu=0.3
     )
-    short = sw.StepStats(batch=64, prompt_mean=100, response_mean=150, response_max=200, response_min=10)
+    short = stage_world.StepStats(
+        batch=64, prompt_mean=100, response_mean=150, response_max=200, response_min=10
+    )
     tail = replace(short, response_max=2000)  # same mean, a long tail: the slowest sequence sets the time
-    gen = sw.generate_s(short, size, sw.A100_80GB, c, tp=1, dp=1)
-    assert sw.generate_s(tail, size, sw.A100_80GB, c, tp=1, dp=1) > 5 * (gen - 3.0)
+    gen = stage_world.generate_s(short, size, stage_world.A100_80GB, c, tp=1, dp=1)
+    assert stage_world.generate_s(tail, size, stage_world.A100_80GB, c, tp=1, dp=1) > 5 * (gen - 3.0)
     assert gen > 3.0 + 0.02 * 200  # at least the longest sequence's decode iterations
     rows = []
     for i, mean in enumerate((60, 120, 180)):
         s = replace(short, response_mean=mean, response_max=4 * mean, batch=64 * (i + 1))
-        for kind in sw.KINDS:
+        for kind in stage_world.KINDS:
             rows.append(
                 (
                     kind,
                     s,
                     size,
-                    sw.A100_80GB,
+                    stage_world.A100_80GB,
                     1,
                     1,
-                    sw.stage_s(kind, s, size, sw.A100_80GB, c, tp=1, dp=1, seed=len(rows) // 3),
+                    stage_world.stage_s(
+                        kind, s, size, stage_world.A100_80GB, c, tp=1, dp=1, seed=len(rows) // 3
+                    ),
                 )
             )
-    fitted = sw.fit(rows, sw.WorldConstants())
+    fitted = stage_world.fit(rows, stage_world.WorldConstants())
     assert fitted.train_fixed_s == pytest.approx(4.0, rel=0.05)
     assert fitted.infer_fixed_s == pytest.approx(1.0, rel=0.05)
     assert fitted.mfu == pytest.approx(0.3, rel=0.05)

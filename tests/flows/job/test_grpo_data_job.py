@@ -20,7 +20,7 @@ from examples.rewards.digit_share import digit_share
 from flows.job.rl_job import ppo_job
 from nereus_core.config import parse_config
 from nereus_core.dataset.sampler import Sampler
-from nereus_core.hf import tokenizer as tk
+from nereus_core.hf.tokenizer import chat_prompt_ids, load_tokenizer
 from storage.datasets import read_examples
 from storage.run_dir import RunDir
 from tests.support.hf_models import write_model, write_tokenizer
@@ -64,9 +64,9 @@ def test_grpo_steps_on_the_data_sets_prompts_in_groups_scored_by_the_function(
 ) -> None:
     out, model, train = run_dir
     assert RunDir(out).read_summary()["status"] == "completed"
-    tokenizer = tk.load_tokenizer(model)
+    tokenizer = load_tokenizer(model)
     examples = read_examples([train])
-    kept = [e for e in examples if len(tk.chat_prompt_ids(tokenizer, [e.chat()])[0]) <= MAX_PROMPT]
+    kept = [e for e in examples if len(chat_prompt_ids(tokenizer, [e.chat()])[0]) <= MAX_PROMPT]
     for step in (0, 1):
         rollout = RunDir(out).read_rollout(step)
         prompts, prompt_mask = torch.tensor(rollout["prompts"]), torch.tensor(rollout["prompt_mask"])
@@ -74,7 +74,7 @@ def test_grpo_steps_on_the_data_sets_prompts_in_groups_scored_by_the_function(
         # batch_size / group_size prompts from the sampler, each group_size times side by side.
         chosen = [kept[i] for i in Sampler(len(kept), PROMPTS, seed=SEED).batch(step)]
         for g, ex in enumerate(chosen):
-            want = tk.chat_prompt_ids(tokenizer, [ex.chat()])[0]
+            want = chat_prompt_ids(tokenizer, [ex.chat()])[0]
             for row in range(g * GROUP, (g + 1) * GROUP):
                 real = int(prompt_mask[row].sum())
                 assert prompts[row, prompts.shape[1] - real :].tolist() == want

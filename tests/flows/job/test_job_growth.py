@@ -11,7 +11,7 @@ import yaml
 
 from flows.job.growth import Growing, resume_start
 from flows.job.records import past_transitions
-from nereus_core import job as jb
+from nereus_core import job
 from nereus_core.config import NereusConfig, parse_config
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES
@@ -48,18 +48,18 @@ class FakePool:
 
 def test_a_resume_onto_more_devices_starts_on_the_checkpoint_s_and_grows_once_they_are_warm() -> None:
     cfg = demo()
-    plan = jb.start(cfg).layouts
-    point = jb.ResumePoint(10, plan, 4, 2, 6, {})
-    start_cfg, start, grow_to = resume_start(jb.resumed_config(cfg, point), point)
+    plan = job.start(cfg).layouts
+    point = job.ResumePoint(10, plan, 4, 2, 6, {})
+    start_cfg, start, grow_to = resume_start(job.resumed_config(cfg, point), point)
     assert grow_to == 4 and start is not None and start.devices == 2 and not start.replan
     assert start_cfg.cluster.devices == 2
-    state = jb.start(start_cfg, start.layouts)
+    state = job.start(start_cfg, start.layouts)
     pool, growing = FakePool(size=2), Growing(target=grow_to)
     assert growing.event(pool, state, 10) is None and pool.prepared == [4]  # not warm yet: run on 2
     pool.warm = 4
     event = growing.event(pool, state, 11)
     assert event is not None and event.devices == 4 and growing.target is None
-    state, what = jb.apply_event(state, event)
+    state, what = job.apply_event(state, event)
     assert what == ["devices 2 -> 4"] and state.config.cluster.devices == 4
     # As many devices as the checkpoint, fewer, or a finished switch that needs the new ones: as asked.
     assert resume_start(cfg, replace(point, devices=2))[2] is None
@@ -70,19 +70,19 @@ def test_a_resume_onto_more_devices_starts_on_the_checkpoint_s_and_grows_once_th
 
 
 def test_workers_a_scheduler_reports_are_prepared_and_joined_only_up_to_max_devices() -> None:
-    state = jb.start(demo(max_devices=3))
+    state = job.start(demo(max_devices=3))
     pool, growing = FakePool(size=2, reported=5), Growing()
     assert growing.event(pool, state, 3) is None and pool.prepared == [3]
     pool.warm = 3
     event = growing.event(pool, state, 4)
     assert event is not None and event.devices == 3
-    without = jb.start(demo())  # cluster.max_devices unset: the scheduler's other workers stay unused
+    without = job.start(demo())  # cluster.max_devices unset: the scheduler's other workers stay unused
     idle = FakePool(size=2, reported=5, warm=5)
     assert Growing().event(idle, without, 3) is None and idle.prepared == []
 
 
 def test_a_scenario_grow_ahead_is_prepared_and_left_to_its_event() -> None:
-    state = jb.start(demo([{"step": 10, "devices": 4}]))
+    state = job.start(demo([{"step": 10, "devices": 4}]))
     pool = FakePool(size=2, warm=4)
     assert Growing().event(pool, state, 0) is None and pool.prepared == [4]
 

@@ -24,7 +24,7 @@ from nereus_core import rewards
 from nereus_core.config import parse_config
 from nereus_core.dataset.sampler import Sampler
 from nereus_core.engine.forward import position_ids
-from nereus_core.hf import tokenizer as tk
+from nereus_core.hf.tokenizer import chat_prompt_ids, load_tokenizer
 from storage import read_full_state
 from storage.datasets import read_examples
 from storage.export import export_hf
@@ -57,7 +57,7 @@ def check_rollout(files: dict[str, Path], run_dir: Path, step: int, tmp_path: Pa
     to transformers' on the actor exported at ``step`` (the state that generated it), within 1e-4."""
     from transformers import Qwen2ForCausalLM
 
-    tokenizer = tk.load_tokenizer(files["model"])
+    tokenizer = load_tokenizer(files["model"])
     rollout = RunDir(run_dir).read_rollout(step)
     prompts, responses = torch.tensor(rollout["prompts"]), torch.tensor(rollout["responses"])
     prompt_mask = (
@@ -66,11 +66,11 @@ def check_rollout(files: dict[str, Path], run_dir: Path, step: int, tmp_path: Pa
     mask = torch.tensor(rollout["mask"])
     # The prompts are the sampler's batch of this step, rendered by the chat template, left-padded.
     examples = [e for e in read_examples([files["train"]])]
-    kept = [e for e in examples if len(tk.chat_prompt_ids(tokenizer, [e.chat()])[0]) <= MAX_PROMPT]
+    kept = [e for e in examples if len(chat_prompt_ids(tokenizer, [e.chat()])[0]) <= MAX_PROMPT]
     rows = [kept[i] for i in Sampler(len(kept), 8, seed=3).batch(step)]
     reals = prompt_mask.sum(1).tolist()
     for row, ids, real, ex in zip(prompts.tolist(), prompt_mask.tolist(), reals, rows, strict=True):
-        assert row[len(row) - real :] == tk.chat_prompt_ids(tokenizer, [ex.chat()])[0]
+        assert row[len(row) - real :] == chat_prompt_ids(tokenizer, [ex.chat()])[0]
         assert ids == [0] * (len(row) - real) + [1] * real
     # Responses decoded up to their own length and scored by the gsm8k rule.
     lengths = mask.sum(1).long().tolist()

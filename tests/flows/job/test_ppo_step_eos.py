@@ -14,20 +14,19 @@ import torch
 
 from flows.job import rl_job as ppo_job
 from flows.job.records import JobRecords
-from nereus_core import job as jb
+from nereus_core import job
 from nereus_core.config import parse_config
 from nereus_core.model.weights import init_full_state
 from nereus_core.prompt_source import CountSource
-from nereus_core.rl import rollout as ro
+from nereus_core.rl.rollout import Stopping, response_mask
 from storage.run_dir import RunDir
-from tasks import job_ops
-from tasks import stages as st
+from tasks import job_ops, stages
 from tasks.runtime.device_pool import DevicePool
 from tests.support.job_configs import SMALL_MODEL
 
 T = 8
 # Three non-digit ids of 32: a near-uniform random policy ends a row early about as often as not.
-STOP = ro.Stopping(eos_ids=(11, 12, 13), pad_id=0)
+STOP = Stopping(eos_ids=(11, 12, 13), pad_id=0)
 CONFIG = {
     "name": "ppo-eos",
     "cluster": {"devices": 2},
@@ -48,11 +47,11 @@ CONFIG = {
 @pytest.mark.timeout(400)
 def test_a_ppo_step_with_stop_ids_has_variable_lengths_masks_and_finite_losses(monkeypatch, tmp_path):
     for name in ("generate", "experience", "train"):
-        monkeypatch.setattr(st, name, getattr(st, name).fn)
+        monkeypatch.setattr(stages, name, getattr(stages, name).fn)
     cfg = parse_config(CONFIG)
-    state = jb.start(cfg)
+    state = job.start(cfg)
     run = RunDir.create(tmp_path / "run", cfg.model_dump(mode="json"))
-    reward_state = init_full_state(jb.model_config(cfg, "reward/infer"))
+    reward_state = init_full_state(job.model_config(cfg, "reward/infer"))
     with DevicePool(2) as pool:
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward_state)
         source = CountSource(cfg.job.task_settings, cfg.job.batch_size, cfg.job.seed, stopping=STOP)
@@ -61,7 +60,7 @@ def test_a_ppo_step_with_stop_ids_has_variable_lengths_masks_and_finite_losses(m
     responses, mask = torch.tensor(rollout["responses"]), torch.tensor(rollout["mask"])
     assert rollout["response_length"] == lengths == mask.sum(1).long().tolist()
     assert min(lengths) < T and len(set(lengths)) > 1, f"lengths {lengths}: the case is degenerate"
-    assert torch.equal(mask, ro.response_mask(responses, STOP.eos_ids))
+    assert torch.equal(mask, response_mask(responses, STOP.eos_ids))
     for row, n in zip(responses.tolist(), lengths, strict=True):
         if n < T:  # stopped: the stop token is the last real one, pads after it
             assert row[n - 1] in STOP.eos_ids and set(row[n:]) <= {STOP.pad_id}
