@@ -1,6 +1,6 @@
 """Time from a bad input to its one-line error, and the peak memory of the YAML alias bomb (JSON out).
 
-Runs the real ``nereus`` CLI once per hostile input of issue 12 (an alias bomb as a file and through
+Runs the real ``nereus`` CLI once per hostile input (an alias bomb as a file and through
 ``--set``, sizes the machine cannot hold, a one-byte device slot, a path as a run name, bad
 ``resume --devices``, a damaged checkpoint or summary, a completed or locked run, a missing snapshot
 step), each in its own process started from this one. For each it records the seconds from the

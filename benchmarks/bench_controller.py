@@ -25,7 +25,8 @@ from nereus_core.cost.hardware import H100_SXM
 from nereus_core.cost.stage_cost import Workload, estimate
 from nereus_core.plan import PPO_STAGES, model_of, models_for
 
-# 256 prompts x 4 samples; responses of ~1,000 tokens as in NeMo RL's 8B GRPO run (hardware.md).
+# 256 prompts x 4 samples; responses of ~1,000 tokens as in NeMo RL's 8B GRPO run (its docs' performance
+# summary).
 WORKLOAD = Workload(batch=1024, prompt_len=1024, response_mean=1024, response_high=2048)
 CAPACITY = 80 * 10**9
 GiB = 1024**3

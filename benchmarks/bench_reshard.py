@@ -11,7 +11,7 @@ One run measures, side by side on the same machine and pool:
   the pool, start a new one, ``torch.load``, and load the model on the new layout from it;
 - with ``--train`` (default) also tp2 -> tp4 of a train stage (AdamW moments and step move too).
 
-Where the live path's time goes (issue 16): ``call_s`` is the end-to-end time outside the devices
+Where the live path's time goes: ``call_s`` is the end-to-end time outside the devices
 (planning on the driver, the call to the actors), ``prepare_s`` allocating the new shard and
 posting its receives, then reading the old pieces, packing and posting the sends, ``exchange_s``
 the local copies and the messages, ``install_s`` making the new shard resident. ``--compare-thp``

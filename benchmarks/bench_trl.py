@@ -1,4 +1,4 @@
-"""GRPO side by side with TRL's GRPOTrainer (issue 15): one job, two systems, one run.
+"""GRPO side by side with TRL's GRPOTrainer: one job, two systems, one run.
 
 The job (benchmarks/grpo_peer_job.py) is written here, nothing downloaded: a random
 Qwen2ForCausalLM, a BPE tokenizer with a chat template, GSM8K prompts in verl's format and the

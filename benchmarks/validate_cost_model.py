@@ -9,7 +9,7 @@ Data: verl's GSM8K PPO console logs as parsed into per-step CSVs (shared data,
   TP=2, batch 512), which the fit never sees. (A fit on one Qwen run alone cannot tell a
   fixed cost from a per-unit one: within a run every pass has the same padded shape and
   every generation the same longest response, so no single-run split is reported.)
-- ``prior``: ``cost_model.estimate`` with no calibration (scales 1) on an A100-80GB
+- ``prior``: ``stage_cost.estimate`` with no calibration (scales 1) on an A100-80GB
   profile (the logs do not name their GPU; A100 assumed) with the fixed costs that
   ``hardware.H100_SXM`` carries; ``prior_fixed_costs_fit`` is the fit they come from.
 
@@ -22,7 +22,7 @@ Per run and stage: the median over steps of predicted / actual, and the medians 
 ``held_out_published``: both on NeMo RL's published 8B GRPO step on 16 H100s (fitted to
 neither; the assumptions it needs are printed with it).
 
-    python -m benchmarks.validate_cost_model [--data ../shared/data/rl_length] [--every 5]
+    python -m benchmarks.validate_cost_model --data PATH/TO/rl_length [--every 5]
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def workloads(run: str, row: dict[str, float]) -> tuple[Workload, Workload]:
 
 
 def prior_s(run: str, row: dict[str, float], col: str, profile: HardwareProfile) -> float:
-    """``cost_model.estimate`` (no calibration) of one logged stage; ``timing/gen`` adds the actor's
+    """``stage_cost.estimate`` (no calibration) of one logged stage; ``timing/gen`` adds the actor's
     old-log-prob forward (see ``world_s``). Micro-batches per GPU follow the logged config."""
     r, stage = RUNS[run], STAGES[col][1]
     gen, padded = workloads(run, row)
@@ -353,7 +353,9 @@ def nemo_rl_check() -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/rl_length"))
+    parser.add_argument(
+        "--data", type=Path, required=True, help="the folder of verl's per-stage PPO logs (rl_length/)"
+    )
     parser.add_argument("--every", type=int, default=5, help="Use every n-th logged step.")
     args = parser.parse_args()
     out = {

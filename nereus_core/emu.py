@@ -1,6 +1,6 @@
 """Elastic Model Units: where every tensor of a model-stage lives under a layout, and how to move it.
 
-An EMU is the state of one data-parallel replica of a model-stage (DESIGN.md). A *shard map*
+An EMU is the state of one data-parallel replica of a model-stage. A *shard map*
 describes all of a layout's EMUs at once: for every tensor (parameters by Hugging Face name;
 for train stages also the AdamW moments ``<param>:exp_avg`` / ``<param>:exp_avg_sq``, the fp32
 master weights ``<param>:master`` when the parameters are of lower precision, and the step

@@ -14,7 +14,7 @@ How a plan's stages add up to a step time and memory is ``plan_estimate.py``;
 which plan to run is ``controller.py``'s business. This module imports no config,
 so the config can ask it.
 
-Placement (DESIGN.md, "global plan"): ``colocated`` when every model-stage uses
+Placement (of a global plan): ``colocated`` when every model-stage uses
 the same slots (time-shared), else ``disaggregated``.
 """
 
@@ -33,12 +33,14 @@ from nereus_core.layout import Layout
 
 Placement = Literal["colocated", "disaggregated"]
 StageKind = Literal["generate", "infer", "train"]
+# The layout of each model-stage, by name: a global plan's layouts, as transitions and schedules take them.
+StageLayouts = Mapping[str, Layout]
 MODELS = ("actor", "critic", "reference", "reward")
 VALUE_HEAD_MODELS = ("critic", "reward")  # the others keep the lm head
 
 
 class ModelStage(StrEnum):
-    """One model in one stage (DESIGN.md, "model-stage"). A ``str``: plans keyed by it read and
+    """One model in one stage . A ``str``: plans keyed by it read and
     write as plain ``"actor/train"`` in YAML, JSON and Parquet."""
 
     ACTOR_GENERATE = "actor/generate"

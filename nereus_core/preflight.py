@@ -151,7 +151,7 @@ def host_memory_problem(cfg: NereusConfig, machine: Machine) -> str | None:
 
     Each slot of a local cluster is a worker process here; the plan needs the sum over its slots of
     what the memory model gives each (``nereus plan`` shows it). Past the memory available, the
-    kernel kills workers mid-step (issue 13: an 8B config on CPU died as "Worker ... was lost")."""
+    kernel kills workers mid-step (an 8B config on CPU died as "Worker ... was lost")."""
     if cfg.cluster.scheduler_address or machine.available_memory is None:
         return None
     plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))

@@ -4,7 +4,7 @@ Data flow of the durable path: every device writes its slices (``write_shard_fil
 Arrow file per device), one caller commits the manifest (``commit_snapshot``); after a
 layout change each new rank asks ``read_slices(ref, new_map.wanted(device))`` and gets
 exactly its boxes, read only from the record batches that intersect them.
-``write_snapshot`` does both steps in one process. ``read_full_state`` is the DESIGN.md
+``write_snapshot`` does both steps in one process. ``read_full_state`` is the design's
 contract: full parameters with Hugging Face names.
 
 Identity: a writer given the driver's ``incarnation`` stamps the manifest with it and the run

@@ -37,7 +37,7 @@ def train_actor(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """actor/train on GRPO's loss: ``settings.ppo_epochs`` passes over ``settings.mini_batches``
     mini-batches of whole groups, then (``sync``: the generation copy's layout, name and config) the
-    new weights into the generation layout. Returns ``(stats, timings)`` as ``ppo_stages.train``."""
+    new weights into the generation layout. Returns ``(stats, timings)`` as ``tasks.stages.train``."""
     objective = functools.partial(grpo_objective, settings=settings, algorithm=algorithm)
     stats, seconds = timed(
         train_epochs,

@@ -1,4 +1,4 @@
-"""The rules of DESIGN that code structure must keep, checked on the source.
+"""The layering rules that code structure must keep, checked on the source.
 
 - imports run ``flows -> tasks -> {storage, nereus_core}``, ``storage -> nereus_core``;
 - Prefect tasks are made in ``tasks/``, flows in ``flows/``;
@@ -152,7 +152,7 @@ def test_allowed_imports_pass() -> None:
     assert violations("nereus_core", {"torch", "torch.distributed", "deepspeed", "pydantic"}) == []
 
 
-# ------------------------------------------------------------- the rules DESIGN states beyond layers
+# ------------------------------------------------------------- the rules beyond layers
 
 DECORATOR_HOME = {"task": "tasks", "flow": "flows"}  # a Prefect task is defined in tasks/, a flow in flows/
 ENVIRONMENT = {"environ", "environb", "getenv", "putenv", "unsetenv"}

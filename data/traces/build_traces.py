@@ -1,8 +1,9 @@
 """Derive the simulator's trace CSVs (data/traces/) from the project's public data set (JSON summary out).
 
-The input is the shared data folder that sits beside DESIGN.md (``cluster/``,
-``rl_length/``, ``lengths/``, each documented with its source in that folder's
-README.md); give its path. Nothing here is random except the prompt sample, which
+The input is the source data folder these traces were cut from (``cluster/``,
+``rl_length/``, ``lengths/``: public cluster traces, verl's per-stage PPO logs and response-length
+curves, each documented with its source in that folder's README.md; not shipped); give its path. Nothing
+here is random except the prompt sample, which
 is seeded, so the output is the same on every run. What each column is taken
 from, and how it is scaled, is written into data/traces/README.md; in short:
 

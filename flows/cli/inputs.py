@@ -122,7 +122,7 @@ def check_bounds(cfg: NereusConfig, *, devices: int | None = None, resume: bool 
     )
     check(cfg, machine, devices=devices, resume=resume)
     warning = host_memory_warning(cfg, machine, devices=devices)
-    if warning:  # a run may still fit: the capacity is what the cost model counts (issue 13)
+    if warning:  # a run may still fit: the capacity is what the cost model counts
         print(f"nereus: warning: {warning}", file=sys.stderr)
 
 

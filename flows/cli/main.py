@@ -1,6 +1,6 @@
 """The ``nereus`` command line: its parser and one handler per command.
 
-    CONFIG file --cli_input--> NereusConfig --cli_input--> run dir --cli_prefect--> flows.job.rl_job
+    CONFIG file --cli.inputs--> NereusConfig --cli.inputs--> run dir --cli.prefect_server--> flows.job.rl_job
              (bounded YAML, --set, preflight)  (lock, damage)   (API answers; watchdog)
 
 Files and the environment are read on the way in by flows/cli/inputs.py (the config, ``--set``,
@@ -140,7 +140,7 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
 
 def cmd_run(args: argparse.Namespace) -> int:
     what = f"{{algorithm}} for {args.steps or 'the configured'} steps"  # PPO or GRPO, from the config
-    return _run_flow(args, "flows.job.rl_job", "ppo_job", what, bounded=True)
+    return _run_flow(args, "flows.job.rl_job", "rl_job", what, bounded=True)
 
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
@@ -166,11 +166,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
     status = _prefect_problem()
     if status is not None:
         return status
-    from flows.job.rl_job import ppo_job
+    from flows.job.rl_job import rl_job
 
     on = f" on {args.devices} device slots" if args.devices else ""
     print(f"nereus: {cfg.name}: resuming {args.run_dir}{on}")
-    return _drive(ppo_job, Path(args.run_dir), Path(args.run_dir), config=cfg, devices=args.devices)
+    return _drive(rl_job, Path(args.run_dir), Path(args.run_dir), config=cfg, devices=args.devices)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ server as a child process and the watchdog stops it if the driver dies. A config
 server must answer ``/health`` within ``HEALTH_TIMEOUT`` seconds, else the run ends in one line
 saying which URL and how to start the server or go back to the temporary one. Flow runs send a
 heartbeat every ``HEARTBEAT_SECONDS``; the automation in prefect/automations/ marks a run whose
-heartbeats stop as Crashed, so that the UI offers Retry (issue 13).
+heartbeats stop as Crashed, so that the UI offers Retry.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def _has(entry: object, keys: tuple[str, ...]) -> bool:
 
 
 # Qualitative palette for the stages: tab20's 20 colours without its reds, which mark forced
-# transitions; every stage gets its own (issue 13: actor/generate and actor/sync were both blue).
+# transitions; every stage gets its own (actor/generate and actor/sync were both blue).
 # Its strong shades first, then its light ones, so that neighbouring stages differ most.
 _TAB20 = plt.get_cmap("tab20").colors
 STAGE_COLORS = tuple(_TAB20[i] for i in [*range(0, 20, 2), *range(1, 20, 2)] if i not in (6, 7))

@@ -2,7 +2,7 @@
 
 A local run's driver starts Prefect's temporary server and the Dask workers as its child processes.
 Prefect stops its server from an ``atexit`` hook and exposes no way to tie the server's life to its
-parent's, so a driver killed outright leaves the server running as an orphan (issue 13). The
+parent's, so a driver killed outright leaves the server running as an orphan. The
 watchdog is a separate small process, in its own session so that a signal to the driver's terminal
 group does not reach it: it keeps a list of the driver's descendants and, when the driver has
 exited for any reason, asks each one still running to stop (SIGTERM), then kills what is left after

@@ -1,4 +1,4 @@
-"""When the job's device world grows without a pause (issue 16): workers start and warm while the job
+"""When the job's device world grows without a pause: workers start and warm while the job
 runs on the old plan, and the switch comes once they are ready, so the pause is the state movement.
 
     a scenario event ahead adds devices     -> its workers are prepared now; the event itself switches

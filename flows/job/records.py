@@ -237,7 +237,7 @@ class JobRecords:
         }
         self.transitions.append(row)
         self.run.write_rows(TRANSITIONS_TABLE, self.transitions)
-        if status == "committed":  # plans/ holds every plan the run used (DESIGN's run directory)
+        if status == "committed":  # plans/ holds every plan the run used (the run directory's contract)
             self.run.write_plan(switch.plan_id, layouts_json(switch.layouts))
         self.trackers.log(transition_metrics(row), step)
         keys = ("transition_id", "status", "route", "reason", "predicted_cost_s", "actual_s", "bytes_moved")

@@ -178,7 +178,7 @@ def _checkpoint(pool: DevicePool, state: job.JobState, records: JobRecords, step
 
 
 @flow(name="nereus-ppo")
-def ppo_job(
+def rl_job(
     config: NereusConfig | dict[str, Any] | str, out_dir: str | None = None, devices: int | None = None
 ) -> dict[str, Any]:
     """Run PPO or GRPO (``config.algorithm``) for ``config.job.steps`` steps on the device pool; the run

@@ -119,7 +119,7 @@ def bring_up(
 def reward_fit_cache_dir(checkout: Path | None = None) -> str:
     """Where fitted reward models are kept: ``NEREUS_CACHE_DIR``, else the user's cache directory in a
     folder of this checkout's own (its path hashed), so that another checkout, whose code may fit
-    differently, never reuses this one's fit unseen (issue 13)."""
+    differently, never reuses this one's fit unseen."""
     if os.environ.get("NEREUS_CACHE_DIR"):
         return os.environ["NEREUS_CACHE_DIR"]
     checkout = (checkout or Path(__file__).resolve().parents[2]).resolve()

@@ -35,15 +35,13 @@ from nereus_core.gtg import TransitionGraph, TransitionInfeasible
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule
 from nereus_core.job import model_config, optimizer_settings
 from nereus_core.layout import Layout
-from nereus_core.plan import ModelStage, copies, own_state
+from nereus_core.plan import ModelStage, StageLayouts, copies, own_state
 from storage.journal import ABORT, COMMIT, DONE, FAILED, START, Journal
 from storage.run_dir import RunDir
 from tasks import model_ops
 from tasks.runtime.device_pool import DevicePool
 from tasks.snapshots import rehydrate_model
 from tasks.transition_ops import move_stage, move_stages, relink_copy
-
-Plan = dict[str, Layout]
 
 
 def _run_op(journal: Journal, op_id: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -72,7 +70,7 @@ def _rehydrate(
     return {**stats, "bytes_moved": stats.get("bytes_read", 0)}
 
 
-def _relink(pool: DevicePool, cfg: NereusConfig, journal: Journal, plan: Plan, relinked: list) -> int:
+def _relink(pool: DevicePool, cfg: NereusConfig, journal: Journal, plan: StageLayouts, relinked: list) -> int:
     moved, sources = 0, copies(plan)
     for copy in relinked:
         source = sources[copy]
@@ -96,7 +94,7 @@ def rehydrate_all(
     cfg: NereusConfig,
     run_dir: str,
     journal: Journal,
-    plan: Plan,
+    plan: StageLayouts,
     checkpoint_step: int,
     devices: int,
 ) -> int:
@@ -152,8 +150,8 @@ def transition_flow(
     cfg: NereusConfig,
     run_dir: str,
     transition_id: str,
-    old: Plan,
-    new: Plan,
+    old: StageLayouts,
+    new: StageLayouts,
     *,
     step: int,
     reason: str,
@@ -248,8 +246,8 @@ def _run_schedule(
     journal: Journal,
     graph: TransitionGraph,
     schedule: StageSchedule,
-    old: Plan,
-    new: Plan,
+    old: StageLayouts,
+    new: StageLayouts,
     path: str,
     step: int,
     checkpoint_step: int | None,
@@ -285,7 +283,12 @@ def _run_schedule(
 
 
 def _run_moves_together(
-    pool: DevicePool, cfg: NereusConfig, journal: Journal, units: list[str], old: Plan, new: Plan
+    pool: DevicePool,
+    cfg: NereusConfig,
+    journal: Journal,
+    units: list[str],
+    old: StageLayouts,
+    new: StageLayouts,
 ) -> list[tuple[str, dict[str, Any]]]:
     """A wave's live moves in one call; each unit journaled (start before, done after) on its own."""
     stages = [u.partition(":")[2] for u in units]
@@ -304,8 +307,8 @@ def _run_unit(
     run_dir: str,
     journal: Journal,
     unit: str,
-    old: Plan,
-    new: Plan,
+    old: StageLayouts,
+    new: StageLayouts,
     path: str,
     step: int,
     checkpoint_step: int | None,

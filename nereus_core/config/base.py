@@ -178,7 +178,7 @@ _NAME = re.compile(r"\w[\w.-]*")
 
 def name_error(name: str) -> str | None:
     """Why ``name`` is not a valid run name, or None. A run name becomes a directory name under
-    ``runs/``, so it is a name, never a path (issue 12: ``/etc/x`` and ``../../x`` escaped ``runs/``)."""
+    ``runs/``, so it is a name, never a path (``/etc/x`` and ``../../x`` escaped ``runs/``)."""
     if len(name) > NAME_MAX_CHARS or not _NAME.fullmatch(name) or ".." in name:
         return (
             f"a run name is 1-{NAME_MAX_CHARS} letters, digits, '.', '_' or '-', starting with a letter "

@@ -3,12 +3,13 @@
 Every default lives here, never at a call site. A bad value raises a
 ``ConfigError`` whose message is one line naming the field, the value and what
 would be valid; the CLI prints that line and exits 2. The model section is
-``config_model.py``'s (re-exported here with the rest).
+``config.model.py``'s (re-exported here with the rest).
 
 This module knows nothing about files or the environment, but for one thing: a ``model.path``
 names a Hugging Face directory whose config.json decides the model's shapes, read when the model
 section is validated (``nereus_core.hf.files.imported_section``). Callers pass in the
-mapping they read (``config_yaml.parse_yaml`` reads YAML text with limits; ``load_config`` in the CLI reads
+mapping they read (``config.from_yaml.parse_yaml`` reads YAML text with limits; ``load_config`` in the
+CLI reads
 the file).
 """
 
@@ -137,7 +138,7 @@ class NereusConfig(Frozen):
         default_factory=dict, description="Initial layout per model-stage, e.g. 'actor/train'."
     )
     data: DataConfig | None = Field(
-        default=None, description="Prompt data in verl's format (config_data.py)."
+        default=None, description="Prompt data in verl's format (config.data.py)."
     )
     validation: ValidationConfig | None = Field(
         default=None, description="When to score the validation prompts."
@@ -263,7 +264,7 @@ class NereusConfig(Frozen):
     def models(self) -> dict[str, ModelConfig]:
         """Model -> its config (``plan.models_for`` of ``model``: critic and reward with the value
         head); a critic or reward model read from its own directory (``critic.path``,
-        ``reward.model_path``) has that directory's shapes (``hf_files.value_model``). Every part of
+        ``reward.model_path``) has that directory's shapes (``hf.files.value_model``). Every part of
         the job that sizes a model asks this. Raises ``HFDirError`` (config load turns it into the
         key's one-line error)."""
         models = models_for(self.model)
@@ -278,7 +279,7 @@ class NereusConfig(Frozen):
 
 @functools.lru_cache(maxsize=32)
 def _value_model(path: str, changed_ns: int, ours: str, role: str) -> ModelConfig:
-    """``hf_files.value_model`` once per directory version (``changed_ns``: its config.json's mtime) and
+    """``hf.files.value_model`` once per directory version (``changed_ns``: its config.json's mtime) and
     job model (``ours`` as JSON): stages ask for their model config on every call."""
     return value_model(path, ModelConfig.model_validate_json(ours), role=role)
 

@@ -165,7 +165,7 @@ class ModelConfig(Frozen):
         return f" (from {self.path}/config.json)" if self.path else ""
 
 
-# Llama-3.1-8B's shapes (Meta's config.json; shared/reference/hardware.md "Model (Llama-3-8B)").
+# Llama-3.1-8B's shapes (Meta's config.json; meta-llama/Meta-Llama-3-8B's published config).
 # Llama-3.1 rather than 3.0 only for the 128k context, since the traces' responses pass 8k tokens.
 LLAMA_3_8B = ModelConfig(
     vocab_size=128256,

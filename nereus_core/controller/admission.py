@@ -5,9 +5,9 @@ plan's calibrated estimate, the cost of moving to it, and its measured/predicted
 step-time ratio when it ran on this workload). Nothing here searches, calibrates or
 remembers; ``controller.decide`` does that and builds the Decision.
 
-Like with like (issue 17). Every plan's expected step time is its calibrated
+Like with like. Every plan's expected step time is its calibrated
 prediction on the next workload times a measured/predicted ratio: its own, when it ran
-here (``plan_history.ratio``), else the plan in force's. Comparing the plan in force's
+here (``controller.history.ratio``), else the plan in force's. Comparing the plan in force's
 *measured* time (a median of a few noisy steps, on slightly different workloads) with
 the candidates' *predictions* let the noise pick moves between plans predicted within
 0.5 % of each other; on a common basis the gain of a plan that never ran is the

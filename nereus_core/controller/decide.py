@@ -2,12 +2,12 @@
 
 Boundary: ``decide(observation, state) -> Decision`` is a pure function. It reads
 what the step measured, refits the cost model's scales from every observation so
-far, remembers what the plan in force measured (``plan_history``), searches
-memory-feasible plans (``plan_search``) and lets the admission rules
+far, remembers what the plan in force measured (``controller.history``), searches
+memory-feasible plans (``controller.search``) and lets the admission rules
 (``admission``) keep or switch. It carries nothing out: the flow runs the
 transition it asks for and reports back in the next observation.
 
-Issue 17 (a controller that does not thrash):
+A controller that does not thrash:
 - plans are compared like with like: each plan's calibrated prediction on the next
   workload, times its own measured/predicted ratio when it ran here, else the plan in
   force's (``admission``); a plan left for one that measured faster is not chosen again
@@ -18,7 +18,7 @@ Issue 17 (a controller that does not thrash):
   the usable memory to spare; the plan in force is checked against today's workload
   and the plain headroom, so small growth does not force a move every few steps.
 
-The data types live in ``controller_state`` and are re-exported here.
+The data types live in ``controller.state`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def observe(observation: Observation, state: ControllerState) -> ControllerState
 def calibrated_on(state: ControllerState, transitions: Sequence[TransitionTiming]) -> ControllerState:
     """``state`` with the transitions that ran (the last one, or on resume all the job's committed
     switches read back from its records) added to the transition samples, the scales refitted: the
-    one place transition calibration changes (issue 16)."""
+    one place transition calibration changes."""
     if not transitions:
         return state
     cal = state.settings.transition_calibration or state.settings.calibration

@@ -1,7 +1,7 @@
 """What the controller remembers between steps: each plan's measured step time, and the length trend.
 
 Boundary: pure functions over ``PlanRecord`` tuples and (step, length) pairs; the
-controller asks them and stores their answers in its state. Two memories (issue 17):
+controller asks them and stores their answers in its state. Two memories:
 
 - **Measured step times, as ratios to their predictions.** After a step, the stage
   times the plan in force measured are combined as the cost model combines its

@@ -2,7 +2,7 @@
 
 Boundary: given each model-stage's table of candidates (degrees, seconds, resident and transient
 bytes) and the pool's slots and usable memory per device, pick one candidate per stage. Which
-tables a pool gets, and how pools combine into a global plan, is ``plan_search``'s business.
+tables a pool gets, and how pools combine into a global plan, is ``controller.search``'s business.
 
 In a pool, the stages couple only through memory: sum of resident state plus the largest
 transient (gradients, activations, KV) must fit. If every stage's fastest candidate fits

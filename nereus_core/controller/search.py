@@ -6,7 +6,7 @@ and pool split, plus the fast plans that memory ruled out. The controller
 (``controller.py``) decides whether switching to one of them pays.
 
 How it stays fast (the brief asks for <= 50 ms at 1,024 devices x 6 model-stages):
-1. Per model-stage, one vectorized table (``cost_terms.stage_tables``) of every
+1. Per model-stage, one vectorized table (``cost.terms.stage_tables``) of every
    candidate: tp a power of two within a node that shards the model, pp a power of
    two or divisor of the layers, dp a divisor of the batch, micro-batches a power of
    two dividing the replica batch; layouts use consecutive slots from the pool's
@@ -15,7 +15,7 @@ How it stays fast (the brief asks for <= 50 ms at 1,024 devices x 6 model-stages
    on the first G slots and the other five stages on the rest, G on one ladder
    (powers of two, and 3 x 2^k from two nodes up) for every device count, so the
    candidates of N slots are among those of N+1 and more devices never predict a
-   slower best step. The per-step weight sync (``cost_model.sync_seconds``) is folded
+   slower best step. The per-step weight sync (``stage_cost.sync_seconds``) is folded
    into the generation seconds; colocated, it depends on actor/train's (t, p), so there
    is one colocated split per such pair. Splits are solved cheapest lower bound
    first and skipped once their bound cannot beat the best found.

@@ -2,7 +2,7 @@
 
 Boundary: data only (frozen pydantic models). ``controller.decide`` reads an
 ``Observation`` and a ``ControllerState`` and returns a ``Decision``;
-``admission.py`` holds the rules that pick the action and ``plan_history.py`` what
+``admission.py`` holds the rules that pick the action and ``controller.history.py`` what
 the controller remembers of the plans it ran. The job keeps the state between steps
 and advances it only when a switch commits (nereus_core/job.py).
 """
@@ -34,7 +34,7 @@ class ControllerSettings(Frozen):
         ge=0,
         le=1,
         description="Smallest unforced gain per step, as a share of the current plan's step time, "
-        "whatever the noise (issue 17: gains of 1e-4 s on 20 s steps were admitted).",
+        "whatever the noise (gains of 1e-4 s on 20 s steps were admitted).",
     )
     noise_z: float = Field(
         default=2.0,
@@ -80,7 +80,7 @@ class ControllerSettings(Frozen):
     transition_pricing: Literal["layouts", "schedule"] = Field(
         default="layouts",
         description="How a move is priced: from the layouts alone (``transition_cost``; the simulator), "
-        "or from the GTG schedule the transition flow runs (``transition_plan``; the job, issue 16).",
+        "or from the GTG schedule the transition flow runs (``transition_schedule``; the job).",
     )
     max_alternatives: int = Field(default=5, ge=0, le=100, description="Rejected plans reported.")
     calibration: CalibrationSettings = CalibrationSettings()
@@ -133,7 +133,7 @@ class StepTerms(Frozen):
     """A measured step's prediction, unscaled, so that later calibrations re-price it."""
 
     raw: dict[str, tuple[float, ...]] = Field(
-        description="Per model-stage, the cost model's unscaled term seconds (``cost_model.TERMS`` order)."
+        description="Per model-stage, the cost model's unscaled term seconds (``stage_cost.TERMS`` order)."
     )
     sync_raw: float = Field(ge=0, description="Unscaled weight-sync seconds.")
 

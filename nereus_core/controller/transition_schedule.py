@@ -11,7 +11,7 @@
           durable  fixed costs of a new world: its rebuild, and workers started and warmed up
                    (only the workers not prepared ahead: ``DevicePool.prepare``)
 
-Issue 16: the controller priced a transition by its bytes alone and was off by 2-20x; on a small
+The controller priced a transition by its bytes alone and was off by 2-20x; on a small
 model nearly all of a switch is per-operation cost (a train stage's engine, a relink's groups).
 ``transition_cost.TransitionCosts`` holds those constants per hardware profile (``costs_for``; the
 durable price from layouts alone reads the same ones); the job's own transitions scale them.
@@ -31,15 +31,12 @@ from nereus_core.config import ModelConfig
 from nereus_core.controller.state import ControllerSettings
 from nereus_core.cost.calibration import CalibrationSettings
 from nereus_core.cost.hardware import HardwareProfile
-from nereus_core.cost.transition_cost import TransitionCosts, TransitionEstimate, TransitionScales, costs_for
+from nereus_core.cost.transition_cost import TransitionCosts, TransitionEstimate, TransitionScales
 from nereus_core.emu import bytes_per_device, plan_reshard, shard_map
 from nereus_core.gtg import TransitionGraph, TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule, stage_schedule
 from nereus_core.layout import Layout
-from nereus_core.plan import ModelStage, copies, own_state
-
-Plan = Mapping[str, Layout]
-
+from nereus_core.plan import ModelStage, StageLayouts, copies, own_state
 
 # The controller of a job on a device pool: moves priced as the transition flow runs them, and each
 # measured transition moving the transition scales halfway (in log) at first: a job makes few
@@ -59,8 +56,8 @@ class Planned:
 
 
 def plan_moves(
-    old: Plan,
-    new: Plan,
+    old: StageLayouts,
+    new: StageLayouts,
     models: Mapping[str, ModelConfig],
     capacities: dict[int, int],
     *,
@@ -123,7 +120,7 @@ class _Tally:
         self.wire += most / self.costs.store_read_bandwidth
 
 
-def _relink(t: _Tally, models: Mapping[str, ModelConfig], new: Plan, copy: ModelStage) -> None:
+def _relink(t: _Tally, models: Mapping[str, ModelConfig], new: StageLayouts, copy: ModelStage) -> None:
     """Follow the train stage again: share its shards on its layout, else build and sync (one call)."""
     source = new[copies(new)[copy]]
     t.groups(new[copy])
@@ -134,7 +131,9 @@ def _relink(t: _Tally, models: Mapping[str, ModelConfig], new: Plan, copy: Model
         t.ports([(x.src, x.dst, x.nbytes) for x in plan.transfers])
 
 
-def _same_world(t: _Tally, planned: Planned, old: Plan, new: Plan, models: Mapping[str, ModelConfig]) -> None:
+def _same_world(
+    t: _Tally, planned: Planned, old: StageLayouts, new: StageLayouts, models: Mapping[str, ModelConfig]
+) -> None:
     """What flows/job/transition.py's ``_run_schedule`` runs: per wave, its live moves in one call, its
     other units one call each; then every changed copy unloaded and relinked."""
     g = planned.graph
@@ -163,7 +162,7 @@ def _same_world(t: _Tally, planned: Planned, old: Plan, new: Plan, models: Mappi
             _relink(t, models, new, copy)
 
 
-def _new_world(t: _Tally, new: Plan, models: Mapping[str, ModelConfig], cold: int) -> None:
+def _new_world(t: _Tally, new: StageLayouts, models: Mapping[str, ModelConfig], cold: int) -> None:
     """What ``rehydrate_all`` runs: drop every shard, a new world (workers not prepared start and
     warm up first), every model-stage rehydrated from the checkpoint, every copy relinked."""
     t.call()
@@ -180,8 +179,8 @@ def _new_world(t: _Tally, new: Plan, models: Mapping[str, ModelConfig], cold: in
 
 
 def executed_cost(
-    old: Plan,
-    new: Plan,
+    old: StageLayouts,
+    new: StageLayouts,
     models: Mapping[str, ModelConfig],
     profile: HardwareProfile,
     *,
@@ -195,7 +194,7 @@ def executed_cost(
     """The cost of switching from ``old`` to ``new`` (every model-stage's layout) as the transition
     flow runs it. ``resize``: the device set changes (a new world of ``devices`` slots); ``cold``:
     how many of its workers were not started and warmed ahead. ``capacity``: bytes per slot."""
-    costs = costs or costs_for(profile)
+    costs = costs or profile.transitions
     keys = (_key(old), _key(new), tuple(sorted(models.items())))
     terms = _terms(*keys, profile.intra_bw, capacity, devices, resize, cold, costs)
     wire, ops, durable, link_bytes, calls = terms
@@ -204,7 +203,7 @@ def executed_cost(
     )
 
 
-def _key(plan: Plan) -> tuple[tuple[str, Layout], ...]:
+def _key(plan: StageLayouts) -> tuple[tuple[str, Layout], ...]:
     return tuple(sorted((str(k), v) for k, v in plan.items()))
 
 

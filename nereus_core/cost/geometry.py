@@ -2,7 +2,7 @@
 stage and the links each parallel axis of a layout uses, for one layout or an array of candidates.
 
 Boundary: numbers derived from a ``ModelConfig``, a ``HardwareProfile`` and layouts; no latency or
-memory formula (those are ``cost_terms``).
+memory formula (those are ``cost.terms``).
 
 Bytes per value (``value_bytes``): an fp32 model (the default) is counted at the profile's sizes,
 which describe the stack the profile stands for (the CPU runtime: fp32; the H100 profile: the bf16
@@ -64,7 +64,7 @@ class ModelStats:
         return self.layers * self.layer_params + self.head_params
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
-        """2 * layers * kv_heads * head_dim * bytes (hardware.md, "KV cache bytes/token")."""
+        """2 * layers * kv_heads * head_dim * bytes."""
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
 
 

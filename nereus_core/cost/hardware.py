@@ -1,9 +1,10 @@
 """Hardware profiles: what one device slot and the links between slots can do.
 
-A profile is the prior of the cost model (``cost_model.py``); calibration
+A profile is the prior of the cost model (``stage_cost.py``); calibration
 (``calibration.py``) scales its terms to what the running job measures. Two
 profiles ship: ``H100_SXM`` (the simulator's GPU, constants from
-shared/reference/hardware.md, each citing its row) and ``CPU_WORKERS`` (this
+public sources, each cited beside it: NVIDIA's H100 whitepaper, NCCL's and calculon's figures) and
+``CPU_WORKERS`` (this
 project's CPU runtime: Dask worker processes standing in for devices, constants
 measured on the development machine by ``benchmarks/bench_calibration.py
 --profile``).
@@ -21,7 +22,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# The latency terms of the cost model (cost_model.py's docstring defines them).
+from nereus_core.frozen import Frozen
+
+# The latency terms of the cost model (stage_cost.py's docstring defines them).
 COST_TERMS: tuple[str, ...] = (
     "compute",
     "decode",
@@ -32,6 +35,45 @@ COST_TERMS: tuple[str, ...] = (
     "overhead",
     "dispatch",
 )
+
+
+class TransitionCosts(Frozen):
+    """Per-operation and fixed costs of running a transition on a device pool, before calibration
+    the executed schedule's (``controller.transition_schedule.executed_cost``) and a durable switch's
+    from layouts alone (``durable_seconds``) both read them."""
+
+    call_s: float = Field(
+        default=0.02, ge=0, description="One device call: a wave of moves, an unload, a load, a relink, s."
+    )
+    groups_s: float = Field(default=0.01, ge=0, description="A layout's process groups built, s.")
+    engine_s: float = Field(
+        default=0.07, ge=0, description="A train stage's DeepSpeed engine built on its new devices, s."
+    )
+    message_s: float = Field(default=1e-3, ge=0, description="One point-to-point message to a peer, s.")
+    world_rebuild_s: float = Field(
+        default=0.06, ge=0, description="Every rank leaves the world and joins a new one, s."
+    )
+    worker_start_s: float = Field(
+        default=3.0, ge=0, description="Workers of a grow started and their actors placed (at once), s."
+    )
+    warm_up_s: float = Field(
+        default=8.0, ge=0, description="DeepSpeed's first engine on new workers (at once), s."
+    )
+    store_read_bandwidth: float = Field(
+        default=200e6, gt=0, description="Bytes/s one device reads back from the checkpoint."
+    )
+    # The analytic price from layouts alone (``transition_cost.estimate_transition``):
+    transition_op_overhead_s: float = Field(
+        default=0.01, ge=0, description="Fixed cost of one transition operation (one transfer), s."
+    )
+    group_setup_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Fixed cost of creating the process groups of a plan's changed layouts (in parallel), s.",
+    )
+    engine_rebuild_s: float = Field(
+        default=0.0, ge=0, description="Fixed cost of rebuilding the generation engine on a new layout, s."
+    )
 
 
 class HardwareProfile(BaseModel):
@@ -95,7 +137,7 @@ class HardwareProfile(BaseModel):
         "many slots busy on a node as it has cores (2 = plain time-sharing).",
     )
     # The five sizes below are an fp32 model's; a lower-precision model.dtype (bf16) is counted at
-    # its own sizes (cost_geometry.value_bytes).
+    # its own sizes (cost.geometry.value_bytes).
     weight_bytes: int = Field(ge=1, le=8, description="Bytes per parameter of the weights.")
     grad_bytes: int = Field(ge=1, le=8, description="Bytes per parameter of the gradients.")
     optimizer_bytes: int = Field(
@@ -122,20 +164,13 @@ class HardwareProfile(BaseModel):
     gradient_bucket_bytes: int = Field(
         default=2 * 10**9, gt=0, description="Gradient bytes per data-parallel all-reduce bucket."
     )
-    transition_op_overhead_s: float = Field(
-        default=0.01, ge=0, description="Fixed cost of one transition operation (one transfer), s."
-    )
-    group_setup_s: float = Field(
-        default=0.0,
-        ge=0,
-        description="Fixed cost of creating the process groups of a plan's changed layouts (in parallel), s.",
-    )
-    engine_rebuild_s: float = Field(
-        default=0.0, ge=0, description="Fixed cost of rebuilding the generation engine on a new layout, s."
+    transitions: TransitionCosts = Field(
+        default_factory=lambda: TransitionCosts(),
+        description="What a transition costs on this hardware: per operation, and fixed.",
     )
     term_scales: dict[str, float] = Field(
         default_factory=dict,
-        description="Per-term multipliers fitted once for this machine (cost_model term -> scale); "
+        description="Per-term multipliers fitted once for this machine (stage_cost term -> scale); "
         "the job's own calibration multiplies on top.",
     )
 
@@ -186,7 +221,7 @@ class HardwareProfile(BaseModel):
         return (busy_on_node / self.cores_per_node) ** math.log2(self.oversubscribed_slowdown)
 
 
-# H100 SXM, 8 per node. Every constant cites its row of shared/reference/hardware.md.
+# H100 SXM, 8 per node. Every constant cites its public source.
 H100_SXM = HardwareProfile(
     name="h100-sxm",
     peak_flops=989.4e12,  # "bf16 dense matmul | 989.4 TFLOP/s peak" (NVIDIA H100 whitepaper)
@@ -200,7 +235,7 @@ H100_SXM = HardwareProfile(
     inter_node_efficiency=0.9,  # "efficiency factors ... IB 0.9" (calculon)
     devices_per_node=8,  # "Hardware (H100 SXM, 8 GPUs per node)"
     memory_per_device=80 * 10**9,  # "HBM3 | 80 GB"
-    # Not in hardware.md: ~1 us per ring hop, so an 8-GPU all-reduce of a small buffer costs ~14 us
+    # Assumed: ~1 us per ring hop, so an 8-GPU all-reduce of a small buffer costs ~14 us
     # (NCCL's low-latency protocol is in that range); calibration corrects it.
     collective_latency_s=1e-6,
     layer_overhead_s=2e-5,  # assumed: ~10 kernel launches of ~2 us per layer (CUDA graphs do less)
@@ -226,14 +261,22 @@ H100_SXM = HardwareProfile(
     activation_recompute="selective",  # flash attention keeps no s*s scores (Korthikanti sec. 4.2)
     max_generate_waves=64,  # vLLM admits as many sequences as the KV cache holds
     gradient_bucket_bytes=2 * 10**9,
-    transition_op_overhead_s=1e-3,
-    # A plan change brings up new NCCL communicators: 8 of 8 ranks took 16.3 s (NVIDIA/nccl#534), so
-    # about 2 s for the groups created in parallel (more at scale; calibration on the job's measured
-    # transitions corrects it). A changed generation layout rebuilds the vLLM engine: "init engine
-    # (profile, create kv cache, warmup model) took 34.11 s" plus 7.51 s of Dynamo bytecode transform
-    # with a warm compile cache (vllm-project/vllm#20264).
-    group_setup_s=2.0,
-    engine_rebuild_s=34.11 + 7.51,
+    # The executed schedule's costs are placeholders of the right order (not measured here: NCCL
+    # communicators and engines cost seconds); calibration scales them.
+    transitions=TransitionCosts(
+        call_s=0.005,
+        engine_s=1.0,
+        world_rebuild_s=5.0,
+        store_read_bandwidth=2e9,
+        transition_op_overhead_s=1e-3,
+        # A plan change brings up new NCCL communicators: 8 of 8 ranks took 16.3 s (NVIDIA/nccl#534), so
+        # about 2 s for the groups created in parallel (more at scale; calibration on the job's measured
+        # transitions corrects it). A changed generation layout rebuilds the vLLM engine: "init engine
+        # (profile, create kv cache, warmup model) took 34.11 s" plus 7.51 s of Dynamo bytecode transform
+        # with a warm compile cache (vllm-project/vllm#20264).
+        group_setup_s=2.0,
+        engine_rebuild_s=34.11 + 7.51,
+    ),
 )
 
 # The CPU runtime (tasks/runtime/device_pool.py: one Dask worker process per slot, gloo, fp32,
@@ -274,7 +317,13 @@ CPU_WORKERS = HardwareProfile(
     activation_recompute="none",
     max_generate_waves=1,  # nereus_core/engine/forward.py generates the replica batch at once
     gradient_bucket_bytes=2 * 10**9,
-    transition_op_overhead_s=5e-3,
+    # The executed schedule's costs from the demo's journals (journal/<id>.jsonl: seconds per unit;
+    # four runs on a 2-core machine shared with other work, 2 and 4 slots): a wave moving two train
+    # stages 0.20-0.22 s, one train and two inference stages 0.11 s, two inference stages 0.03 s; a
+    # train stage rehydrated 0.05-0.09 s, an inference one 0.01-0.025 s; a relink (a call, maybe
+    # groups) 0.01-0.045 s; a prepared 2 -> 4 world 0.055-0.06 s. Starting and warming workers: the
+    # pool's own start-up (DeepSpeed's first engine ~8 s). These are the TransitionCosts defaults.
+    transitions=TransitionCosts(transition_op_overhead_s=5e-3),
     term_scales={
         "compute": 0.336,
         "decode": 5.55,

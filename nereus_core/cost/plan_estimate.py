@@ -1,6 +1,6 @@
 """Plan-level sums: a global plan's step time and memory per device from its stages' estimates.
 
-Boundary: how the per-stage numbers of ``cost_model.py`` add up for one plan
+Boundary: how the per-stage numbers of ``stage_cost.py`` add up for one plan
 (``plan.py`` says what a plan is; the controller says which plan to run).
 
 - ``colocated``: stages run one after another, so a step takes the sum of the
@@ -10,7 +10,7 @@ Boundary: how the per-stage numbers of ``cost_model.py`` add up for one plan
   fully_async), so a step takes the longer of the two pools (generation waits for
   the weight sync); without it the pools take turns and idle (OpenRLHF's default).
   Either way the actor's new weights go to the generation copy every step
-  (``cost_model.weight_sync_s``).
+  (``stage_cost.weight_sync_s``).
 
 Memory per device: state that stays between stages (weights, optimizer state)
 of every model-stage on the device adds up; gradients, activations and KV caches

@@ -8,9 +8,9 @@ conservative bound).
 
 Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
 - ``compute``: FLOPs / effective throughput; 2*params per token forward and 6*params
-  train, plus attention 4*L*h*s forward / 12*L*h*s train (hardware.md, "Training FLOPs").
+  train, plus attention 4*L*h*s forward / 12*L*h*s train (Narayanan et al. 2021).
 - ``decode``: memory-bound decode, per decode iteration (weights/tp + KV read) / HBM
-  bandwidth (hardware.md, "Decode is memory-bound"); a replica iterates until its longest
+  bandwidth (decode is memory-bound); a replica iterates until its longest
   sequence ends and the stage waits for the slowest replica (``Workload.response_max``).
 - ``tp_comm``: per layer 2 all-reduces forward (+2 backward) of b*s*h values, plus
   Megatron's vocab-parallel embedding/head collectives; a ring all-reduce moves
@@ -34,9 +34,9 @@ sharded over dp, activations (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) byte
 layer in 16-bit, divided by t under TP+SP), KV cache for generation (2*L*kv*d*bytes
 per token). Time uses the mean response length and the longest one (generation's
 stragglers), memory the high quantile. Bytes per value: the profile's for an fp32 model, the
-model's own for ``model.dtype: bf16`` (``cost_geometry.value_bytes``).
+model's own for ``model.dtype: bf16`` (``cost.geometry.value_bytes``).
 
-The formulas themselves, vectorized over candidate layouts, are in ``cost_terms``.
+The formulas themselves, vectorized over candidate layouts, are in ``cost.terms``.
 """
 
 from __future__ import annotations

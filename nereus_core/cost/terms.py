@@ -3,8 +3,8 @@
 Boundary: numbers in, numbers out. ``stage_tables`` evaluates every latency term
 and memory part of one model-stage for an array of candidate layouts at once
 (one entry per candidate), so the controller can rank thousands of layouts in a
-few numpy operations; ``cost_model.estimate`` calls it with a single layout.
-The formulas and their sources are listed in ``cost_model``'s docstring.
+few numpy operations; ``stage_cost.estimate`` calls it with a single layout.
+The formulas and their sources are listed in ``stage_cost``'s docstring.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ __all__ = [
 
 
 class WorkloadLike(Protocol):
-    """What the formulas read of a step's workload; ``cost_model.Workload`` is the one that validates it.
+    """What the formulas read of a step's workload; ``stage_cost.Workload`` is the one that validates it.
 
     A protocol, not an import: the cost model builds on these formulas, never the other way round.
     """
@@ -142,7 +142,7 @@ def _generate(
     A replica's batch runs in ``m`` waves of b/m sequences (m = 1 on the CPU runtime),
     each wave holding its own KV cache. Pipeline stages run one after another for
     every token, so compute and weight reads cover the whole model, split over tp only.
-    Stragglers (issue 17): a replica decodes until its longest sequence ends, and the
+    Stragglers: a replica decodes until its longest sequence ends, and the
     stage ends with the slowest replica, the one holding the step's longest response;
     with continuous batching the waves before the last refill at the mean pace, so a
     replica runs (m - 1) * mean + longest iterations. Each iteration reads the weights
@@ -159,13 +159,13 @@ def _generate(
     prompt, resp = work.prompt_len, work.response_mean
     ctx = prompt + resp / 2.0  # mean context a decode step attends to
     flops = profile.flops * tp / slow
-    # hardware.md "Training FLOPs": forward ~ 2*params per token + attention 4*L*h*s.
+    # Training FLOPs (Narayanan et al. 2021): forward ~ 2*params per token + attention 4*L*h*s.
     prefill = b * prompt * (2.0 * stats.flop_params + 4.0 * layers * h * prompt)
     decode_flops = resp * b * (2.0 * stats.flop_params + 4.0 * layers * h * ctx)
     sizes = value_bytes(stats, profile)
     kv_token = stats.kv_bytes_per_token(sizes.kv)
     tp_kv = np.minimum(tp, stats.kv_heads)
-    # hardware.md "Decode is memory-bound": (weight bytes / tp + KV bytes read) / HBM bandwidth.
+    # Decode is memory-bound: (weight bytes / tp + KV bytes read) / HBM bandwidth.
     weight_read, kv_read = stats.total_params * sizes.weight / tp, ctx * kv_token / tp_kv
     iters = (waves - 1.0) * resp + work.response_longest  # decode iterations of the slowest replica
     passes = waves + iters  # one prefill per wave and the decode iterations
@@ -219,14 +219,15 @@ def _forward_backward(
     sizes = value_bytes(stats, profile)
     alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
     act = sizes.activation
-    # hardware.md "Training FLOPs": 2*params + 4*L*h*s per token forward, 6*params + 12*L*h*s train.
+    # Training FLOPs (Narayanan et al. 2021): 2*params + 4*L*h*s per token forward, 6*params + 12*L*h*s train.
     mult, attn = (6.0, 12.0) if train else (2.0, 4.0)
     if train and profile.activation_recompute == "full":
         mult, attn = 8.0, 16.0  # one more forward per micro-batch
     compute_mb = (
         bm * seq * (mult * geo.stage_flop_params + attn * layers * h * seq) * slow / (profile.flops * tp)
     )
-    # hardware.md "TP traffic": 2 all-reduces per layer forward (+2 backward) of b*s*h values;
+    # TP traffic (Megatron-LM, Shoeybi et al. 2019): 2 all-reduces per layer forward (+2 backward) of
+    # b*s*h values;
     # plus the vocab-parallel embedding (1) and log-prob (3) all-reduces (Megatron-LM).
     reduces = (4 if train else 2) * layers
     tp_mb = (tp > 1) * (

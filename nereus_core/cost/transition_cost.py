@@ -2,10 +2,11 @@
 
 Boundary: pure arithmetic over layouts, model configs and a ``HardwareProfile`` (or the transfer
 list of a reshard plan), scaled by factors calibrated on the job's own measured transitions
-(``TransitionScales``). The per-operation and fixed costs of a transition on each hardware profile
-(``TransitionCosts``, ``costs_for``) live here, for the executed schedule's price
-(``transition_plan``) and the durable price from layouts alone. Per-stage step latency and memory
-are ``cost_model.py``'s.
+(``TransitionScales``). The per-operation and fixed costs of a transition are the hardware
+profile's own (``HardwareProfile.transitions``, a ``TransitionCosts``), read by the executed
+schedule's price (``controller.transition_schedule``) and by the durable price from layouts alone.
+Per-stage step latency and memory
+are ``stage_cost.py``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pydantic import Field
 
 from nereus_core.config import ModelConfig
 from nereus_core.cost.geometry import value_bytes
-from nereus_core.cost.hardware import HardwareProfile
+from nereus_core.cost.hardware import HardwareProfile, TransitionCosts
 from nereus_core.cost.stage_cost import stage_kind
 from nereus_core.cost.terms import Num, model_stats
 from nereus_core.frozen import Frozen
@@ -49,51 +50,6 @@ class TransitionScales(Frozen):
     def from_array(cls, values: Sequence[float]) -> TransitionScales:
         wire, ops, durable = (float(v) for v in values)
         return cls(wire=wire, ops=ops, durable=durable)
-
-
-class TransitionCosts(Frozen):
-    """Per-operation and fixed costs of running a transition on a device pool, before calibration
-    (issue 16): the executed schedule's (``transition_plan.executed_cost``) and a durable switch's
-    from layouts alone (``durable_seconds``) both read them."""
-
-    call_s: float = Field(
-        default=0.02, ge=0, description="One device call: a wave of moves, an unload, a load, a relink, s."
-    )
-    groups_s: float = Field(default=0.01, ge=0, description="A layout's process groups built, s.")
-    engine_s: float = Field(
-        default=0.07, ge=0, description="A train stage's DeepSpeed engine built on its new devices, s."
-    )
-    message_s: float = Field(default=1e-3, ge=0, description="One point-to-point message to a peer, s.")
-    world_rebuild_s: float = Field(
-        default=0.06, ge=0, description="Every rank leaves the world and joins a new one, s."
-    )
-    worker_start_s: float = Field(
-        default=3.0, ge=0, description="Workers of a grow started and their actors placed (at once), s."
-    )
-    warm_up_s: float = Field(
-        default=8.0, ge=0, description="DeepSpeed's first engine on new workers (at once), s."
-    )
-    store_read_bandwidth: float = Field(
-        default=200e6, gt=0, description="Bytes/s one device reads back from the checkpoint."
-    )
-
-
-# The CPU runtime, from the demo's journals (journal/<id>.jsonl: seconds per unit; four runs on a
-# 2-core machine shared with other work, 2 and 4 slots): a wave moving two train stages 0.20-0.22 s,
-# one train and two inference stages 0.11 s, two inference stages 0.03 s; a train stage rehydrated
-# 0.05-0.09 s, an inference one 0.01-0.025 s; a relink (a call, maybe groups) 0.01-0.045 s; a
-# prepared 2 -> 4 world 0.055-0.06 s. Starting and warming workers: the pool's own start-up
-# (README: DeepSpeed's first engine ~8 s). The H100 figures are not measured here (placeholders of
-# the right order: NCCL communicators and engines cost seconds); calibration scales them.
-COSTS: dict[str, TransitionCosts] = {
-    "cpu-workers": TransitionCosts(),
-    "h100-sxm": TransitionCosts(call_s=0.005, engine_s=1.0, world_rebuild_s=5.0, store_read_bandwidth=2e9),
-}
-
-
-def costs_for(profile: HardwareProfile) -> TransitionCosts:
-    """The transition costs of ``profile`` (the CPU runtime's for a profile without its own)."""
-    return COSTS.get(profile.name, COSTS["cpu-workers"])
 
 
 class TransitionEstimate(Frozen):
@@ -160,7 +116,7 @@ def transition_cost(
         sent_bytes[src] = sent_bytes.get(src, 0) + nbytes
         sent_bytes[dst] = sent_bytes.get(dst, 0) + nbytes
     wire = max([*send.values(), *recv.values(), 0.0])
-    ops_s = max(ops.values(), default=0) * profile.transition_op_overhead_s
+    ops_s = max(ops.values(), default=0) * profile.transitions.transition_op_overhead_s
     return TransitionEstimate.of(
         wire,
         ops_s,
@@ -222,8 +178,8 @@ def durable_seconds(
 
 
 def setup_seconds(old: dict[str, Layout], new: dict[str, Layout], profile: HardwareProfile) -> float:
-    """Fixed cost of bringing up the layouts of ``new`` whose degrees or devices differ from ``old``
-    (issue 17): their process groups, created in parallel (one ``group_setup_s``), and the
+    """Fixed cost of bringing up the layouts of ``new`` whose degrees or devices differ from ``old``:
+    their process groups, created in parallel (one ``group_setup_s``), and the
     generation engine rebuilt when generation's layout changed (``engine_rebuild_s``)."""
     changed = [
         s
@@ -233,8 +189,10 @@ def setup_seconds(old: dict[str, Layout], new: dict[str, Layout], profile: Hardw
     ]
     if not changed:
         return 0.0
-    engine = profile.engine_rebuild_s if any(stage_kind(s) == "generate" for s in changed) else 0.0
-    return profile.group_setup_s + engine
+    engine = (
+        profile.transitions.engine_rebuild_s if any(stage_kind(s) == "generate" for s in changed) else 0.0
+    )
+    return profile.transitions.group_setup_s + engine
 
 
 def analytic_transition_cost(
@@ -252,10 +210,10 @@ def analytic_transition_cost(
 
     ``durable`` (the device set changes, so the world is rebuilt): nothing moves device to device;
     every model-stage is rehydrated or relinked (one operation each) at ``durable_seconds`` of
-    ``costs`` (the profile's, ``costs_for``, unless given)."""
+    ``costs`` (the profile's, ``profile.transitions``, unless given)."""
     if durable:
-        ops_s = len(new) * profile.transition_op_overhead_s
-        fixed = durable_seconds(new, models, profile, costs or costs_for(profile))
+        ops_s = len(new) * profile.transitions.transition_op_overhead_s
+        fixed = durable_seconds(new, models, profile, costs or profile.transitions)
         return TransitionEstimate.of(
             0.0, ops_s, scales, fixed, critical_bytes=0, transfers=len(new), analytic=True
         )
@@ -269,7 +227,7 @@ def analytic_transition_cost(
         inter = inter or profile.spans_nodes((*layout.devices, *(before.devices if before else ())))
     bw = profile.inter_bw if inter else profile.intra_bw
     wire = total / bw + (profile.collective_latency_s if changed else 0.0)
-    ops_s = changed * profile.transition_op_overhead_s + setup_seconds(old, new, profile)
+    ops_s = changed * profile.transitions.transition_op_overhead_s + setup_seconds(old, new, profile)
     return TransitionEstimate.of(wire, ops_s, scales, critical_bytes=total, transfers=changed, analytic=True)
 
 

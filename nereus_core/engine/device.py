@@ -86,7 +86,7 @@ class DeviceContext:
         The rendezvous store is created here rather than by an ``init_method`` URL, so that rank 0
         serves it on ``listen_fd``: a listening socket its caller bound to ``master_addr`` (the store
         then listens on that interface only; it owns and closes the socket). Without one, torch binds
-        every interface (issue 12). Whatever DeepSpeed reads from the environment is the caller's.
+        every interface. Whatever DeepSpeed reads from the environment is the caller's.
         """
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(

@@ -3,7 +3,7 @@
 It is the device path of rehydrating a snapshot (``engine.reshard.durable_read``: build the new
 shard, read exactly this device's boxes, install them), with the model directory as a read-only
 ``StateStore``: every parameter box is read memory-mapped from the safetensors
-(``hf_files.read_slices``), so the full model never passes through the driver or through any one
+(``hf.files.read_slices``), so the full model never passes through the driver or through any one
 device. A train stage starts as a fresh optimizer would: zero AdamW moments, step 0.
 
 Which directory each model reads (``hf_source``):

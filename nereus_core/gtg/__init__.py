@@ -1,6 +1,7 @@
 """The Global Transition Graph (GTG): how a running job moves from plan A to plan B.
 
-What the paper says (shared/reference/paper.md, "Design"): a GTG "orders the transformations and
+What the Nereus paper says ("Nereus: adaptive parallelism for LLM post-training", arXiv 2609.34645,
+"Design"): a GTG "orders the transformations and
 GPU transfers of all EMUs: dependencies first (upstream before downstream), least contention for
 devices, no deadlock". Here that becomes:
 

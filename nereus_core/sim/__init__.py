@@ -4,7 +4,7 @@ cost model (the job's model-stages: ``SimConfig.stages``).
 Boundary: a trace (devices, capacity and lengths per step) and a hidden "truth"
 (the analytic cost model times seeded per-term factors and per-stage noise) go in;
 per-step records and per-strategy summaries come out. The strategies call the same
-``controller``, ``plan`` and ``cost_model`` code a running job does; nothing here
+``controller``, ``plan`` and ``stage_cost`` code a running job does; nothing here
 reads files, starts processes or knows Prefect or Dask (``tasks/sim_tasks.py`` and
 ``flows/simulate.py`` do that).
 """

@@ -1,4 +1,5 @@
-"""verl and OpenRLHF as fixed-plan strategies, modelled from shared/reference/baselines.md.
+"""verl and OpenRLHF as fixed-plan strategies, modelled from their documentation (verl's HybridFlow
+placement, OpenRLHF's Ray placement).
 
 Both keep one plan for the whole run (neither changes TP/PP while it runs), pay the
 weight sync from the trainer to the rollout engine every step, and run through the
@@ -10,7 +11,7 @@ waves, verl's dynamic batch size) are re-picked every step at the true cost.
 
 - ``verl`` (HybridFlow, ``main_ppo.py``): every role colocated in one pool and
   time-shared, so a step is the sum of its stages plus the colocated reshard of the
-  actor into the rollout layout (3D-HybridEngine; ``cost_model.weight_sync_s``).
+  actor into the rollout layout (3D-HybridEngine; ``stage_cost.weight_sync_s``).
   Training and inference may use Megatron TP/PP (verl supports it), so their layouts
   are the best in truth of the controller's search's candidates, colocated only; the rollout
   is vLLM with a launch-time ``tensor_model_parallel_size`` and no pipeline.

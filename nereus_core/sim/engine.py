@@ -108,7 +108,7 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
         predicted = strategy.predict(plan, work, world, k)
         fits = world.peak_bytes(plan, work) <= tr.memory_bytes(k)
         # A step whose plan does not fit fails: its attempt is lost and the job restarts from the last
-        # checkpoint (taken every step), then runs the step again (issue 17's accounting).
+        # checkpoint (taken every step), then runs the step again (accounting).
         restart = 0.0 if fits else stage_s + world.restart_s(plan)
         move = strategy.after(k, world, StepRun(k, plan, work, measured))
         decide_s, decide_wall = carried_s + move.decide_s, carried_wall + move.decide_wall_s

@@ -4,23 +4,23 @@ Boundary: pure arithmetic over a model's size, one step's response lengths and a
 (``Gpu``), with a handful of free constants (``WorldConstants``) fitted to real logs
 by ``fit`` (benchmarks/validate_cost_model.py fits them to verl's Qwen2.5-0.5B GSM8K
 PPO logs and checks them on the held-out gemma-2-2b log; ``FITTED`` is that fit).
-It shares no formula with ``cost_model``/``cost_terms``, so comparing the two can show
+It shares no formula with ``stage_cost``/``cost.terms``, so comparing the two can show
 the cost model wrong. ``world.World`` uses it as the simulator's truth.
 
-Generation (issue 17): each sequence's response length is drawn from the step's
+Generation: each sequence's response length is drawn from the step's
 distribution (a Beta between 1 and the step's max with the step's mean, its spread set
 so its p90 is the step's p90 where that is known, so the tail reaches the logged max);
 each DP replica runs continuous batching under its KV budget (a finished sequence frees
 its slot for a waiting one; paged KV, so a sequence holds the KV of its mean context);
 every decode iteration costs a fixed ``decode_step_s`` (scheduler, sampling, kernel
 launches), two all-reduces per layer under TP, and the larger of reading the weights /
-tp plus the active KV cache from HBM (hardware.md, "Decode is memory-bound") and the
+tp plus the active KV cache from HBM (decode is memory-bound) and the
 iteration's FLOPs; the stage ends with the slowest replica, plus ``generate_fixed_s``
 per step (engine wake-up, weight load into the engine, tokenisation). Summed over a
 replica, the KV read and the FLOPs do not depend on the schedule, only the number of
 iterations does (FCFS list scheduling onto the slots).
 Infer and train passes: a fixed cost per call plus FLOPs (2 x params per token forward,
-6 x train, plus attention 4 (12) x layers x hidden x seq; hardware.md "Training FLOPs")
+6 x train, plus attention 4 (12) x layers x hidden x seq; Narayanan et al. 2021)
 at ``mfu`` of the peak on the slowest DP replica, the pipeline bubble (m + p - 1) / m
 (Narayanan et al., 2021), TP all-reduces over the link, and the Adam step's memory traffic.
 """
@@ -42,15 +42,16 @@ class Gpu:
     peak_flops: float  # dense bf16 FLOP/s
     hbm_bytes_per_s: float
     memory_bytes: float
-    link_bytes_per_s: float = 380e9  # hardware.md: NVLink 4, ~380 GB/s measured one way (NVIDIA/nccl#1264)
+    link_bytes_per_s: float = 380e9  # NVLink 4, ~380 GB/s measured one way (NVIDIA/nccl#1264)
 
 
 # NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e, 80 GB; NVLink 3 300 GB/s one
 # way. The verl logs do not name their GPU; A100-80GB is assumed (verl's reference runs were on A100s).
 A100_80GB = Gpu("a100-80gb", 312e12, 2.039e12, 80e9, 300e9)
-# hardware.md "Hardware (H100 SXM)": 989.4 TFLOP/s bf16, 3.35 TB/s HBM3, 80 GB.
+# NVIDIA H100 whitepaper: 989.4 TFLOP/s bf16, 3.35 TB/s HBM3, 80 GB.
 H100_80GB = Gpu("h100-sxm", 989.4e12, 3.35e12, 80e9)
-# hardware.md: InfiniBand 50 GB/s per GPU at 0.9 efficiency (calculon), for TP groups beyond one node.
+# InfiniBand 50 GB/s per GPU (8 x 400 Gb/s per node) at 0.9 efficiency (calculon-ai/calculon), for TP
+# groups beyond one node.
 INTER_NODE_BYTES_PER_S = 0.9 * 50e9
 # One small all-reduce inside a node: ~6 us on 2 H100s with NVLS and CUDA graphs, more with more GPUs
 # (NVIDIA/nccl#1259); 10 us taken.

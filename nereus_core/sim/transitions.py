@@ -16,7 +16,7 @@ one host) are not used: they say nothing of NCCL on GPUs.
 - A restart after a step fails for memory: a new engine, the world's process groups, and
   the lost step (charged by the engine).
 - Weight sync each step: at least the measured 0.57 s (colocated FSDP -> vLLM) or 0.70 s
-  (NCCL broadcast) for a 7-8B actor (volcengine/verl PR 116, hardware.md).
+  (NCCL broadcast) for a 7-8B actor (volcengine/verl pull request 116).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ simulation runs). The few Dask names those callers need are re-exported here, so
 that ``tests/test_layering.py`` can hold Dask to this one file. ``interface_of`` names the
 network interface of an address, for the device actors' torch.distributed world.
 
-Three things Dask does not do safely for Nereus are done here (issue 13). A worker puts its local
+Three things Dask does not do safely for Nereus are done here. A worker puts its local
 directory first on ``sys.path``, and that directory holds a ``storage/`` spill directory that would
 shadow Nereus's own ``storage`` package: ``guard_imports`` runs ``worker_imports``'s check on each
 worker, which takes it off before anything of Nereus is imported there and checks that each Nereus
@@ -334,7 +334,7 @@ class DaskCluster:
 
 # Before a worker process starts (glibc reads it once): tensors under 32 MiB (glibc's largest
 # threshold) come from the heap, whose freed memory the next shard reuses, instead of fresh mmaps
-# that every new shard pays page faults for (fresh memory here: 2.9 GB/s, warm 18 GB/s). Issue 16:
+# that every new shard pays page faults for (fresh memory here: 2.9 GB/s, warm 18 GB/s). With it,
 # live reshards of a 70M-parameter model 1.8-2.8x faster (benchmarks/bench_reshard.py --compare-env).
 WORKER_PRE_SPAWN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}
 

@@ -16,7 +16,7 @@ a fresh rendezvous); the layouts' groups die with it and callers rebuild them.
 The rendezvous store listens on rank 0's own worker address only (loopback for a
 local cluster), on a socket that rank 0's actor opens before anyone joins.
 
-No wait is unbounded (issue 13): before an actor is placed, its worker's import path is
+No wait is unbounded: before an actor is placed, its worker's import path is
 checked (``DaskCluster.guard_imports``); calls go through ``DaskCluster.call_actor``, whose
 futures always resolve; and while the driver waits on a call, the ranks' workers are polled,
 so that a lost one fails the call with its cause (``tasks.runtime.pool_workers``).

@@ -2,7 +2,7 @@
 
 Boundary: ``place_actors`` puts one ``DeviceActor`` on each of some workers (their import path
 checked first); ``free_workers`` waits for the workers a pool of ``devices`` still lacks.
-``Growth`` does both in a background thread for a grow that has not happened yet (issue 16): it
+``Growth`` does both in a background thread for a grow that has not happened yet: it
 starts the extra workers, places their actors and runs ``warm`` on them in a torch.distributed
 world of their own (the new workers only, left again at the end), while the pool's own world keeps
 running steps. ``tasks.runtime.device_pool.DevicePool.resize`` then only forms the new world with the

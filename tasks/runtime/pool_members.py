@@ -3,7 +3,7 @@
 Boundary: the membership half of ``tasks.runtime.device_pool.DevicePool`` (a base class it extends): the
 rank order of worker addresses, their actors, a grow prepared in the background
 (``tasks.runtime.pool_growth.Growth``) and the workers a shrink let go. The world over the members and
-the calls to them are ``device_pool``'s. Issue 16: a grow is prepared while the job runs
+the calls to them are ``device_pool``'s. A grow is prepared while the job runs
 (``prepare``; ``ready_devices`` says when it is warm); a shrink forms the smaller world at once and
 retires the workers that left only afterwards (``retire_left``), so that the switch's pause holds
 no worker shutdown. Nothing here decides when to grow or shrink: the job flow does.

@@ -3,7 +3,7 @@
 Boundary: no Dask here (``tasks.runtime.cluster`` runs the check on the workers and turns its answer
 into a ``ClusterError``). A Dask worker puts its local directory first on ``sys.path``, and that
 directory holds a ``storage/`` spill directory that would shadow Nereus's own ``storage``
-package (issue 13): the check takes it off before anything of Nereus is imported there, and
+package: the check takes it off before anything of Nereus is imported there, and
 reports the first package that does not resolve as on the driver.
 """
 

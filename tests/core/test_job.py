@@ -1,6 +1,6 @@
 """nereus_core.job: the job's state machine, without a pool, Prefect or files.
 
-The drift tests reproduce issue 11's bug: the controller stored plan B before anything ran, so a
+The drift tests reproduce the bug: the controller stored plan B before anything ran, so a
 refused, aborted or GTG-refused switch left it believing in a plan the job did not run.
 """
 

@@ -159,7 +159,7 @@ def test_resume_does_not_check_the_initial_plan() -> None:
     assert len(problems(cfg, BIG)) == 1
 
 
-# Llama-3.1-8B's shapes (issue 13: such a config on CPU died as "Worker holding Actor was lost").
+# Llama-3.1-8B's shapes (such a config on CPU died as "Worker holding Actor was lost").
 LLAMA_8B = {
     "vocab_size": 128256,
     "hidden_size": 4096,

@@ -32,8 +32,9 @@ H100 = H100_SXM.model_copy(
         "infer_call_s": 0.0,
         "train_call_s": 0.0,
         "decode_step_s": 0.0,
-        "group_setup_s": 0.0,
-        "engine_rebuild_s": 0.0,
+        "transitions": H100_SXM.transitions.model_copy(
+            update={"group_setup_s": 0.0, "engine_rebuild_s": 0.0}
+        ),
     }
 )
 

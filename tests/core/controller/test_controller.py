@@ -227,7 +227,7 @@ def test_measured_transitions_calibrate_the_transition_cost() -> None:
 
 
 def test_a_change_of_devices_is_priced_durable_and_calibrated_on_the_durable_switches_that_ran() -> None:
-    """Issue 16: a switch onto another device count rebuilds the world; its cost was predicted 0
+    """A switch onto another device count rebuilds the world; its cost was predicted 0
     when the plan stayed. It carries the durable fixed cost, and what such a switch took scales it."""
     state = fresh(dwell=0)
     start = decide(observe(4, 80 * GB, work()), state)
@@ -246,7 +246,7 @@ def test_a_change_of_devices_is_priced_durable_and_calibrated_on_the_durable_swi
 @FAST
 @given(mini_batches=st.sampled_from([1, 2, 4, 8]), devices=st.sampled_from([4, 8, 16]))
 def test_the_search_obeys_the_mini_batch_rule_the_job_runs_by(mini_batches: int, devices: int) -> None:
-    """Issue 11: the plan search knew only the batch, so it could pick a train layout whose replicas
+    """The plan search knew only the batch, so it could pick a train layout whose replicas
     do not divide batch/mini_batches, which the job then refused. It now asks plan.stage_rows."""
     w = work(batch=16).model_copy(update={"mini_batches": mini_batches})
     d = decide(observe(devices, 80 * GB, w), fresh())

@@ -1,4 +1,4 @@
-"""Issue 17, no thrashing (nereus_core/controller/decide.py, nereus_core/controller/admission.py): a
+"""No thrashing (nereus_core/controller/decide.py, nereus_core/controller/admission.py): a
 growing workload
 does not force repeated moves, a switch that measures slower is undone once and not retried, and
 gains too small or within the noise are refused."""
@@ -38,7 +38,7 @@ def _grow(steps: int, capacity: int, **kw) -> list[tuple[int, bool]]:
 
 
 def test_a_slowly_growing_workload_does_not_force_repeated_moves() -> None:
-    """Issue 17: a forced move picked a plan at the memory edge for today's lengths, which overflowed
+    """A forced move picked a plan at the memory edge for today's lengths, which overflowed
     a few steps later. With the forecast and the choosing margin it lasts; without them (the old
     rule) the same growth forces a move every 10-25 steps."""
     new = _grow(120, 16 * GB)
@@ -79,7 +79,7 @@ def _flip_world(steps: int, slow_after: int) -> list[str]:
 
 
 def test_a_switch_that_measures_slower_is_undone_once_and_not_retried(monkeypatch) -> None:
-    """Issue 17: the demo went A -> B -> A -> B, one switch per dwell period. B measures slower than
+    """The demo went A -> B -> A -> B, one switch per dwell period. B measures slower than
     predicted, so the controller goes back to A (measured beats predicted) and, as the workload stays,
     never tries B again, even when A's later steps measure slower than B once did."""
     path = _flip_world(40, slow_after=10)
@@ -87,14 +87,14 @@ def test_a_switch_that_measures_slower_is_undone_once_and_not_retried(monkeypatc
     assert path[:3] == [a, b, a]
     assert b not in path[2:]  # other plans may be tried once A slows, B never again
     # Without the verdict "B was slower", the noisy A steps send it back to B: A -> B -> A -> B.
-    from nereus_core.controller.decide import ph
+    from nereus_core.controller import history
 
-    monkeypatch.setattr(ph, "mark_left", lambda records, plan_id, for_id: tuple(records))
+    monkeypatch.setattr(history, "mark_left", lambda records, plan_id, for_id: tuple(records))
     assert _flip_world(40, slow_after=10)[:4] == [a, b, a, b]
 
 
 def test_tiny_gains_are_refused() -> None:
-    """Issue 17: gains of 1e-4 s on 20 s steps were admitted because the move looked cheaper still."""
+    """Gains of 1e-4 s on 20 s steps were admitted because the move looked cheaper still."""
     from nereus_core.controller.admission import Basis, Option, admit
     from nereus_core.cost.transition_cost import TransitionEstimate
 
@@ -115,7 +115,7 @@ def test_tiny_gains_are_refused() -> None:
 
 
 def test_gains_are_weighed_like_with_like_and_above_the_noise() -> None:
-    """Issue 17: the plan in force's measured median (noisy) against the candidates' predictions let
+    """The plan in force's measured median (noisy) against the candidates' predictions let
     the noise choose between plans predicted within 0.5 % of each other. On a common basis a
     measurement scales both sides; a gain within the measured noise is refused."""
     from nereus_core.controller.admission import Basis, Option, admit

@@ -1,4 +1,4 @@
-"""nereus_core.cost.stage_cost: formulas against hand computations (hardware.md), monotonicity,
+"""nereus_core.cost.stage_cost: formulas against hand computations, monotonicity,
 calibration."""
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from nereus_core.cost.transition_cost import (
     TransitionCosts,
     TransitionScales,
     analytic_transition_cost,
-    costs_for,
     reshard_bytes,
     transition_cost,
     weight_sync_s,
@@ -64,7 +63,7 @@ def test_decode_step_of_8b_on_one_h100_is_about_4_8_ms() -> None:
     # One sequence, one token of context: the weights dominate the bytes read per step.
     w = Workload(batch=1, prompt_len=1, response_mean=1, response_high=1)
     raw = estimate("actor/generate", Layout.contiguous(), w, LLAMA_8B, IDEAL).raw
-    assert raw["decode"] == pytest.approx(4.8e-3, rel=0.01)  # hardware.md "about 4.8 ms"
+    assert raw["decode"] == pytest.approx(4.8e-3, rel=0.01)  # 8B on one H100: about 4.8 ms
     real = estimate("actor/generate", Layout.contiguous(), w, LLAMA_8B, H100_SXM).raw
     assert real["decode"] == pytest.approx(4.8e-3 / 0.9, rel=0.01)  # calculon's HBM efficiency 0.9
     # tp=2 halves the weight bytes each device reads per step.
@@ -92,7 +91,7 @@ def test_forward_compute_and_tp_traffic_by_hand() -> None:
     stats = model_stats(LLAMA_8B)
     seq, h, layers = 128, 4096, 32
     one = estimate("reference/infer", Layout.contiguous(), w, LLAMA_8B, H100_SXM).raw
-    flops = 4 * seq * (2 * stats.flop_params + 4 * layers * h * seq)  # hardware.md forward FLOPs
+    flops = 4 * seq * (2 * stats.flop_params + 4 * layers * h * seq)  # forward FLOPs
     assert one["compute"] == pytest.approx(flops / (989.4e12 * 0.47))
     two = estimate("reference/infer", Layout.contiguous(tp=2), w, LLAMA_8B, H100_SXM).raw
     assert two["compute"] == pytest.approx(one["compute"] / 2)
@@ -192,9 +191,9 @@ def test_reshard_bytes_follow_hybridflow() -> None:
 
 
 def test_a_durable_switch_costs_its_fixed_costs_even_when_no_layout_changes() -> None:
-    """Issue 16: a durable switch (the world is rebuilt) was priced by its changed layouts only: 0 s
+    """A durable switch (the world is rebuilt) was priced by its changed layouts only: 0 s
     for the demo's grow that keeps the plan. It now pays the profile's transition costs
-    (``costs_for``, as the executed schedule does): one world, one engine per train stage, and each
+    (``profile.transitions``, as the executed schedule does): one world, one engine per train stage, and each
     stage's busiest device reading its shard from the checkpoint (weights over tp*pp, optimizer
     state over the whole world); the inference copies (actor/generate, critic/infer) are relinked,
     not read."""
@@ -202,7 +201,7 @@ def test_a_durable_switch_costs_its_fixed_costs_even_when_no_layout_changes() ->
     models = dict.fromkeys(("actor", "critic", "reference", "reward"), LLAMA_8B)
     params = model_stats(LLAMA_8B).total_params
     for profile in (CPU_WORKERS, H100_SXM):
-        costs, per = costs_for(profile), value_bytes(model_stats(LLAMA_8B), profile)
+        costs, per = profile.transitions, value_bytes(model_stats(LLAMA_8B), profile)
         live = analytic_transition_cost(plan, plan, models, profile)
         assert live.seconds == 0 and live.durable_s == 0
         est = analytic_transition_cost(plan, plan, models, profile, durable=True)
@@ -212,7 +211,9 @@ def test_a_durable_switch_costs_its_fixed_costs_even_when_no_layout_changes() ->
         assert read == pytest.approx(sum(reshard_bytes(s, None, plan[s], LLAMA_8B, profile) for s in owners))
         fixed = costs.world_rebuild_s + trains * costs.engine_s
         assert est.durable_s == pytest.approx(fixed + read / costs.store_read_bandwidth)
-        assert est.wire_s == 0 and est.ops_s == pytest.approx(len(plan) * profile.transition_op_overhead_s)
+        assert est.wire_s == 0 and est.ops_s == pytest.approx(
+            len(plan) * profile.transitions.transition_op_overhead_s
+        )
         assert est.seconds == pytest.approx(est.durable_s + est.ops_s)
         slower = analytic_transition_cost(
             plan, plan, models, profile, TransitionScales(durable=3.0), durable=True
@@ -221,7 +222,7 @@ def test_a_durable_switch_costs_its_fixed_costs_even_when_no_layout_changes() ->
         assert slower.terms == est.terms == (0.0, est.ops_s, est.durable_s)  # what calibration fits
         small = analytic_transition_cost(plan, plan, dict.fromkeys(models, MID), profile, durable=True)
         assert fixed < small.durable_s < est.durable_s  # the reads grow with the model
-    assert costs_for(H100_SXM).world_rebuild_s > costs_for(CPU_WORKERS).world_rebuild_s  # NCCL, not gloo
+    assert H100_SXM.transitions.world_rebuild_s > CPU_WORKERS.transitions.world_rebuild_s  # NCCL, not gloo
     given = TransitionCosts(world_rebuild_s=2.0, engine_s=0.5, store_read_bandwidth=1e9)
     est = analytic_transition_cost(plan, plan, models, H100_SXM, durable=True, costs=given)
     read = 2 * params * (2 / 4 + 12 / 8) + 2 * params * 2 / 4
@@ -296,7 +297,7 @@ def test_estimate_many_matches_estimate_and_profiles_validate_their_scales() -> 
     )
 
 
-# ------------------------------------------------------------------ what the world shows matters (issue 17)
+# ------------------------------------------------------------------ what the world shows matters
 
 
 def test_generation_waits_for_the_longest_response() -> None:
@@ -345,7 +346,7 @@ def test_workload_keeps_the_longest_response() -> None:
 
 
 def test_a_plan_change_pays_group_setup_and_an_engine_rebuild() -> None:
-    """Issue 17: moves were priced at bytes over links plus 1 ms per op (0.002-0.9 s), while bringing
+    """Moves were priced at bytes over links plus 1 ms per op (0.002-0.9 s), while bringing
     up new process groups and a new generation engine takes tens of seconds."""
     from nereus_core.cost.transition_cost import setup_seconds
 
@@ -355,9 +356,14 @@ def test_a_plan_change_pays_group_setup_and_an_engine_rebuild() -> None:
     train_moved = {**old, "actor/train": Layout.contiguous(tp=4, dp=2)}
     gen_moved = {**old, "actor/generate": Layout.contiguous(tp=8)}
     assert setup_seconds(old, retuned, H100_SXM) == 0  # no state moves: nothing to bring up
-    assert setup_seconds(old, train_moved, H100_SXM) == H100_SXM.group_setup_s > 0
-    assert setup_seconds(old, gen_moved, H100_SXM) == H100_SXM.group_setup_s + H100_SXM.engine_rebuild_s
+    assert setup_seconds(old, train_moved, H100_SXM) == H100_SXM.transitions.group_setup_s > 0
+    assert (
+        setup_seconds(old, gen_moved, H100_SXM)
+        == H100_SXM.transitions.group_setup_s + H100_SXM.transitions.engine_rebuild_s
+    )
     est = analytic_transition_cost(old, gen_moved, models, H100_SXM)
-    assert est.ops_s == pytest.approx(H100_SXM.transition_op_overhead_s + 2.0 + 41.62)
+    assert est.ops_s == pytest.approx(H100_SXM.transitions.transition_op_overhead_s + 2.0 + 41.62)
     assert est.seconds > 40 and est.terms[1] == est.ops_s  # calibration scales it with the ops
-    assert CPU_WORKERS.group_setup_s == CPU_WORKERS.engine_rebuild_s == 0  # the CPU runtime's own fit
+    assert (
+        CPU_WORKERS.transitions.group_setup_s == CPU_WORKERS.transitions.engine_rebuild_s == 0
+    )  # the CPU runtime's own fit

@@ -1,4 +1,4 @@
-"""The cost model (cost_geometry.value_bytes, cost_terms) and the GTG (gtg/build.py, graph.py) count
+"""The cost model (cost.geometry.value_bytes, cost.terms) and the GTG (gtg/build.py, graph.py) count
 a ``model.dtype: bf16`` model's bytes as the EMU's shard maps size it; fp32 keeps the profile's."""
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def test_shipped_traces_parse_and_grow_to_1024_gpus() -> None:
     assert fixed.steps == 100 and set(fixed.devices.tolist()) == {64}
     w = fixed.workloads[0]
     assert w.batch == 8192 and w.response_high >= w.response_mean and w.prompt_len > 40
-    # generation waits for the step's longest response, which the trace gives (issue 17)
+    # generation waits for the step's longest response, which the trace gives
     assert w.response_max == max(int(fixed.response_max[0]), w.response_high)
     e = fixed.expected(9, 5)
     assert e.response_max == max(int(fixed.response_max[5:10].max()), e.response_high)
@@ -119,7 +119,7 @@ def test_calibration_learns_a_world_that_is_not_the_cost_model() -> None:
     strategy = make_strategy(cfg, "nereus")
     records, _ = simulate(world, strategy, trace="t", seed=0)
     summary = summarize_run(records)
-    # The prior has the world's per-call fixed costs and stragglers (issue 17), so it starts close,
+    # The prior has the world's per-call fixed costs and stragglers, so it starts close,
     # but the truth is another model: never exact (3.8 % here).
     assert 0.01 < summary["prediction_error_first5"] < 0.25
     # Calibration helps; scales on the cost model's terms cannot express every cost the world has,
@@ -340,7 +340,7 @@ def test_every_strategy_gets_recomputation_when_a_train_stage_would_not_fit() ->
     assert seconds[train] > plain_s  # at its time cost (one more forward)
 
 
-# ------------------------------------------------------------------ the stage-time world (issue 17)
+# ------------------------------------------------------------------ the stage-time world
 
 
 def test_world_generation_waits_for_the_tail_and_fit_recovers_its_constants() -> None:

@@ -1,5 +1,5 @@
 """nereus_core.sim on the shipped 1,000-step growing trace: how often Nereus moves, and whether the
-controller prices its moves near what the world charges (issue 17). About a minute: marked slow."""
+controller prices its moves near what the world charges. About a minute: marked slow."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_growing_trace_moves_are_few_and_priced_near_their_world_cost() -> None:
     assert s["transitions_devices"] == 11  # every device change forces one
     assert s["infeasible_steps"] == 0  # it never runs a plan that does not fit
     # 86 before the prior had fixed costs, 36 with them, 20 since admission compares plans like with
-    # like (11 forced by devices, 7 by memory: two capacity drops and length surges); issue 17: ~20.
+    # like (11 forced by devices, 7 by memory: two capacity drops and length surges); the aim: about 20.
     assert s["transitions"] <= 22
     assert s["transitions_gain"] <= 4
     chosen = [r for r in result.records if r["move"] == "switch" and r["reason"].startswith("gain")]

@@ -28,9 +28,9 @@ EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict[str, Any]]:
-    """Record the calls of fake ``ppo_job`` and ``selfcheck_flow`` flows; run in an empty directory."""
+    """Record the calls of fake ``rl_job`` and ``selfcheck_flow`` flows; run in an empty directory."""
     recorded: list[dict[str, Any]] = []
-    for module, name in (("flows.job.rl_job", "ppo_job"), ("flows.selfcheck", "selfcheck_flow")):
+    for module, name in (("flows.job.rl_job", "rl_job"), ("flows.selfcheck", "selfcheck_flow")):
         fake = types.ModuleType(module)
         setattr(fake, name, lambda **kwargs: recorded.append(kwargs))
         monkeypatch.setitem(sys.modules, module, fake)

@@ -1,5 +1,5 @@
 """The `nereus` CLI against hostile input: the real CLI in a subprocess, with Prefect, Dask and
-distributed unimportable, must refuse each case in one line before anything starts (issue 12)."""
+distributed unimportable, must refuse each case in one line before anything starts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Nereus as Prefect's users run it (issue 13), against a Prefect server (tests/flows/test_killed_driver.py:
+"""Nereus as Prefect's users run it, against a Prefect server (tests/flows/test_killed_driver.py:
 ``nereus run`` with its temporary one, killed).
 
 - A flow run whose process is killed becomes Crashed on its own (heartbeats every 30 s and the

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.job.rl_job import ppo_job
+from flows.job.rl_job import rl_job
 from nereus_core import faults
 from nereus_core.config import parse_config
 from storage import list_snapshots
@@ -59,7 +59,7 @@ def _run(
     faults.arm([fault])  # as the CLI does; the device pool arms it on the workers it starts
     try:
         with prefect_test_harness(server_startup_timeout=300):
-            ppo_job(config=parse_config(config), out_dir=str(out))
+            rl_job(config=parse_config(config), out_dir=str(out))
     finally:
         faults.arm(())
     return out
@@ -149,7 +149,7 @@ def test_resume_on_fewer_devices_replans_and_completes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_resume_on_more_devices_runs_on_the_checkpoint_s_until_the_new_workers_are_warm(tmp_path):
-    """Issue 16: ``nereus resume --devices 4`` of a run on 2 slots resumes on those 2 (its plan, bitwise),
+    """``nereus resume --devices 4`` of a run on 2 slots resumes on those 2 (its plan, bitwise),
     starts and warms two more workers while the steps run, and grows once they are warm: the grow's
     pause is the state movement, priced without starting or warming a worker."""
     data = _config(steps=14, snapshot_every=2, scenario=[], verify_transitions=True)

@@ -17,7 +17,7 @@ import torch
 from prefect.testing.utilities import prefect_test_harness
 
 from examples.rewards.digit_share import digit_share
-from flows.job.rl_job import ppo_job
+from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from nereus_core.dataset.sampler import Sampler
 from nereus_core.hf.tokenizer import chat_prompt_ids, load_tokenizer
@@ -55,7 +55,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     }
     out = root / "run"
     with prefect_test_harness(server_startup_timeout=300):
-        ppo_job(config=parse_config(cfg), out_dir=str(out))
+        rl_job(config=parse_config(cfg), out_dir=str(out))
     return out, model, train
 
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.job.rl_job import ppo_job
+from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from nereus_core.layout import Layout
 from nereus_core.plan import plan_id
@@ -54,7 +54,7 @@ def _config(**job: object) -> dict:
 def _run(tmp_path: Path, data: dict) -> Path:
     out = tmp_path / "run"
     with prefect_test_harness(server_startup_timeout=300):
-        ppo_job(config=parse_config(data), out_dir=str(out))
+        rl_job(config=parse_config(data), out_dir=str(out))
     return out
 
 

@@ -1,4 +1,4 @@
-"""flows/job/growth.py and the transition records the calibration is read back from (issue 16):
+"""flows/job/growth.py and the transition records the calibration is read back from:
 when the job grows without a pause, with a tiny fake pool (no Dask, no Prefect)."""
 
 from __future__ import annotations

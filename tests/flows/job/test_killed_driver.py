@@ -1,4 +1,4 @@
-"""``nereus run`` killed with SIGKILL leaves no process behind (issue 13): its temporary Prefect
+"""``nereus run`` killed with SIGKILL leaves no process behind: its temporary Prefect
 server, Dask workers and watchdog all end within seconds."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 import torch
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.job.rl_job import ppo_job
+from flows.job.rl_job import rl_job
 from nereus_core import rewards
 from nereus_core.config import parse_config
 from nereus_core.dataset.sampler import Sampler
@@ -48,7 +48,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def run(files: dict[str, Path], out: Path, **job: Any) -> Path:
     with prefect_test_harness(server_startup_timeout=300):
-        ppo_job(config=parse_config(config(files, **job)), out_dir=str(out))
+        rl_job(config=parse_config(config(files, **job)), out_dir=str(out))
     return out
 
 
@@ -141,7 +141,7 @@ def test_a_reward_function_that_raises_fails_the_step_and_keeps_the_checkpoint(
     cfg["validation"] = {"every": 0}
     out = tmp_path / "run"
     with prefect_test_harness(server_startup_timeout=300), pytest.raises(rewards.RewardError) as err:
-        ppo_job(config=parse_config(cfg), out_dir=str(out))
+        rl_job(config=parse_config(cfg), out_dir=str(out))
     assert (
         str(err.value)
         == f"reward function {tmp_path / 'my_reward.py'}:score raised KeyError: 'no answer field'"
@@ -173,7 +173,7 @@ def test_own_qwen2_on_gsm8k_through_a_live_and_a_durable_switch(
     cfg = config(files, **SWITCHES)
     cfg["cluster"]["memory_per_device"] = "44MiB"
     with prefect_test_harness(server_startup_timeout=300):
-        ppo_job(config=parse_config(cfg), out_dir=str(tmp_path / "run"))
+        rl_job(config=parse_config(cfg), out_dir=str(tmp_path / "run"))
     out = tmp_path / "run"
     summary = RunDir(out).read_summary()
     assert summary["status"] == "completed" and summary["transitions"] == 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.job.rl_job import ppo_job
+from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from storage import read_full_state
 from storage.run_dir import RunDir
@@ -42,7 +42,7 @@ def run_dir(tmp_path_factory, monkeypatch_module):
     out = tmp_path_factory.mktemp("run")
     monkeypatch_module.setenv("NEREUS_CACHE_DIR", str(out / "cache"))
     with prefect_test_harness(server_startup_timeout=300):
-        ppo_job(config=parse_config(SMALL), out_dir=str(out))
+        rl_job(config=parse_config(SMALL), out_dir=str(out))
     return out
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.job.rl_job import ppo_job
+from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from nereus_core.engine.forward import position_ids
 from storage.run_dir import STEPS_TABLE, RunDir
@@ -105,7 +105,7 @@ def test_the_reward_model_scores_each_rollout_as_transformers_does(
         48 if reward == "reward-own-shapes" else SHAPES["hidden_size"]
     )
     with prefect_test_harness(server_startup_timeout=300):
-        summary = ppo_job(config=cfg, out_dir=str(tmp_path / "run"))
+        summary = rl_job(config=cfg, out_dir=str(tmp_path / "run"))
     assert summary["reward_fit"] == {"first_mse": None, "last_mse": None}  # loaded, not fitted
     run = RunDir(tmp_path / "run")
     for step in range(2):

@@ -60,7 +60,7 @@ def test_transition_that_cannot_fit_is_refused_before_any_move(tmp_path) -> None
 def test_a_shrink_moves_every_state_bitwise_and_retires_the_workers_once_the_switch_committed(
     tmp_path,
 ) -> None:
-    """Issue 16: the job runs on the old plan until the switch; the workers plan B no longer uses
+    """The job runs on the old plan until the switch; the workers plan B no longer uses
     leave the world in it and retire only after its commit (``retire_s``, not in ``seconds``)."""
     cfg = parse_config(SMALL)
     plan_2 = {stage: Layout(tp=1, pp=2, dp=1, devices=(0, 1)) for stage in PLAN_B}

@@ -179,7 +179,7 @@ def test_external_scheduler_uses_its_workers() -> None:
 
 
 def test_a_scheduler_s_other_workers_are_reported_and_a_prepared_grow_is_ready_once_warm() -> None:
-    """Issue 16: the job grows onto workers a scheduler reports once they are warm, not before."""
+    """The job grows onto workers a scheduler reports once they are warm, not before."""
     with DaskCluster(3) as c, DevicePool(2, scheduler_address=c.address) as pool:
         assert pool.ready_devices == 2 and pool.reported_devices() == 3
         pool.prepare(3, warm=warm_note)
@@ -254,7 +254,7 @@ def test_unknown_scheduler_is_one_clear_error() -> None:
         DevicePool(2, scheduler_address="tcp://127.0.0.1:9", connect_timeout_s=1)
 
 
-# ------------------------------------------- issue 13: bounded waits, shadowing, lost workers
+# ------------------------------------------- Bounded waits, shadowing, lost workers
 # These use pool2 and run last in this module: the final one kills one of its workers.
 
 
@@ -277,7 +277,7 @@ def test_a_worker_imports_nereus_from_the_driver_s_installation_not_its_local_di
 
 
 def test_an_argument_the_worker_cannot_unpickle_fails_the_call_at_once(pool2: DevicePool) -> None:
-    """Dask's actor proxy waited for ever here (issue 13); the call now fails with the worker's message."""
+    """Dask's actor proxy waited for ever here; the call now fails with the worker's message."""
     module = types.ModuleType("only_in_the_driver")
     exec("class Thing:\n    pass\n", module.__dict__)
     module.Thing.__module__ = module.__name__

@@ -52,7 +52,7 @@ def test_grow_and_shrink_in_one_driver() -> None:
         assert pool.built_layouts == ()
         assert pool.run_all(world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
         assert worker_pids(pool) == first
-        # Issue 16: the workers that left the world retire after the switch, not during the resize.
+        # The workers that left the world retire after the switch, not during the resize.
         assert leaving <= child_pids()
         assert pool.retire_left() > 0 and pool.retire_left() == 0.0
         assert wait_until(lambda: not leaving & child_pids(), 30.0)  # their processes exit

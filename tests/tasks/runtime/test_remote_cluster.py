@@ -1,7 +1,7 @@
 """Several machines, on loopback: ``dask scheduler`` and ``dask worker`` started as the README says.
 
 The worker runs with Dask's default options, so its local directory holds the ``storage/`` spill
-folder that Dask puts first on its import path (issue 13: it shadowed Nereus's ``storage`` and the
+folder that Dask puts first on its import path (it shadowed Nereus's ``storage`` and the
 driver waited for ever). Both run in a working directory that holds a ``storage/`` folder too. A
 PPO job then runs through them with a checkpoint and a durable switch (a device change), and a
 worker whose ``storage`` really resolves to a folder is refused in one line naming it.
@@ -26,7 +26,7 @@ import pytest
 from distributed import Client
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.job.rl_job import ppo_job
+from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from storage.run_dir import RunDir
 from tasks.runtime.device_pool import DevicePool, DevicePoolError
@@ -145,7 +145,7 @@ def test_ppo_steps_with_a_checkpoint_and_a_durable_switch_run_on_separate_dask_p
         monkeypatch.setenv("NEREUS_CACHE_DIR", str(workdir / "cache"))
         start = time.monotonic()
         with prefect_test_harness(server_startup_timeout=300):
-            ppo_job(config=parse_config(data), out_dir=str(out))
+            rl_job(config=parse_config(data), out_dir=str(out))
         seconds = time.monotonic() - start
     summary = RunDir(out).read_summary()
     assert summary["status"] == "completed" and summary["steps"] == 3, summary
