@@ -15,13 +15,19 @@ Each checker is also run on small fake sources, to show that it can fail.
 from __future__ import annotations
 
 import ast
-from functools import cache
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("nereus_core", "storage", "tasks", "flows")
+from tests.support.source_imports import (
+    PACKAGES,
+    ROOT,
+    from_base,
+    imported_modules,
+    module_name,
+    project_sources,
+    sources,
+)
 
 DASK = {"dask", "distributed"}
 PREFECT = {"prefect"}
@@ -37,54 +43,6 @@ ALLOWED_ONLY_IN: dict[str, set[str]] = {
     **{name: {"tasks"} for name in DASK},
     "prefect": {"flows", "tasks"},
 }
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _call_name(func: ast.expr) -> str:
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return func.id if isinstance(func, ast.Name) else ""
-
-
-def _from_base(node: ast.ImportFrom, package: str) -> str:
-    """The absolute module a ``from ... import`` statement imports from."""
-    if not node.level:
-        return node.module or ""
-    parts = package.split(".")
-    parts = parts[: len(parts) - (node.level - 1)]
-    return ".".join([*parts, node.module] if node.module else parts)
-
-
-def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
-    """Absolute names of every module that ``source`` (the text of ``module``) imports."""
-    found: set[str] = set()
-    package = module if is_package else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = _from_base(node, package)
-            if base:
-                found.add(base)
-            # `from . import x` and `from pkg import sub` may import submodules.
-            found.update(f"{base}.{alias.name}" if base else alias.name for alias in node.names)
-        elif (
-            isinstance(node, ast.Call)
-            and _call_name(node.func) in {"import_module", "__import__"}
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            found.add(node.args[0].value)
-    return found
-
-
-def _sources() -> list[tuple[str, Path]]:
-    return [(pkg, path) for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py"))]
 
 
 def violations(package: str, imports: set[str]) -> list[str]:
@@ -107,10 +65,10 @@ def _id(value: object) -> str:
     return str(value.relative_to(ROOT)) if isinstance(value, Path) else str(value)
 
 
-@pytest.mark.parametrize(("package", "path"), _sources(), ids=_id)
+@pytest.mark.parametrize(("package", "path"), sources(), ids=_id)
 def test_imports_follow_the_layers(package: str, path: Path) -> None:
     source = path.read_text(encoding="utf-8")
-    imports = imported_modules(source, _module_name(path), is_package=path.name == "__init__.py")
+    imports = imported_modules(source, module_name(path), is_package=path.name == "__init__.py")
     assert violations(package, imports) == [], f"{path.relative_to(ROOT)}"
 
 
@@ -156,12 +114,6 @@ def test_allowed_imports_pass() -> None:
 
 DECORATOR_HOME = {"task": "tasks", "flow": "flows"}  # a Prefect task is defined in tasks/, a flow in flows/
 ENVIRONMENT = {"environ", "environb", "getenv", "putenv", "unsetenv"}
-
-
-@cache
-def _project_sources() -> dict[str, tuple[Path, str]]:
-    """Module name -> (path, text) of every module of the four packages."""
-    return {_module_name(path): (path, path.read_text(encoding="utf-8")) for _, path in _sources()}
 
 
 def prefect_decorators(source: str) -> list[tuple[str, int]]:
@@ -241,7 +193,7 @@ def _import_edges(source: str, module: str, is_package: bool, known: set[str]) -
     edges: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
-            base = _from_base(node, package)
+            base = from_base(node, package)
             subs = {f"{base}.{a.name}" for a in node.names} & known
             edges |= subs | ({base} if len(subs) < len(node.names) else set())
         elif isinstance(node, ast.Import | ast.Call):
@@ -280,28 +232,28 @@ def import_cycle(sources: dict[str, str], packages: set[str] = frozenset()) -> l
     return None
 
 
-@pytest.mark.parametrize(("package", "path"), _sources(), ids=_id)
+@pytest.mark.parametrize(("package", "path"), sources(), ids=_id)
 def test_prefect_tasks_live_in_tasks_and_flows_in_flows(package: str, path: Path) -> None:
-    module = _module_name(path)
+    module = module_name(path)
     assert misplaced_decorators(module, path.read_text(encoding="utf-8")) == []
 
 
 def test_dask_is_imported_by_one_module() -> None:
-    sources = {m: text for m, (_, text) in _project_sources().items()}
+    sources = {m: text for m, (_, text) in project_sources().items()}
     assert dask_importers(sources) == {"tasks.runtime.cluster"}
 
 
 def test_nereus_core_never_touches_the_environment() -> None:
     found = {
         str(path.relative_to(ROOT)): lines
-        for module, (path, text) in _project_sources().items()
+        for module, (path, text) in project_sources().items()
         if module.split(".")[0] == "nereus_core" and (lines := environment_uses(text))
     }
     assert found == {}, "nereus_core reads or sets environment variables; pass the values in"
 
 
 def test_no_import_cycles() -> None:
-    sources = _project_sources()
+    sources = project_sources()
     packages = {m for m, (path, _) in sources.items() if path.name == "__init__.py"}
     cycle = import_cycle({m: text for m, (_, text) in sources.items()}, packages)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
