@@ -17,17 +17,10 @@ def print_plan(cfg: NereusConfig, *, profile: str) -> int:
     cost and the runners-up; the exit status (1 when no plan fits)."""
     from nereus_core.controller.decide import ControllerState, Observation, decide
     from nereus_core.cost.hardware import get_profile
-    from nereus_core.cost.stage_cost import Workload
     from nereus_core.plan import GlobalPlan, default_plan
 
     hardware = get_profile(profile)
-    obs = Observation(
-        step=0,
-        remaining_steps=cfg.job.steps,
-        devices=cfg.cluster.devices,
-        memory_per_device=int(cfg.cluster.memory_per_device),
-        workload=Workload.from_config(cfg),
-    )
+    obs = Observation.before_start(cfg)
     fresh = ControllerState.initial(cfg.models, hardware, stages=cfg.stages)
     decision = decide(obs, fresh)
     print(_plan_header(cfg, hardware.name, obs, fresh.settings.headroom))

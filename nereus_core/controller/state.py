@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, NereusConfig
 from nereus_core.cost.calibration import CalibrationSettings, Sample
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.plan_estimate import PlanEstimate
@@ -127,6 +127,18 @@ class Observation(Frozen):
         description="Slots whose workers are started and warmed (a grow prepared ahead); None: "
         "the slots of the plan in force.",
     )
+
+    @classmethod
+    def before_start(cls, cfg: NereusConfig) -> Observation:
+        """What the controller sees before a job's first step: the config's devices, memory and
+        workload, no timings yet (``nereus plan`` and the preflight's reading of it)."""
+        return cls(
+            step=0,
+            remaining_steps=cfg.job.steps,
+            devices=cfg.cluster.devices,
+            memory_per_device=int(cfg.cluster.memory_per_device),
+            workload=Workload.from_config(cfg),
+        )
 
 
 class StepTerms(Frozen):

@@ -118,13 +118,7 @@ def test_one_byte_per_device_is_refused_with_or_without_adapt(adapt: bool) -> No
 def _controller_says_fits(cfg: NereusConfig) -> bool:
     """What ``nereus plan`` reports for the config's initial plan: the controller's estimate of it."""
     plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))
-    obs = Observation(
-        step=0,
-        remaining_steps=cfg.job.steps,
-        devices=cfg.cluster.devices,
-        memory_per_device=int(cfg.cluster.memory_per_device),
-        workload=Workload.from_config(cfg),
-    )
+    obs = Observation.before_start(cfg)
     state = ControllerState.initial(
         cfg.models, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan, devices=obs.devices
     )
