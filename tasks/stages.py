@@ -1,4 +1,4 @@
-"""Prefect tasks of one PPO step: one per stage, each a thin call into nereus_core on the pool.
+"""Prefect tasks of one PPO or GRPO step: one per stage, each a thin call into nereus_core on the pool.
 
 Every stage task returns ``(result, seconds inside the task)`` so the flow can
 tell the time spent in stages from the orchestration around them. Rollout
@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from nereus_core.count_task import make_prompts, rule_score, synthetic_responses
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.engine.train import score_mse_loss
 from nereus_core.layout import Layout
+from nereus_core.rl.algorithm import AlgorithmConfig
 from nereus_core.rl.ppo import PPOConfig
 from nereus_core.rl.rollout import (
     NO_STOP,
@@ -34,6 +37,7 @@ from nereus_core.rl.rollout import (
     actor_objective,
     compute_advantages,
     critic_objective,
+    grpo_objective,
     minibatch_rows,
 )
 from tasks import model_ops
@@ -170,9 +174,35 @@ def advantages(rollout: Rollout, settings: PPOConfig) -> Timed:
     return timed(compute_advantages, rollout, settings)
 
 
-# What train returns for each model: the loss and the statistics verl logs per PPO step.
+# What train returns for each model: the loss and the statistics verl logs per PPO step; GRPO's
+# actor adds the KL loss term's estimate (verl's actor/kl_loss).
 ACTOR_STATS = ("loss", "clip_frac", "approx_kl", "entropy", "grad_norm")
 CRITIC_STATS = ("loss", "value_clip_frac", "grad_norm")
+GRPO_ACTOR_STATS = (*ACTOR_STATS, "kl_loss")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a train stage minimises and reports: the loss of a mini-batch, the statistics kept, whether
+    the policy's entropy is computed, and the group size whose groups mini-batches keep whole."""
+
+    loss: Callable[..., Any]
+    keys: tuple[str, ...]
+    with_entropy: bool
+    group_size: int = 1
+
+
+def ppo_objective(settings: PPOConfig, *, critic: bool) -> Objective:
+    """PPO's clipped policy loss (actor/train) or clipped value loss (critic/train)."""
+    if critic:
+        return Objective(functools.partial(critic_objective, settings=settings), CRITIC_STATS, False)
+    return Objective(functools.partial(actor_objective, settings=settings), ACTOR_STATS, True)
+
+
+def grpo_actor_objective(settings: PPOConfig, algorithm: AlgorithmConfig) -> Objective:
+    """GRPO's policy loss on group advantages, over mini-batches of whole groups."""
+    loss = functools.partial(grpo_objective, settings=settings, algorithm=algorithm)
+    return Objective(loss, GRPO_ACTOR_STATS, True, algorithm.group_size)
 
 
 def train_epochs(
@@ -181,53 +211,31 @@ def train_epochs(
     rollout: Rollout,
     *,
     name: str,
-    objective: Any,
-    keys: tuple[str, ...],
+    objective: Objective,
     settings: PPOConfig,
     seed: int,
-    with_entropy: bool,
-    group_size: int = 1,
 ) -> dict[str, float]:
     """``settings.ppo_epochs`` passes of optimizer steps over ``settings.mini_batches`` seeded
-    mini-batches (of whole groups of ``group_size`` rows) with the loss ``objective``; returns the
-    statistics ``keys``: each the mean over optimizer steps (mini-batches x epochs) of each step's
-    mean over micro-batches and replicas (grad_norm is one value per optimizer step)."""
+    mini-batches (of whole groups of ``objective.group_size`` rows) with the loss ``objective``;
+    returns its statistics: each the mean over optimizer steps (mini-batches x epochs) of each
+    step's mean over micro-batches and replicas (grad_norm is one value per optimizer step)."""
     gen = torch.Generator().manual_seed(seed)
     steps = []
     for _ in range(settings.ppo_epochs):
-        for rows in minibatch_rows(rollout.prompts.shape[0], settings.mini_batches, gen, group_size):
+        rows_of = minibatch_rows(rollout.prompts.shape[0], settings.mini_batches, gen, objective.group_size)
+        for rows in rows_of:
             batch = rollout.train_batch(rows)
             steps.append(
                 model_ops.train_stats(
-                    pool, layout, batch, name=name, loss_fn=objective, with_entropy=with_entropy
+                    pool,
+                    layout,
+                    batch,
+                    name=name,
+                    loss_fn=objective.loss,
+                    with_entropy=objective.with_entropy,
                 )
             )
-    return {key: sum(step[key] for step in steps) / len(steps) for key in keys if key in steps[0]}
-
-
-def _train_epochs(
-    pool: DevicePool,
-    layout: Layout,
-    rollout: Rollout,
-    *,
-    name: str,
-    critic: bool,
-    settings: PPOConfig,
-    seed: int,
-) -> dict[str, float]:
-    objective = functools.partial(critic_objective if critic else actor_objective, settings=settings)
-    keys = CRITIC_STATS if critic else ACTOR_STATS
-    return train_epochs(
-        pool,
-        layout,
-        rollout,
-        name=name,
-        objective=objective,
-        keys=keys,
-        settings=settings,
-        seed=seed,
-        with_entropy=not critic,
-    )
+    return {key: sum(step[key] for step in steps) / len(steps) for key in objective.keys if key in steps[0]}
 
 
 @task(cache_policy=NO_CACHE)
@@ -237,17 +245,18 @@ def train(
     rollout: Rollout,
     *,
     name: str,
-    critic: bool,
+    objective: Objective,
     settings: PPOConfig,
     seed: int,
     sync: tuple[Layout, str, ModelConfig] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """actor/train or critic/train: PPO epochs over shuffled mini-batches, then (``sync``: the
-    inference copy's layout, name and config) the new weights into the inference layout. Returns
-    ``(stats, timings)``: the mean loss and statistics over the optimizer steps (``ACTOR_STATS`` or
-    ``CRITIC_STATS``), and the seconds of ``train`` and ``sync``, each timed on its own."""
+    """A train stage (actor/train or critic/train, PPO's or GRPO's ``objective``): epochs over
+    shuffled mini-batches, then (``sync``: the inference copy's layout, name and config) the new
+    weights into the inference layout. Returns ``(stats, timings)``: the mean loss and statistics
+    over the optimizer steps (``objective.keys``), and the seconds of ``train`` and ``sync``, each
+    timed on its own."""
     stats, seconds = timed(
-        _train_epochs, pool, layout, rollout, name=name, critic=critic, settings=settings, seed=seed
+        train_epochs, pool, layout, rollout, name=name, objective=objective, settings=settings, seed=seed
     )
     timings = {"train": seconds}
     if sync is not None:

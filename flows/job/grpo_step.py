@@ -19,7 +19,7 @@ from nereus_core import job
 from nereus_core.plan import ModelStage
 from nereus_core.prompt_source import PromptSource
 from nereus_core.rl import rollout
-from tasks import grpo_stages
+from tasks import stages
 from tasks.runtime.device_pool import DevicePool
 
 # The forward passes over the rollout, of those the job has (actor/train: the old log-probs).
@@ -52,13 +52,13 @@ def run_step(
     config = job.model_config(cfg, source)
     sync = None if generate in state.aliased else (plan[generate], str(generate), config)
     with records.task_call(step, pid) as call:
-        trained, seconds = grpo_stages.train_actor(
+        trained, seconds = stages.train(
             pool,
             plan[source],
             r,
             name=str(source),
+            objective=stages.grpo_actor_objective(cfg.ppo, cfg.algorithm),
             settings=cfg.ppo,
-            algorithm=cfg.algorithm,
             seed=cfg.job.seed + step,
             sync=sync,
         )

@@ -76,7 +76,7 @@ def run_step(
                 plan[source],
                 r,
                 name=str(source),
-                critic=model == "critic",
+                objective=stages.ppo_objective(cfg.ppo, critic=model == "critic"),
                 settings=cfg.ppo,
                 seed=cfg.job.seed + step,
                 sync=sync,

@@ -1,4 +1,5 @@
-"""tasks/grpo_stages.train_actor: GRPO's loss over epochs of whole-group mini-batches, statistics
+"""tasks/stages.train with GRPO's objective (grpo_actor_objective): GRPO's loss over epochs of
+whole-group mini-batches, statistics
 averaged over optimizer steps as PPO's."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from nereus_core.layout import Layout
 from nereus_core.rl.algorithm import AlgorithmConfig
 from nereus_core.rl.ppo import PPOConfig
 from nereus_core.rl.rollout import Rollout, grouped, grpo_objective
-from tasks import grpo_stages, model_ops
+from tasks import model_ops, stages
 
 
 def test_train_actor_keeps_groups_whole_and_averages_statistics(monkeypatch: Any) -> None:
@@ -27,13 +28,14 @@ def test_train_actor_keeps_groups_whole_and_averages_statistics(monkeypatch: Any
     prompts = grouped(torch.arange(8).view(4, 2), 4)  # four prompts, four copies each
     rollout = Rollout(prompts=prompts, responses=torch.ones(16, 3, dtype=torch.long), mask=torch.ones(16, 3))
     algorithm = AlgorithmConfig(name="grpo", group_size=4)
-    stats, timings = grpo_stages.train_actor.fn(
+    settings = PPOConfig(ppo_epochs=2, mini_batches=2)
+    stats, timings = stages.train.fn(
         None,
         Layout.contiguous(),
         rollout,
         name="actor/train",
-        settings=PPOConfig(ppo_epochs=2, mini_batches=2),
-        algorithm=algorithm,
+        objective=stages.grpo_actor_objective(settings, algorithm),
+        settings=settings,
         seed=0,
     )
     assert len(calls) == 4 and all(c["with_entropy"] for c in calls)

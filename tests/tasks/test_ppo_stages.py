@@ -1,4 +1,4 @@
-"""tasks/ppo_stages.train's statistics: each the mean over optimizer steps (mini-batches x epochs)."""
+"""tasks/stages.train's statistics: each the mean over optimizer steps (mini-batches x epochs)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,13 @@ def test_train_averages_each_statistic_over_optimizer_steps(monkeypatch: Any, cr
     )
     settings = PPOConfig(ppo_epochs=2, mini_batches=2)
     stats, timings = ppo_stages.train.fn(
-        None, Layout.contiguous(), rollout, name="m", critic=critic, settings=settings, seed=0
+        None,
+        Layout.contiguous(),
+        rollout,
+        name="m",
+        objective=ppo_stages.ppo_objective(settings, critic=critic),
+        settings=settings,
+        seed=0,
     )
     assert [c["rows"] for c in calls] == [4, 4, 4, 4]
     assert all(c["with_entropy"] is not critic for c in calls)  # entropy for the policy only
