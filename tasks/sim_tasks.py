@@ -3,24 +3,25 @@
 - ``load_traces``: read each trace's CSV (a path relative to the config's folder, else to
   the working directory) and parse it (``nereus_core.sim.trace``).
 - ``simulate_run``: one (trace, strategy, seed) run, ``nereus_core.sim.job.run_job``,
-  either in this process or on a Dask worker of the sweep's cluster (by its address).
+  either in this process or on a Dask worker of the sweep's cluster (by its address),
+  kept in the output directory (``storage.sim_dir``) as soon as it is finished.
 - ``write_outputs``: summary.json, steps.parquet, plans.json, timing.json and the plots.
 
 ``SweepCluster`` decides where the runs go: the shared ``tasks.runtime.cluster.DaskCluster``
 (a LocalCluster of a few single-threaded worker processes on loopback, or a client of
 an existing scheduler), or nothing when the sweep is small enough to run in the driver.
+A run whose worker dies, or whose cluster is gone, raises ``RunLost`` naming it: a run is a
+pure function of its job, so Dask does not run it again on another worker (allowed
+failures 0) and the task does not retry it; the sweep goes on with the others.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from types import TracebackType
 
 import matplotlib
-import pyarrow as pa
-import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -31,7 +32,8 @@ from nereus_core.config import ConfigError
 from nereus_core.sim.config import SimConfig, SweepSettings
 from nereus_core.sim.job import SimJob, SimResult, run_job
 from nereus_core.sim.trace import Trace, TraceError, parse_trace
-from tasks.runtime.cluster import Client, DaskCluster
+from storage.sim_dir import SimDir
+from tasks.runtime.cluster import Client, DaskCluster, FutureCancelledError, KilledWorker
 
 _CLIENTS: dict[str, Client] = {}
 
@@ -81,7 +83,9 @@ class SweepCluster:
         if not self.uses_dask:
             return self
         s = self.settings
-        self._cluster = DaskCluster(min(s.workers, self.runs), s.scheduler_address, connect_timeout_s=30)
+        self._cluster = DaskCluster(
+            min(s.workers, self.runs), s.scheduler_address, connect_timeout_s=30, allowed_failures=0
+        )
         self.address = self._cluster.address
         _CLIENTS[self.address] = self._cluster.client
         return self
@@ -96,22 +100,38 @@ class SweepCluster:
             self._cluster = None
 
 
+class RunLost(RuntimeError):
+    """A run that did not finish because its Dask worker died or the sweep's cluster went away;
+    ``str(err)`` is one line naming the run."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"run {key} was lost: {why}")
+        self.key = key
+
+
 def execute(job: SimJob, scheduler: str | None) -> SimResult:
     """``run_job`` in this process (``scheduler`` None) or on a worker of the open sweep cluster."""
     if scheduler is None:
         return run_job(job)
     client = _CLIENTS.get(scheduler)
     if client is None:
-        raise RuntimeError(f"no open Dask client for {scheduler}; run inside SweepCluster")
-    return client.submit(run_job, job, key=f"sim-{job.key.replace('/', '-')}", pure=False).result()
+        raise RunLost(job.key, f"the sweep's Dask cluster at {scheduler} is closed")
+    try:
+        return client.submit(run_job, job, key=f"sim-{job.key.replace('/', '-')}", pure=False).result()
+    except KilledWorker:
+        raise RunLost(job.key, "the Dask worker running it died") from None
+    except (FutureCancelledError, OSError) as err:  # the client closed, the scheduler went away
+        raise RunLost(job.key, f"the sweep's Dask cluster was lost ({type(err).__name__})") from None
 
 
 @task(
-    cache_policy=NO_CACHE, retries=1, task_run_name="simulate-{job.trace.name}-{job.strategy}-seed{job.seed}"
+    cache_policy=NO_CACHE, retries=0, task_run_name="simulate-{job.trace.name}-{job.strategy}-seed{job.seed}"
 )
-def simulate_run(job: SimJob, scheduler: str | None) -> SimResult:
-    """Simulate one (trace, strategy, seed), here or on the sweep's Dask cluster."""
+def simulate_run(job: SimJob, scheduler: str | None, out_dir: str) -> SimResult:
+    """Simulate one (trace, strategy, seed), here or on the sweep's Dask cluster, and keep it in
+    ``out_dir``."""
     result = execute(job, scheduler)
+    SimDir(out_dir).write_run(result)
     s = result.summary
     get_run_logger().info(
         "%s: mean step %.3g s, %.4g tokens/s, %d transitions (%.3g s), %d controller calls",
@@ -142,16 +162,9 @@ def timing(results: list[SimResult], wall_s: float) -> dict:
 @task(cache_policy=NO_CACHE)
 def write_outputs(out_dir: str, results: list[SimResult], summary: dict, wall_s: float) -> list[str]:
     """summary.json, steps.parquet, plans.json, timing.json and plots/*.png under ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+    paths = SimDir(out_dir).write_tables(results, summary, timing(results, wall_s))
     rows = [r for res in results for r in res.records]
-    pq.write_table(pa.Table.from_pylist(rows), out / "steps.parquet")
-    plans = {pid: text for res in results for pid, text in res.plans.items()}
-    (out / "plans.json").write_text(json.dumps(dict(sorted(plans.items())), indent=2) + "\n")
-    (out / "timing.json").write_text(json.dumps(timing(results, wall_s), indent=2) + "\n")
-    paths = [out / "summary.json", out / "steps.parquet", out / "plans.json", out / "timing.json"]
-    paths += write_plots(out / "plots", rows, summary)
+    paths += write_plots(Path(out_dir) / "plots", rows, summary)
     return [str(p) for p in paths]
 
 

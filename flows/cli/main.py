@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from flows.cli import data as cli_data
 from flows.cli import prefect_server as cli_prefect
+from flows.cli import stopping as cli_stopping
 from flows.cli import watchdog as cli_watchdog
 from flows.cli.inputs import (
     MAX_DEVICES_ENV,
@@ -70,6 +71,8 @@ class _CommandsFormatter(argparse.HelpFormatter):
 
 
 def _fail(where: str | os.PathLike[str] | None, message: str, code: int = EXIT_USAGE) -> int:
+    if cli_stopping.signalled():  # an error the stop caused: the stop's own line says it all
+        cli_stopping.finish()
     # a storage error names the damaged file under ``where`` already: say the path once
     named = where is None or message.startswith(f"{os.fspath(where)}/")
     print(f"nereus: error: {message}" if named else f"nereus: error: {where}: {message}", file=sys.stderr)
@@ -129,6 +132,7 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
     problem = run_dir_problem(out, resuming=False) if bounded else None
     if problem:
         return _fail(out, problem)
+    cli_stopping.install_for_run(cfg.name, out, args.config)
     status = _prefect_problem()
     if status is not None:
         return status
@@ -163,6 +167,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         check_bounds(cfg, devices=args.devices, resume=True)
     except ConfigError as err:
         return _fail(args.run_dir, str(err))
+    cli_stopping.install_for_run(cfg.name, Path(args.run_dir), None)
     status = _prefect_problem()
     if status is not None:
         return status
@@ -186,14 +191,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the trace-driven simulation of CONFIG (flows/simulate.py) into DIR."""
-    from flows.simulate import read_sim_config, run_simulation
+    cli_prefect.prefect_defaults()  # before flows.simulate imports Prefect, which reads them once
+    from flows.simulate import SweepFailed, check_sweep, read_sim_config, run_simulation
     from nereus_core.sim.engine import SimError
 
     try:
         cfg = read_sim_config(args.config)
+        out = args.out or Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        check_sweep(args.config, out)  # bad traces, another sweep's --out: before Prefect starts
     except ConfigError as err:
         return _fail(args.config, str(err))
-    out = args.out or Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    runs = len(cfg.seeds) * sum(len(cfg.strategies_for(spec)) for spec in cfg.traces)
+    cli_stopping.install_for_sweep(cfg.name, runs, out, args.config)
     status = _prefect_problem()
     if status is not None:
         return status
@@ -203,6 +212,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         run_simulation(args.config, out)
     except (ConfigError, SimError) as err:
         return _fail(args.config, str(err))
+    except SweepFailed as err:
+        return _fail(out, str(err), EXIT_FAILED)
     print(f"nereus: done in {(datetime.now() - started).total_seconds():.0f} s: {out}/summary.json")
     return EXIT_OK
 
@@ -373,12 +384,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status = args.handler(args)
         sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
-        return status
     except BrokenPipeError:
         return _quiet_broken_pipe()
-    except KeyboardInterrupt:
-        print("nereus: interrupted", file=sys.stderr)
-        return 130
+    except BaseException as err:  # a command that runs a flow stops on a signal through here
+        signum = cli_stopping.stopped_by(err)
+        if signum is not None:
+            cli_stopping.finish(signum)
+        if isinstance(err, KeyboardInterrupt):
+            print("nereus: interrupted", file=sys.stderr)
+            return 130
+        raise
+    if cli_stopping.signalled():  # a signal that came as the command ended
+        cli_stopping.finish()
+    return status
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ response_max``; ``devices`` may be left out when the caller fixes it; columns na
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 from dataclasses import dataclass
 from functools import cached_property
@@ -31,6 +32,9 @@ class TraceError(ValueError):
     """A trace file is malformed; ``str(err)`` is one line naming the row and column."""
 
 
+COLUMNS = ("devices", "capacity_gb", "batch", "prompt_len", "response_mean", "response_p90", "response_max")
+
+
 @dataclass(frozen=True)
 class Trace:
     """Per-step arrays of one trace (all the same length)."""
@@ -45,11 +49,19 @@ class Trace:
     response_max: np.ndarray
     ppo_epochs: int = 1
 
+    def digest(self) -> str:
+        """A hash of every column's values: two traces with the same digest replay the same steps."""
+        h = hashlib.sha256(f"{self.name}/{self.ppo_epochs}".encode())
+        for field in COLUMNS:
+            column = np.ascontiguousarray(getattr(self, field))
+            h.update(f"{field}:{column.dtype}:".encode() + column.tobytes())
+        return h.hexdigest()[:16]
+
     def __post_init__(self) -> None:
         n = len(self.devices)
         if n == 0:
             raise TraceError(f"trace {self.name}: no steps")
-        for field in ("capacity_gb", "batch", "prompt_len", "response_mean", "response_p90", "response_max"):
+        for field in COLUMNS[1:]:
             if len(getattr(self, field)) != n:
                 raise TraceError(
                     f"trace {self.name}: column {field} has {len(getattr(self, field))} rows, not {n}"

@@ -36,7 +36,8 @@ from typing import Any
 
 import dask
 import psutil  # a dependency of distributed
-from distributed import Actor, Client, Future, LocalCluster, get_worker
+from distributed import Actor, Client, Future, KilledWorker, LocalCluster, get_worker
+from distributed.client import FutureCancelledError
 from distributed.comm import get_address_host
 from distributed.protocol import to_serialize
 from distributed.security import Security
@@ -51,6 +52,8 @@ __all__ = [
     "ClusterError",
     "DaskCluster",
     "Future",
+    "FutureCancelledError",
+    "KilledWorker",
     "TlsFiles",
     "get_address_host",
     "get_worker",
@@ -171,11 +174,14 @@ class DaskCluster:
         *,
         tls: TlsFiles | None = None,
         connect_timeout_s: float = 10.0,
+        allowed_failures: int | None = None,
     ) -> None:
+        """``allowed_failures``: how many worker deaths a task of a LocalCluster this object starts
+        survives before it fails with ``KilledWorker`` (default: Dask's, 3)."""
         self.scheduler_address = scheduler_address
         self._local: LocalCluster | None = None
         if scheduler_address is None:
-            self._local = _local_cluster(workers)
+            self._local = _local_cluster(workers, allowed_failures)
             self.client = Client(self._local, set_as_default=False)
             return
         _warn_if_plain(scheduler_address)
@@ -339,7 +345,7 @@ class DaskCluster:
 WORKER_PRE_SPAWN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}
 
 
-def _local_cluster(workers: int) -> LocalCluster:
+def _local_cluster(workers: int, allowed_failures: int | None = None) -> LocalCluster:
     """Single-threaded worker processes; every listener on loopback, no dashboards, no memory limit."""
     spawn_env = dask.config.get("distributed.nanny.pre-spawn-environ", {})
     dask.config.set({"distributed.nanny.pre-spawn-environ": {**spawn_env, **WORKER_PRE_SPAWN_ENV}})
@@ -352,7 +358,11 @@ def _local_cluster(workers: int) -> LocalCluster:
         dashboard_address=None,
         worker_dashboard_address=None,
         # The scheduler's HTTP server starts even without a dashboard, on 8787 by default.
-        scheduler_kwargs={"dashboard": False, "dashboard_address": f"{LOOPBACK}:0"},
+        scheduler_kwargs={
+            "dashboard": False,
+            "dashboard_address": f"{LOOPBACK}:0",
+            "allowed_failures": allowed_failures,
+        },
         memory_limit=0,
         silence_logs=logging.ERROR,
     )

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -16,7 +19,7 @@ from flows.simulate import run_simulation
 from nereus_core.sim.config import parse_sim_config
 from nereus_core.sim.job import SimJob, run_job
 from nereus_core.sim.trace import parse_trace
-from tasks.sim_tasks import SweepCluster, execute
+from tasks.sim_tasks import RunLost, SweepCluster, execute
 
 HEADER = "step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"
 FIELDS = (
@@ -103,6 +106,24 @@ def test_runs_on_dask_workers_match_runs_in_process(tmp_path: Path) -> None:
         assert cluster.address is not None
         remote = execute(job, cluster.address)
     assert remote.summary == run_job(job).summary
+
+
+def test_a_run_whose_worker_dies_is_lost_in_one_line_naming_it(tmp_path: Path) -> None:
+    cfg = parse_sim_config(sim_config(tmp_path, sweep={"mode": "dask", "workers": 1}))
+    tr = parse_trace(write_trace(tmp_path / "long.csv", steps=400).read_text(), name="tiny-16")
+    job = SimJob(cfg, tr, "nereus", 0)  # tens of seconds: still running when its worker is killed
+    with SweepCluster(cfg.sweep, runs=1) as cluster, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(execute, job, cluster.address)
+        time.sleep(3)
+        workers = [
+            p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
+        ]
+        assert workers and not running.done()
+        for proc in workers:
+            proc.kill()
+        with pytest.raises(RunLost) as err:
+            running.result(timeout=60)
+    assert str(err.value) == "run tiny-16/nereus/seed0 was lost: the Dask worker running it died"
 
 
 @pytest.mark.parametrize(

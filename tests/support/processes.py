@@ -36,3 +36,26 @@ def kill_session(driver: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):  # its Dask workers and Prefect server go too
         os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every process below ``pid`` now (psutil remembers each one's start time: a reused pid is not it)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def stop_and_time(driver: subprocess.Popen, *, group: bool = False, limit: float = 30.0) -> float:
+    """SIGTERM to ``driver`` (``group``: to its whole process group, as ``timeout`` sends it); the
+    seconds until it exited. Fails if it runs ``limit`` seconds after the signal."""
+    started = time.monotonic()
+    if group:
+        os.killpg(driver.pid, signal.SIGTERM)
+    else:
+        driver.send_signal(signal.SIGTERM)
+    try:
+        driver.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {limit:.0f} s after SIGTERM") from None
+    return time.monotonic() - started
