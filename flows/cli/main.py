@@ -387,13 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _quiet_broken_pipe()
     except BaseException as err:  # a command that runs a flow stops on a signal through here
-        signum = cli_stopping.stopped_by(err)
-        if signum is not None:
-            cli_stopping.finish(signum)
-        if isinstance(err, KeyboardInterrupt):
-            print("nereus: interrupted", file=sys.stderr)
-            return 130
-        raise
+        return cli_stopping.on_exception(err)
     if cli_stopping.signalled():  # a signal that came as the command ended
         cli_stopping.finish()
     return status

@@ -187,3 +187,15 @@ def finish(signum: int | None = None, *, late: bool = False) -> NoReturn:
         os.dup2(devnull, sys.stderr.fileno())
     stop_children()
     os._exit(128 + signum)
+
+
+def on_exception(err: BaseException) -> int:
+    """What a command that raised ``err`` ends with: a stop by a signal ends the process (``finish``);
+    Ctrl-C outside a flow exits 130; anything else is raised again."""
+    signum = stopped_by(err)
+    if signum is not None:
+        finish(signum)
+    if isinstance(err, KeyboardInterrupt):
+        print("nereus: interrupted", file=sys.stderr)
+        return 130
+    raise err
