@@ -285,6 +285,17 @@ def resumed_config(config: NereusConfig, point: ResumePoint) -> NereusConfig:
     )
 
 
+def resume_start(point: ResumePoint | None) -> tuple[ResumePoint | None, int | None]:
+    """Where a run starts and the devices it grows to once they are warm: a resume onto more devices
+    than the checkpoint's starts on the checkpoint's (when its plan needs no more) and grows to the
+    rest; anything else starts as asked."""
+    if point is None or point.devices <= point.checkpoint_devices:
+        return point, None
+    if slots_needed(point.layouts) > point.checkpoint_devices:  # a finished switch needs the new devices
+        return point, None
+    return replace(point, devices=point.checkpoint_devices), point.devices
+
+
 def resumed(
     config: NereusConfig, point: ResumePoint, transitions: Sequence[TransitionTiming] = ()
 ) -> JobState:

@@ -17,27 +17,12 @@ preparation: the transition forms the smaller world, and the workers left retire
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from nereus_core import job
-from nereus_core.config import NereusConfig, ScenarioEvent
-from nereus_core.plan import slots_needed
+from nereus_core.config import ScenarioEvent
 from tasks import model_ops
 from tasks.runtime.device_pool import DevicePool
-
-
-def resume_start(
-    cfg: NereusConfig, point: job.ResumePoint | None
-) -> tuple[NereusConfig, job.ResumePoint | None, int | None]:
-    """The config and resume point a run starts on, and the devices it grows to once they are warm:
-    a resume onto more devices than the checkpoint's starts on the checkpoint's (when its plan needs
-    no more) and grows to the rest; anything else starts as asked."""
-    if point is None or point.devices <= point.checkpoint_devices:
-        return cfg, point, None
-    if slots_needed(point.layouts) > point.checkpoint_devices:  # a finished switch needs the new devices
-        return cfg, point, None
-    start = replace(point, devices=point.checkpoint_devices)
-    return job.resumed_config(cfg, start), start, point.devices
 
 
 @dataclass

@@ -196,12 +196,14 @@ def rl_job(
     start = time.perf_counter()
     data = job_data(cfg, logger.info)  # prompts, tokenizer and reward: a problem stops the run here
     with job_start.opened(cfg, out_dir, devices) as (run, cfg, point):
-        cfg, point, grow_to = job_growth.resume_start(cfg, point)  # resume on more devices: grow later
+        point, grow_to = job.resume_start(point)  # resume on more devices: grow later
+        state = job_start.initial_state(run, cfg, point)  # the config as it resumes: state.config
         growing = job_growth.Growing(target=grow_to)
-        with DevicePool.for_cluster(cfg.cluster) as pool:
+        with DevicePool.for_cluster(state.config.cluster) as pool:
             if grow_to:
                 pool.prepare(grow_to, warm=model_ops.warm_device)
-            state, started = job_start.bring_up(pool, run, cfg, point)
+            state, started = job_start.bring_up(pool, run, state, point)
+            cfg = state.config  # the job's settings from here; devices and lengths change in state.config
             records = JobRecords(run, first_step=point.step if point else 0, config=cfg)
             if point is None and data.val is not None and cfg.validation and cfg.validation.before_train:
                 started["val_before_train"] = generation.validate(pool, state, data.val)

@@ -49,8 +49,9 @@ def resolve(config: NereusConfig | dict[str, Any] | str) -> NereusConfig:
 def opened(
     cfg: NereusConfig, out_dir: str, devices: int | None
 ) -> Iterator[tuple[RunDir, NereusConfig, job.ResumePoint | None]]:
-    """The run directory, locked for this driver while the run goes on, the job's config as it
-    resumes, and the resume point (None: a fresh run). An unfinished run of the same config in
+    """The run directory, locked for this driver while the run goes on, the job's config (the
+    stored one when it resumes: ``job.resumed`` makes it the config as it resumes), and the resume
+    point (None: a fresh run). An unfinished run of the same config in
     ``out_dir`` is resumed; a completed one or another config's is refused (``ConfigError``)."""
     with run_lock(out_dir):
         run = RunDir(out_dir)
@@ -79,20 +80,28 @@ def opened(
             else:
                 interrupted[name].record("transition", ABORT, rolled_back_by="resume")
         run.begin_incarnation()
-        yield run, job.resumed_config(stored, point), point
+        yield run, stored, point
+
+
+def initial_state(run: RunDir, cfg: NereusConfig, point: job.ResumePoint | None) -> job.JobState:
+    """The job's state before its first step: fresh on the config's plan, or resumed at ``point``
+    (the config as it resumes, the transition cost calibrated on the switches the run made)."""
+    if point is None:
+        return job.start(cfg)
+    return job.resumed(cfg, point, past_transitions(run.read_rows(TRANSITIONS_TABLE)))
 
 
 def bring_up(
-    pool: DevicePool, run: RunDir, cfg: NereusConfig, point: job.ResumePoint | None
+    pool: DevicePool, run: RunDir, state: job.JobState, point: job.ResumePoint | None
 ) -> tuple[job.JobState, dict[str, Any]]:
-    """The job's state with every model resident on its plan; returns it and what start-up found:
-    the reward fit's figures (``fit``) or whether the resume was verified (``resume_verified_bitwise``)."""
+    """``state`` with every model resident on its plan; returns it and what start-up found: the reward
+    fit's figures (``fit``) or whether the resume was verified (``resume_verified_bitwise``)."""
     logger = get_run_logger()
     logger.info("device pool of %d ready; DeepSpeed warmed up in %.1f s", pool.size, model_ops.warm_up(pool))
+    cfg = state.config
     if point is not None:
-        state, verified = _resume(pool, run, cfg, point)
+        verified = _resume(pool, run, state, point)
         return state, {"fit": {}, "resume_verified_bitwise": verified}
-    state = job.start(cfg)
     run.write_plan(state.plan_id, layouts_json(state.layouts))
     reward = state.layouts.get(ModelStage.REWARD_INFER)
     # Nothing to fit when a rule scores the responses (GRPO's, or reward.function on text) or when
@@ -128,12 +137,9 @@ def reward_fit_cache_dir(checkout: Path | None = None) -> str:
     return str(base / "nereus" / f"{checkout.name}-{tag}")
 
 
-def _resume(
-    pool: DevicePool, run: RunDir, cfg: NereusConfig, point: job.ResumePoint
-) -> tuple[job.JobState, bool]:
+def _resume(pool: DevicePool, run: RunDir, state: job.JobState, point: job.ResumePoint) -> bool:
     """Rehydrate every model of the resumed job from the checkpoint at ``point.step`` (journaled),
-    then check its live state against the live digests the checkpoint recorded."""
-    state = job.resumed(cfg, point, past_transitions(run.read_rows(TRANSITIONS_TABLE)))  # calibration kept
+    then check its live state against the live digests the checkpoint recorded (True: verified)."""
     why = f"resume from the checkpoint at step {point.step}"
     if point.replan:
         why += f" on {point.devices} devices (was {point.checkpoint_devices})"
@@ -151,9 +157,9 @@ def _resume(
     run.write_plan(state.plan_id, new)
     expected = run.read_checkpoint(point.step).get("live_digests")
     if not (state.config.job.verify_transitions and expected):
-        return state, False
+        return False
     job_ops.verify_live_state(pool, state.config, state.layouts, expected, what=why)
-    return state, True
+    return True
 
 
 @contextmanager

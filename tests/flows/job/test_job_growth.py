@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from flows.job.growth import Growing, resume_start
+from flows.job.growth import Growing
 from flows.job.records import past_transitions
 from nereus_core import job
 from nereus_core.config import NereusConfig, parse_config
@@ -50,10 +50,10 @@ def test_a_resume_onto_more_devices_starts_on_the_checkpoint_s_and_grows_once_th
     cfg = demo()
     plan = job.start(cfg).layouts
     point = job.ResumePoint(10, plan, 4, 2, 6, {})
-    start_cfg, start, grow_to = resume_start(job.resumed_config(cfg, point), point)
+    start, grow_to = job.resume_start(point)
     assert grow_to == 4 and start is not None and start.devices == 2 and not start.replan
-    assert start_cfg.cluster.devices == 2
-    state = job.start(start_cfg, start.layouts)
+    state = job.resumed(cfg, start)
+    assert state.config.cluster.devices == 2 and state.layouts == dict(start.layouts)
     pool, growing = FakePool(size=2), Growing(target=grow_to)
     assert growing.event(pool, state, 10) is None and pool.prepared == [4]  # not warm yet: run on 2
     pool.warm = 4
@@ -62,11 +62,11 @@ def test_a_resume_onto_more_devices_starts_on_the_checkpoint_s_and_grows_once_th
     state, what = job.apply_event(state, event)
     assert what == ["devices 2 -> 4"] and state.config.cluster.devices == 4
     # As many devices as the checkpoint, fewer, or a finished switch that needs the new ones: as asked.
-    assert resume_start(cfg, replace(point, devices=2))[2] is None
-    assert resume_start(cfg, replace(point, devices=1))[2] is None
+    assert job.resume_start(replace(point, devices=2))[1] is None
+    assert job.resume_start(replace(point, devices=1))[1] is None
     wide = {s: Layout.contiguous(dp=4) for s in MODEL_STAGES}
-    assert resume_start(cfg, replace(point, layouts=wide))[2] is None
-    assert resume_start(cfg, None) == (cfg, None, None)
+    assert job.resume_start(replace(point, layouts=wide))[1] is None
+    assert job.resume_start(None) == (None, None)
 
 
 def test_workers_a_scheduler_reports_are_prepared_and_joined_only_up_to_max_devices() -> None:

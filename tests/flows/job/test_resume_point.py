@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.job.start import opened
+from flows.job.start import initial_state, opened
 from nereus_core.config import ConfigError, parse_config
 from nereus_core.layout import Layout
 from storage.journal import START, Journal
@@ -37,8 +37,9 @@ def _interrupted(run: RunDir, checkpoint_step: int) -> Journal:
 
 
 def _resume(run: RunDir, devices: int | None = None):
-    with opened(parse_config(run.read_config()), str(run.root), devices) as (_, cfg, point):
-        return point, cfg
+    """The resume point ``opened`` finds and the config as the job resumes on it (``initial_state``)."""
+    with opened(parse_config(run.read_config()), str(run.root), devices) as (opened_run, cfg, point):
+        return point, initial_state(opened_run, cfg, point).config
 
 
 def test_newest_checkpoint_sets_devices_and_response_length(run):
