@@ -16,7 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-TEXT_DIR = Path(__file__).resolve().parents[1] / "data" / "text"
+TEXT_DIR = Path(__file__).resolve().parents[2] / "data" / "text"
 SOURCES = {"gsm8k": "gsm8k_test_first500.jsonl", "math500": "math500_test.jsonl"}
 EXIT_OK = 0
 Fail = Callable[
