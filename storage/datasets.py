@@ -35,6 +35,7 @@ from nereus_core.dataset.rows import Example, column_problem, parse_rows
 
 _LOG = logging.getLogger("nereus.data")
 BATCH_ROWS = 4096  # rows converted to Python at a time
+JSONL_BLOCK_BYTES = 64 << 20  # JSONL read this much at a time: the longest row it takes
 
 
 class DatasetError(ValueError):
@@ -63,7 +64,8 @@ def _opened(where: Path) -> tuple[list[str], int | None, Iterator[pa.RecordBatch
         return parquet.schema_arrow.names, parquet.metadata.num_rows, batches
     if where.stat().st_size == 0:
         return [], 0, iter(())
-    reader = pa_json.open_json(where)  # streaming: one block of the file at a time
+    # Streaming, one block of the file at a time; a row must fit in one block.
+    reader = pa_json.open_json(where, read_options=pa_json.ReadOptions(block_size=JSONL_BLOCK_BYTES))
     return reader.schema.names, None, iter(reader)
 
 
@@ -107,6 +109,8 @@ def read_examples(paths: Sequence[str | os.PathLike[str]], *, max_rows: int | No
 
 def _unreadable(where: Path, err: BaseException) -> str:
     kind = "Parquet" if where.suffix == ".parquet" else "JSONL (one JSON object per line)"
+    if "straddl" in str(err):
+        return f"{where}: a row is over {JSONL_BLOCK_BYTES >> 20} MiB; a prompt data set's rows are small"
     return f"{where}: not readable as {kind}: {_first_line(err)}"
 
 
