@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from flows.cli.main import SCHEDULER_ENV, build_parser, main
 from flows.cli import watchdog as cli_watchdog
+from flows.cli.main import SCHEDULER_ENV, build_parser, main
 from nereus_core.config import NereusConfig
 
 ROOT = Path(__file__).resolve().parents[3]
