@@ -3,11 +3,14 @@
 Runs the real ``nereus`` CLI once per hostile input of issue 12 (an alias bomb as a file and through
 ``--set``, sizes the machine cannot hold, a one-byte device slot, a path as a run name, bad
 ``resume --devices``, a damaged checkpoint or summary, a completed or locked run, a missing snapshot
-step), each in its own process started from this one. For each it records the seconds from the
+step) and of the real-model path (``tests/support/hostile_inputs.py``: a broken model directory or
+tokenizer, a bad data file, a reward function that hangs, exits, prints megabytes or returns no
+score), each in its own process started from this one. For each it records the seconds from the
 process start to its error line on stderr, the exit status, the number of stderr lines and the
-process's peak RSS (``wait4``'s ``ru_maxrss``, the whole CLI process). Prints the maximum time over
-the cases and the bomb's peak memory; a case that does not end in one line with exit 2 is listed
-under ``failed``.
+process's peak RSS (``wait4``'s ``ru_maxrss``, the whole CLI process), and whether it left its
+``--out`` directory or a reward worker behind. Prints the maximum time over the cases, the bomb's
+and the worst case's peak memory; a case that does not end in one line with exit 2 (or leaves
+something behind) is listed under ``failed``.
 
     python -m benchmarks.bench_bad_input
 """
@@ -31,6 +34,7 @@ from nereus_core.emu import Box, SliceSpec
 from storage import write_snapshot
 from storage.lock import run_lock
 from storage.run_dir import RunDir
+from tests.support import hostile_inputs
 from tests.support.hostile_yaml import alias_bomb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +91,10 @@ def cases(tmp: Path) -> dict[str, list[str]]:
         "export-missing-step": ["export", str(fine), "--model", "actor", "--step", "7", "--hf", out],
         "run-locked": ["run", EXAMPLE, "--out", str(fine)],
         "resume-locked": ["resume", str(fine)],
+        **{
+            name: ["run", *argv, "--out", out]
+            for name, (argv, _) in hostile_inputs.cases(tmp / "real").items()
+        },
     }
 
 
@@ -95,7 +103,12 @@ def run_case(argv: list[str], cwd: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEREUS_")} | {"PYTHONPATH": str(ROOT)}
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli.main", *argv], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "flows.cli.main", *argv],
+        cwd=cwd,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own session: what it leaves running can be found
     )
     assert proc.stderr is not None
     first = proc.stderr.readline()
@@ -110,8 +123,14 @@ def run_case(argv: list[str], cwd: Path) -> dict[str, Any]:
         "stderr_lines": len(lines),
         "traceback": "Traceback" in first + rest,
         "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+        "left_behind": (cwd / "out").exists() or _left_running(proc.pid),
         "line": lines[0] if lines else "",
     }
+
+
+def _left_running(session: int) -> bool:
+    """Whether a process of the CLI's session (a reward worker, say) outlived it."""
+    return subprocess.run(["pgrep", "-s", str(session)], capture_output=True).returncode == 0
 
 
 def main() -> None:
@@ -125,7 +144,11 @@ def main() -> None:
                     results[case] = run_case(argv, tmp)
             else:
                 results[case] = run_case(argv, tmp)
-    failed = [c for c, r in results.items() if r["exit"] != 2 or r["stderr_lines"] != 1 or r["traceback"]]
+    failed = [
+        c
+        for c, r in results.items()
+        if r["exit"] != 2 or r["stderr_lines"] != 1 or r["traceback"] or r["left_behind"]
+    ]
     print(
         json.dumps(
             {
@@ -134,6 +157,7 @@ def main() -> None:
                 "slowest_case": max(results, key=lambda c: results[c]["seconds_to_error_line"]),
                 "bomb_peak_rss_mib": max(results[c]["peak_rss_mib"] for c in ("bomb-file", "bomb-set")),
                 "max_peak_rss_mib": max(r["peak_rss_mib"] for r in results.values()),
+                "max_peak_rss_case": max(results, key=lambda c: results[c]["peak_rss_mib"]),
                 "failed": failed,
                 "per_case": results,
             },
