@@ -31,6 +31,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 from safetensors import safe_open
 
+from nereus_core.hf.safetensors_header import HeaderError, read_header
 from nereus_core.hf.tokenizer import tokenizer_error
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -268,8 +269,10 @@ def weight_files(path: str | os.PathLike[str]) -> dict[str, Path]:
     if not single.is_file():
         raise HFDirError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     inside(root, single, named_by="a symlink")
-    with safe_open(str(single), framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
+    try:
+        return dict.fromkeys(read_header(single), single)
+    except HeaderError as err:
+        raise HFDirError(str(err)) from None
 
 
 def read_slices(path: str | os.PathLike[str], wanted: Mapping[str, Index]) -> dict[str, torch.Tensor]:
