@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves the chat template
 GENERATION_CONFIG = "generation_config.json"
-RENDER_LIMIT_S = 10.0  # one prompt's rendering; a real template takes well under a millisecond
+RENDER_LIMIT_S = 5.0  # one prompt's rendering; a real template takes well under a millisecond
 
 Messages = Sequence[Mapping[str, str]]
 
