@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nereus_core.controller.decide import ControllerSettings, ControllerState, evaluate_plan
 from nereus_core.controller import history as ph
+from nereus_core.controller.decide import ControllerSettings, ControllerState, evaluate_plan
 from nereus_core.cost.stage_cost import TERMS, Scales, Workload
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, PPO_STAGES, GlobalPlan, models_for
