@@ -36,6 +36,7 @@ from storage.lock import run_lock
 from storage.run_dir import RunDir
 from tests.support import hostile_inputs
 from tests.support.hostile_yaml import alias_bomb
+from tests.support.processes import session_left
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_ppo.yaml")
@@ -129,8 +130,35 @@ def run_case(argv: list[str], cwd: Path) -> dict[str, Any]:
 
 
 def _left_running(session: int) -> bool:
-    """Whether a process of the CLI's session (a reward worker, say) outlived it."""
-    return subprocess.run(["pgrep", "-s", str(session)], capture_output=True).returncode == 0
+    """Whether a process of the CLI's session (a reward worker, say) still runs a second after it."""
+    time.sleep(1.0)
+    return bool(session_left(session))
+
+
+def reward_overhead(tmp: Path, calls: int = 2000) -> dict[str, float]:
+    """Seconds of a user reward's worker start and its cost per call, beside the same function called
+    in this process (``nereus_core.rewards.worker``)."""
+    from nereus_core.rewards import registry
+    from nereus_core.rewards.worker import RewardWorker
+
+    (tmp / "good.py").write_text("def score(a, b, c, d):\n    return 1.0 if b == c else 0.0\n")
+    spec = f"{tmp / 'good.py'}:score"
+    here, worker = registry.resolve(spec), registry.RewardFn(spec, RewardWorker(spec, 10.0), "text")
+    started = time.perf_counter()
+    registry.score_text(worker, "s", "4", "4", {})
+    start_s = time.perf_counter() - started
+    per_call = {}
+    for name, reward in (("in_process", here), ("worker", worker)):
+        started = time.perf_counter()
+        for _ in range(calls):
+            registry.score_text(reward, "s", "4", "4", {})
+        per_call[name] = (time.perf_counter() - started) / calls
+    worker.fn.close()
+    return {
+        "worker_start_s": round(start_s, 3),
+        "per_call_us_in_process": round(per_call["in_process"] * 1e6, 1),
+        "per_call_us_worker": round(per_call["worker"] * 1e6, 1),
+    }
 
 
 def main() -> None:
@@ -144,6 +172,7 @@ def main() -> None:
                     results[case] = run_case(argv, tmp)
             else:
                 results[case] = run_case(argv, tmp)
+        overhead = reward_overhead(tmp)
     failed = [
         c
         for c, r in results.items()
@@ -159,6 +188,7 @@ def main() -> None:
                 "max_peak_rss_mib": max(r["peak_rss_mib"] for r in results.values()),
                 "max_peak_rss_case": max(results, key=lambda c: results[c]["peak_rss_mib"]),
                 "failed": failed,
+                "reward_worker": overhead,
                 "per_case": results,
             },
             indent=2,
