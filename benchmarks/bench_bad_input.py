@@ -3,11 +3,14 @@
 Runs the real ``nereus`` CLI once per hostile input (an alias bomb as a file and through
 ``--set``, sizes the machine cannot hold, a one-byte device slot, a path as a run name, bad
 ``resume --devices``, a damaged checkpoint or summary, a completed or locked run, a missing snapshot
-step), each in its own process started from this one. For each it records the seconds from the
+step) and of the real-model path (``tests/support/hostile_inputs.py``: a broken model directory or
+tokenizer, a bad data file, a reward function that hangs, exits, prints megabytes or returns no
+score), each in its own process started from this one. For each it records the seconds from the
 process start to its error line on stderr, the exit status, the number of stderr lines and the
-process's peak RSS (``wait4``'s ``ru_maxrss``, the whole CLI process). Prints the maximum time over
-the cases and the bomb's peak memory; a case that does not end in one line with exit 2 is listed
-under ``failed``.
+process's peak RSS (``wait4``'s ``ru_maxrss``, the whole CLI process), and whether it left its
+``--out`` directory or a reward worker behind. Prints the maximum time over the cases, the bomb's
+and the worst case's peak memory; a case that does not end in one line with exit 2 (or leaves
+something behind) is listed under ``failed``.
 
     python -m benchmarks.bench_bad_input
 """
@@ -31,7 +34,9 @@ from nereus_core.emu import Box, SliceSpec
 from storage import write_snapshot
 from storage.lock import run_lock
 from storage.run_dir import RunDir
+from tests.support import hostile_inputs
 from tests.support.hostile_yaml import alias_bomb
+from tests.support.processes import session_left
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_ppo.yaml")
@@ -87,6 +92,10 @@ def cases(tmp: Path) -> dict[str, list[str]]:
         "export-missing-step": ["export", str(fine), "--model", "actor", "--step", "7", "--hf", out],
         "run-locked": ["run", EXAMPLE, "--out", str(fine)],
         "resume-locked": ["resume", str(fine)],
+        **{
+            name: ["run", *argv, "--out", out]
+            for name, (argv, _) in hostile_inputs.cases(tmp / "real").items()
+        },
     }
 
 
@@ -95,7 +104,12 @@ def run_case(argv: list[str], cwd: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEREUS_")} | {"PYTHONPATH": str(ROOT)}
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli.main", *argv], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "flows.cli.main", *argv],
+        cwd=cwd,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own session: what it leaves running can be found
     )
     assert proc.stderr is not None
     first = proc.stderr.readline()
@@ -110,7 +124,40 @@ def run_case(argv: list[str], cwd: Path) -> dict[str, Any]:
         "stderr_lines": len(lines),
         "traceback": "Traceback" in first + rest,
         "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+        "left_behind": (cwd / "out").exists() or _left_running(proc.pid),
         "line": lines[0] if lines else "",
+    }
+
+
+def _left_running(session: int) -> bool:
+    """Whether a process of the CLI's session (a reward worker, say) still runs a second after it."""
+    time.sleep(1.0)
+    return bool(session_left(session))
+
+
+def reward_overhead(tmp: Path, calls: int = 2000) -> dict[str, float]:
+    """Seconds of a user reward's worker start and its cost per call, beside the same function called
+    in this process (``nereus_core.rewards.worker``)."""
+    from nereus_core.rewards import registry
+    from nereus_core.rewards.worker import RewardWorker
+
+    (tmp / "good.py").write_text("def score(a, b, c, d):\n    return 1.0 if b == c else 0.0\n")
+    spec = f"{tmp / 'good.py'}:score"
+    here, worker = registry.resolve(spec), registry.RewardFn(spec, RewardWorker(spec, 10.0), "text")
+    started = time.perf_counter()
+    registry.score_text(worker, "s", "4", "4", {})
+    start_s = time.perf_counter() - started
+    per_call = {}
+    for name, reward in (("in_process", here), ("worker", worker)):
+        started = time.perf_counter()
+        for _ in range(calls):
+            registry.score_text(reward, "s", "4", "4", {})
+        per_call[name] = (time.perf_counter() - started) / calls
+    worker.fn.close()
+    return {
+        "worker_start_s": round(start_s, 3),
+        "per_call_us_in_process": round(per_call["in_process"] * 1e6, 1),
+        "per_call_us_worker": round(per_call["worker"] * 1e6, 1),
     }
 
 
@@ -125,7 +172,12 @@ def main() -> None:
                     results[case] = run_case(argv, tmp)
             else:
                 results[case] = run_case(argv, tmp)
-    failed = [c for c, r in results.items() if r["exit"] != 2 or r["stderr_lines"] != 1 or r["traceback"]]
+        overhead = reward_overhead(tmp)
+    failed = [
+        c
+        for c, r in results.items()
+        if r["exit"] != 2 or r["stderr_lines"] != 1 or r["traceback"] or r["left_behind"]
+    ]
     print(
         json.dumps(
             {
@@ -134,7 +186,9 @@ def main() -> None:
                 "slowest_case": max(results, key=lambda c: results[c]["seconds_to_error_line"]),
                 "bomb_peak_rss_mib": max(results[c]["peak_rss_mib"] for c in ("bomb-file", "bomb-set")),
                 "max_peak_rss_mib": max(r["peak_rss_mib"] for r in results.values()),
+                "max_peak_rss_case": max(results, key=lambda c: results[c]["peak_rss_mib"]),
                 "failed": failed,
+                "reward_worker": overhead,
                 "per_case": results,
             },
             indent=2,

@@ -152,13 +152,20 @@ class DatasetSource:
         """Each decoded response scored by ``reward``; a function that raises raises RewardError
         naming it (the step fails, the last checkpoint stays)."""
         texts = decode_responses(responses_bt, mask_bt, self.decode)
-        scored = [
-            registry.score_text(self.reward, ex.data_source, text, ex.ground_truth, dict(ex.extra_info))
-            for ex, text in zip(batch.examples, texts, strict=True)
-        ]
+        scored = [score_row(self.reward, ex, text) for ex, text in zip(batch.examples, texts, strict=True)]
         return Scores(
             torch.tensor([s.score for s in scored], dtype=torch.float32), texts, _mean_extras(scored)
         )
+
+
+def score_row(reward: registry.RewardFn, example: Example, text: str) -> registry.Scored:
+    """``reward`` on one response to ``example``; its RewardError names the row too."""
+    try:
+        return registry.score_text(
+            reward, example.data_source, text, example.ground_truth, dict(example.extra_info)
+        )
+    except registry.RewardError as err:
+        raise registry.RewardError(f"{err} (on data row {example.index})") from None
 
 
 def _mean_extras(scored: Sequence[registry.Scored]) -> dict[str, float]:
@@ -189,4 +196,5 @@ __all__ = [
     "decode_responses",
     "left_pad",
     "mean_by_source",
+    "score_row",
 ]

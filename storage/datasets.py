@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,8 @@ from nereus_core.dataset.prompt_length import (
 from nereus_core.dataset.rows import Example, column_problem, parse_rows
 
 _LOG = logging.getLogger("nereus.data")
+BATCH_ROWS = 4096  # rows converted to Python at a time
+JSONL_BLOCK_BYTES = 64 << 20  # JSONL read this much at a time: the longest row it takes
 
 
 class DatasetError(ValueError):
@@ -53,43 +55,70 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def read_table(path: str | os.PathLike[str]) -> pa.Table:
-    """The table in a ``.parquet`` or ``.jsonl`` file; DatasetError (one line) if it is neither,
-    cannot be read, or (Parquet) lacks a required column."""
-    where = Path(path)
-    if where.suffix not in (".parquet", ".jsonl"):
-        raise DatasetError(f"{where}: not a .parquet or .jsonl file")
-    if not where.is_file():
-        raise DatasetError(f"{where}: no such file")
-    try:
-        if where.suffix == ".parquet":
-            problem = column_problem(pq.read_schema(where).names)  # before reading any row
-            if problem:
-                raise DatasetError(f"{where}: {problem}")
-            return pq.read_table(where)
-        if where.stat().st_size == 0:
-            return pa.table({})
-        return pa_json.read_json(where)
-    except DatasetError:
-        raise
-    except (pa.ArrowException, OSError) as err:
-        kind = "Parquet" if where.suffix == ".parquet" else "JSONL (one JSON object per line)"
-        raise DatasetError(f"{where}: not readable as {kind}: {_first_line(err)}") from None
+def _opened(where: Path) -> tuple[list[str], int | None, Iterator[pa.RecordBatch]]:
+    """The column names, the row count if the file's metadata tells it (Parquet), and its record
+    batches, read one at a time."""
+    if where.suffix == ".parquet":
+        parquet = pq.ParquetFile(where)  # the footer only
+        batches = parquet.iter_batches(batch_size=BATCH_ROWS)
+        return parquet.schema_arrow.names, parquet.metadata.num_rows, batches
+    if where.stat().st_size == 0:
+        return [], 0, iter(())
+    # Streaming, one block of the file at a time; a row must fit in one block.
+    reader = pa_json.open_json(where, read_options=pa_json.ReadOptions(block_size=JSONL_BLOCK_BYTES))
+    return reader.schema.names, None, iter(reader)
 
 
-def read_examples(paths: Sequence[str | os.PathLike[str]]) -> list[Example]:
-    """Every row of ``paths``, in order, as ``Example``s indexed across the files."""
+def read_examples(paths: Sequence[str | os.PathLike[str]], *, max_rows: int | None = None) -> list[Example]:
+    """Every row of ``paths``, in order, as ``Example``s indexed across the files. Each file is read
+    in batches of ``BATCH_ROWS`` rows, so it is never whole in memory beside its ``Example``s; past
+    ``max_rows`` rows in all, DatasetError (a Parquet file is refused from its metadata, before any
+    row is read). DatasetError (one line naming the file) for a file that is neither Parquet nor
+    JSONL, a missing column, a bad row."""
     out: list[Example] = []
     for path in paths:
-        table = read_table(path)
-        problem = column_problem(table.column_names)
-        if problem:
-            raise DatasetError(f"{path}: {problem}")
+        where = Path(path)
+        if where.suffix not in (".parquet", ".jsonl"):
+            raise DatasetError(f"{where}: not a .parquet or .jsonl file")
+        if not where.is_file():
+            raise DatasetError(f"{where}: no such file")
         try:
-            out.extend(parse_rows(table.to_pylist(), where=str(path), start=len(out)))
-        except ValueError as err:
-            raise DatasetError(str(err)) from None
+            columns, rows, batches = _opened(where)
+            problem = column_problem(columns)  # before any row is read
+            if problem:
+                raise DatasetError(f"{where}: {problem}")
+            if max_rows is not None and rows is not None and len(out) + rows > max_rows:
+                raise DatasetError(_too_many(where, len(out) + rows, max_rows))
+            start = len(out)
+            for batch in batches:
+                if max_rows is not None and len(out) + batch.num_rows > max_rows:
+                    raise DatasetError(_too_many(where, len(out) + batch.num_rows, max_rows))
+                out.extend(
+                    parse_rows(batch.to_pylist(), where=str(path), start=len(out), offset=len(out) - start)
+                )
+        except DatasetError:
+            raise
+        except ValueError as err:  # a bad row, named by parse_rows
+            if not isinstance(err, pa.ArrowException):
+                raise DatasetError(str(err)) from None
+            raise DatasetError(_unreadable(where, err)) from None
+        except (pa.ArrowException, OSError) as err:
+            raise DatasetError(_unreadable(where, err)) from None
     return out
+
+
+def _unreadable(where: Path, err: BaseException) -> str:
+    kind = "Parquet" if where.suffix == ".parquet" else "JSONL (one JSON object per line)"
+    if "straddl" in str(err):
+        return f"{where}: a row is over {JSONL_BLOCK_BYTES >> 20} MiB; a prompt data set's rows are small"
+    return f"{where}: not readable as {kind}: {_first_line(err)}"
+
+
+def _too_many(where: Path, rows: int, max_rows: int) -> str:
+    return (
+        f"{where}: the split has {rows:,}+ rows, over data.max_rows={max_rows:,} (every prompt is "
+        "rendered and held at the start); raise data.max_rows or split the data set"
+    )
 
 
 def load_split(
@@ -99,11 +128,13 @@ def load_split(
     tokenize: PromptTokenizer,
     max_prompt_length: int,
     truncation: Truncation,
+    max_rows: int | None = None,
+    chars_per_token: int | None = None,
     log: Callable[[str], None] = _LOG.info,
 ) -> LoadedSplit:
     """Read one split and apply ``data.max_prompt_length``; the filter count goes to ``log`` as one
     line. DatasetError (one line) for a bad file or row, or a split the policy refuses."""
-    examples = read_examples(paths)
+    examples = read_examples(paths, max_rows=max_rows)
     try:
         kept, report = apply_max_prompt_length(
             examples,
@@ -111,6 +142,7 @@ def load_split(
             max_prompt_length=max_prompt_length,
             truncation=truncation,
             split=split,
+            chars_per_token=chars_per_token,
         )
     except ValueError as err:
         raise DatasetError(str(err)) from None
@@ -119,7 +151,11 @@ def load_split(
 
 
 def load_data(
-    data: DataConfig, *, tokenize: PromptTokenizer, log: Callable[[str], None] = _LOG.info
+    data: DataConfig,
+    *,
+    tokenize: PromptTokenizer,
+    chars_per_token: int | None = None,
+    log: Callable[[str], None] = _LOG.info,
 ) -> dict[str, LoadedSplit]:
     """The ``train`` split of a ``data`` config section, and ``val`` when it names files."""
     files = {"train": data.train_files, "val": data.val_files}
@@ -130,6 +166,8 @@ def load_data(
             tokenize=tokenize,
             max_prompt_length=data.max_prompt_length,
             truncation=data.truncation,
+            max_rows=data.max_rows,
+            chars_per_token=chars_per_token,
             log=log,
         )
         for split, paths in files.items()
@@ -176,6 +214,5 @@ __all__ = [
     "load_split",
     "read_examples",
     "read_jsonl_records",
-    "read_table",
     "write_parquet",
 ]

@@ -152,3 +152,15 @@ def run_dir_problem(root: Path, *, resuming: bool) -> str | None:
         text = " ".join(str(err).split())
         return text if isinstance(err, RunDirError) else f"a file of it is damaged: {shown(text, 200)}"
     return None
+
+
+def check_run_inputs(cfg: NereusConfig) -> None:
+    """What ``nereus run`` checks before anything starts, each problem one ``ConfigError`` line: the
+    machine's bounds, the trackers' packages, and the model's files, the data, the tokenizer and the
+    reward (``flows.job.data.prepare``, whose prompt sources the flow then takes)."""
+    from flows.job import tracking
+    from flows.job.data import prepare
+
+    check_bounds(cfg)
+    tracking.require(cfg.trainer.logger)
+    prepare(cfg)

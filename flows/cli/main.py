@@ -32,12 +32,12 @@ from flows.cli.inputs import (
     MAX_DEVICES_ENV,
     SCHEDULER_ENV,
     check_bounds,
+    check_run_inputs,
     default_out_dir,
     load_config,
     read_config_file,
     run_dir_problem,
 )
-from flows.job import tracking
 from nereus_core import __version__, faults
 from nereus_core.config import ConfigError, parse_config
 
@@ -103,6 +103,7 @@ def _drive(flow: Callable[..., Any], out: Path, where: Path, **kwargs: Any) -> i
     """Run a PPO or self-check flow into ``out``; a stop the user can act on is one line (about
     ``where``, the config or the run directory, when the input is to blame)."""
     from nereus_core.job import JobFailed
+    from nereus_core.rewards.registry import RewardError
     from storage.lock import RunLocked
     from tasks.runtime.device_actor import DevicePoolError
 
@@ -110,7 +111,7 @@ def _drive(flow: Callable[..., Any], out: Path, where: Path, **kwargs: Any) -> i
         flow(out_dir=str(out), **kwargs)
     except (ConfigError, FileNotFoundError) as err:
         return _fail(where, str(err))
-    except (JobFailed, RunLocked) as err:
+    except (JobFailed, RunLocked, RewardError) as err:  # a reward that fails mid-run: its one line
         return _stopped(out, err)
     except DevicePoolError as err:  # too few workers, a lost one: its first line (the log has the rest)
         return _stopped(out, RuntimeError(str(err).splitlines()[0]))
@@ -124,8 +125,7 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
     try:
         cfg = load_config(args.config, sets=args.set, steps=args.steps)
         if bounded:
-            check_bounds(cfg)
-            tracking.require(cfg.trainer.logger)  # a tracker's missing package: one line, nothing started
+            check_run_inputs(cfg)  # bounds, trackers, model files, data, reward: one line, nothing started
     except ConfigError as err:
         return _fail(args.config, str(err))
     out = args.out or default_out_dir(cfg)

@@ -21,16 +21,21 @@ from functools import partial
 
 from nereus_core import prompt_source
 from nereus_core.config import ConfigError, NereusConfig
+from nereus_core.dataset.rows import Example
 from nereus_core.dataset.sampler import Sampler
+from nereus_core.engine.hf_load import hf_source
 from nereus_core.hf.tokenizer import (
     TokenizerError,
     chat_prompt_ids,
     decode_text,
     load_tokenizer,
+    longest_token_chars,
     pad_token_id,
     stop_token_ids,
     vocab_problem,
 )
+from nereus_core.model.hf_dir import weights_problem
+from nereus_core.rewards.registry import RewardError, RewardFn
 from nereus_core.rl import rollout
 from storage.datasets import DatasetError, load_data
 
@@ -45,13 +50,49 @@ class JobData:
     val: prompt_source.DatasetSource | None = None
 
 
+# What ``prepare`` made, by the config's JSON: the CLI prepares before the flow starts (so that bad
+# data ends in one line before Prefect and Dask do), and the flow in the same process takes it.
+_PREPARED: dict[str, JobData] = {}
+
+
+def _key(cfg: NereusConfig) -> str:
+    return cfg.model_dump_json(include={"model", "data", "reward", "validation", "algorithm", "job"})
+
+
+def prepare(cfg: NereusConfig, log: Callable[[str], None] = _LOG.info) -> None:
+    """Check the model's files and make the prompt sources now; the next ``job_data(cfg)`` takes
+    them. ConfigError in one line."""
+    problem = model_files_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+    _PREPARED.clear()
+    _PREPARED[_key(cfg)] = job_data(cfg, log)
+
+
+def model_files_problem(cfg: NereusConfig) -> str | None:
+    """Why a model directory's safetensors cannot give its model (``hf_dir.weights_problem``: headers
+    only, no device touched), naming the config key, the file and the tensor; or None."""
+    for model, key in (("actor", "model.path"), ("critic", "critic.path"), ("reward", "reward.model_path")):
+        source = hf_source(cfg, model)
+        if source is None or source.fresh_head:
+            continue  # a critic on the actor's backbone: the actor's check covers it
+        problem = weights_problem(source.path, cfg.models[model])
+        if problem:
+            return f"{key}: {problem}"
+    return None
+
+
 def job_data(cfg: NereusConfig, log: Callable[[str], None] = _LOG.info) -> JobData:
-    """The prompt sources of ``cfg`` (see the module docstring); ConfigError in one line."""
+    """The prompt sources of ``cfg`` (see the module docstring), or those ``prepare`` made for it;
+    ConfigError in one line."""
+    ready = _PREPARED.pop(_key(cfg), None)
+    if ready is not None:
+        return ready
     if cfg.data is None:
         return JobData(prompt_source.CountSource(cfg.job.task_settings, prompts_per_step(cfg), cfg.job.seed))
     try:
         return _dataset_sources(cfg, log)
-    except (TokenizerError, DatasetError, ValueError) as err:
+    except (TokenizerError, DatasetError, RewardError, ValueError) as err:
         raise ConfigError(str(err).splitlines()[0]) from None
 
 
@@ -78,9 +119,10 @@ def _dataset_sources(cfg: NereusConfig, log: Callable[[str], None]) -> JobData:
             rendered[key] = chat_prompt_ids(tokenizer, [messages])[0]
         return rendered[key]
 
-    splits = load_data(data, tokenize=render, log=log)
+    splits = load_data(data, tokenize=render, chars_per_token=longest_token_chars(tokenizer), log=log)
     assert cfg.reward is not None  # the config refuses data without a text reward (sections_problem)
     reward = cfg.reward.resolve()
+    _try_reward(reward, splits["train"].examples[0])
     decode = partial(decode_text, tokenizer)
 
     def source(split: str, sampler: Sampler) -> prompt_source.DatasetSource:
@@ -105,4 +147,14 @@ def _dataset_sources(cfg: NereusConfig, log: Callable[[str], None]) -> JobData:
     return JobData(train, val)
 
 
-__all__ = ["JobData", "job_data"]
+def _try_reward(reward: RewardFn, example: Example) -> None:
+    """One call of ``reward`` on an empty response (what a response of only EOS decodes to) to the
+    first training row, before anything starts: a function that hangs, exits, raises or returns no
+    finite score fails here in one line instead of at the first step."""
+    try:
+        prompt_source.score_row(reward, example, "")
+    except RewardError as err:
+        raise RewardError(f"{err}, tried on an empty response before the start") from None
+
+
+__all__ = ["JobData", "job_data", "model_files_problem", "prepare"]

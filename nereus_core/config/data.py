@@ -24,6 +24,7 @@ from nereus_core.hf.tokenizer import chat_template_error
 from nereus_core.rewards import registry
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
+DEFAULT_TIMEOUT_S = 30.0  # a rule scorer takes milliseconds; math checkers on odd input, seconds
 
 
 def _file_problem(path: str) -> str | None:
@@ -74,6 +75,13 @@ class DataConfig(Frozen):
         description="A prompt over max_prompt_length: filter drops it (counted in one log line, as verl's "
         "filter_overlong_prompts); error refuses the data set.",
     )
+    max_rows: int = Field(
+        default=500_000,
+        ge=1,
+        description="Most rows of a split, over its files. Every prompt is rendered and held from the "
+        "start (tens of microseconds and a few hundred bytes a row), so a larger split is refused before "
+        "its rows are read (a Parquet file by its metadata); files are read in batches, never whole.",
+    )
     shuffle: bool = Field(default=True, description="Shuffle the training prompts anew each epoch.")
     seed: int = Field(default=0, ge=0, description="Seed of the shuffle: the same seed gives the same order.")
 
@@ -107,6 +115,15 @@ class RewardConfig(Frozen):
         description="gsm8k, gsm8k_flexible, math, count, or path/to/file.py:function with verl's "
         "signature (data_source, solution_str, ground_truth, extra_info) -> float | dict.",
     )
+    timeout_s: float = Field(
+        default=DEFAULT_TIMEOUT_S,
+        gt=0,
+        le=3600,
+        description="Seconds a path/to/file.py:function reward may take on one response. The function "
+        "runs in a worker process of its own: past this limit (or if it exits) the worker is ended and "
+        "the step fails in one line naming the function and the row; the last checkpoint stays the "
+        "resume point. Built-in rewards run in the driver.",
+    )
     model_path: str | None = Field(
         default=None,
         description="A reward model: a one-label LlamaFor/Qwen2ForSequenceClassification directory of the "
@@ -133,8 +150,9 @@ class RewardConfig(Frozen):
         return registry.inputs_of(self.function)
 
     def resolve(self) -> registry.RewardFn:
-        """The reward function (a user's file is imported again, in this process)."""
-        return registry.resolve(self.function)
+        """The reward function: a built-in in this process, a user's in a worker process of its own
+        (``nereus_core.rewards.worker``) with ``timeout_s`` per call."""
+        return registry.isolated(registry.resolve(self.function), self.timeout_s)
 
 
 def job_lengths_from_data(raw: Any) -> Any:

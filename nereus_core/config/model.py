@@ -11,6 +11,15 @@ from pydantic import Field, field_validator, model_validator
 from nereus_core.frozen import Frozen
 from nereus_core.hf.files import imported_section
 
+# Sanity bounds on a model's sizes, far past any published model (Llama 3.1 405B: 126 layers, width
+# 16384, 128 heads; vocabularies up to 256k; contexts up to 10M), so that a config.json claiming a
+# billion layers is refused at load instead of making the memory model walk them. Sizes inside the
+# bounds that no device can hold are the memory model's to refuse (``nereus_core.preflight``).
+MAX_LAYERS = 4096
+MAX_HEADS = 4096
+MAX_SIZE = 1 << 24
+MAX_POSITIONS = 1 << 30
+
 
 class RopeScaling(Frozen):
     """Llama 3's RoPE frequency scaling (Hugging Face ``rope_type: llama3``; Llama-3.1's config.json)."""
@@ -39,13 +48,13 @@ class ModelConfig(Frozen):
         description="Hugging Face architecture whose names and numerics the model follows.",
     )
 
-    vocab_size: int = Field(default=256, ge=2, description="Vocabulary size.")
-    hidden_size: int = Field(default=64, ge=2, description="Model width.")
-    intermediate_size: int = Field(default=128, ge=1, description="SwiGLU inner width.")
-    num_hidden_layers: int = Field(default=4, ge=1, description="Decoder layers.")
-    num_attention_heads: int = Field(default=4, ge=1, description="Query heads.")
-    num_key_value_heads: int = Field(default=2, ge=1, description="Key/value heads (GQA).")
-    max_position_embeddings: int = Field(default=256, ge=1, description="Longest sequence.")
+    vocab_size: int = Field(default=256, ge=2, le=MAX_SIZE, description="Vocabulary size.")
+    hidden_size: int = Field(default=64, ge=2, le=MAX_SIZE, description="Model width.")
+    intermediate_size: int = Field(default=128, ge=1, le=MAX_SIZE, description="SwiGLU inner width.")
+    num_hidden_layers: int = Field(default=4, ge=1, le=MAX_LAYERS, description="Decoder layers.")
+    num_attention_heads: int = Field(default=4, ge=1, le=MAX_HEADS, description="Query heads.")
+    num_key_value_heads: int = Field(default=2, ge=1, le=MAX_HEADS, description="Key/value heads (GQA).")
+    max_position_embeddings: int = Field(default=256, ge=1, le=MAX_POSITIONS, description="Longest sequence.")
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base.")
     rope_scaling: RopeScaling | None = Field(default=None, description="Llama 3's RoPE scaling, if any.")
     attention_bias: bool = Field(

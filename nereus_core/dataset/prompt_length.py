@@ -47,9 +47,31 @@ class LengthReport:
         )
 
 
-def prompt_lengths(examples: Sequence[Example], tokenize: PromptTokenizer) -> list[int]:
-    """The token count of each example's chat messages."""
-    return [len(tokenize(example.chat())) for example in examples]
+def prompt_lengths(
+    examples: Sequence[Example],
+    tokenize: PromptTokenizer,
+    *,
+    max_prompt_length: int | None = None,
+    chars_per_token: int | None = None,
+) -> list[int]:
+    """The token count of each example's chat messages. With ``chars_per_token`` (the tokenizer's
+    longest token), a prompt of more than ``max_prompt_length * chars_per_token`` characters cannot
+    fit and is not tokenized: its count is the lower bound ``chars // chars_per_token``. A tokenizer
+    error (ValueError) names the row."""
+    bound = (
+        None if chars_per_token is None or max_prompt_length is None else max_prompt_length * chars_per_token
+    )
+    out = []
+    for example in examples:
+        chars = sum(len(m["content"]) for m in example.messages)
+        if bound is not None and chars > bound:
+            out.append(chars // chars_per_token)  # type: ignore[operator]
+            continue
+        try:
+            out.append(len(tokenize(example.chat())))
+        except ValueError as err:
+            raise ValueError(f"row {example.index}: {err}") from None
+    return out
 
 
 def apply_max_prompt_length(
@@ -59,10 +81,17 @@ def apply_max_prompt_length(
     max_prompt_length: int,
     truncation: Truncation,
     split: str,
+    chars_per_token: int | None = None,
 ) -> tuple[list[Example], LengthReport]:
     """The examples that fit ``max_prompt_length`` and a report; ValueError (one line) under
-    ``error`` at the first overlong prompt, or when nothing is left."""
-    lengths = prompt_lengths(examples, tokenize)
+    ``error`` at the first overlong prompt, or when nothing is left (``chars_per_token``: see
+    ``prompt_lengths``)."""
+    try:
+        lengths = prompt_lengths(
+            examples, tokenize, max_prompt_length=max_prompt_length, chars_per_token=chars_per_token
+        )
+    except ValueError as err:
+        raise ValueError(f"data: {split}: {err}") from None
     kept = [ex for ex, n in zip(examples, lengths, strict=True) if n <= max_prompt_length]
     report = LengthReport(
         split=split,

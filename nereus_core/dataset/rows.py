@@ -103,15 +103,18 @@ def parse_row(row: Mapping[str, Any], index: int) -> Example:
     )
 
 
-def parse_rows(rows: Iterable[Mapping[str, Any]], *, where: str, start: int = 0) -> list[Example]:
+def parse_rows(
+    rows: Iterable[Mapping[str, Any]], *, where: str, start: int = 0, offset: int = 0
+) -> list[Example]:
     """Every row as an ``Example`` (indices from ``start``); ValueError with one line naming
-    ``where`` (a file), the row and the problem at the first bad row."""
+    ``where`` (a file), the row (its place in the file: ``offset`` for the first of ``rows``) and the
+    problem at the first bad row."""
     out = []
-    for offset, row in enumerate(rows):
+    for i, row in enumerate(rows):
         try:
-            out.append(parse_row(row, start + offset))
+            out.append(parse_row(row, start + i))
         except ValueError as err:
-            raise ValueError(f"{where}: row {offset}: {err}") from None
+            raise ValueError(f"{where}: row {offset + i}: {err}") from None
     return out
 
 

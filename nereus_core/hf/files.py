@@ -31,11 +31,14 @@ import torch
 from pydantic import BaseModel, ValidationError
 from safetensors import safe_open
 
+from nereus_core.hf.safetensors_header import HeaderError, read_header
 from nereus_core.hf.tokenizer import tokenizer_error
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+MODEL_TYPES = {"Llama": "llama", "Qwen2": "qwen2"}  # config.json's model_type of each architecture
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MAX_JSON_BYTES = 64 << 20
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -63,6 +66,8 @@ SCORE_BIAS = "score.bias"
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise HFDirError(f"{path} not found; a model directory needs config.json and safetensors weights")
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise HFDirError(f"{path} is over {MAX_JSON_BYTES:,} bytes; a config or index file is a few KB")
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -74,10 +79,17 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _architecture(raw: dict[str, Any], where: Path, supported: tuple[str, ...]) -> str:
     found = raw.get("architectures") or []
-    if len(found) != 1 or found[0] not in supported:
+    if not isinstance(found, list) or len(found) != 1 or found[0] not in supported:
+        named = ", ".join(map(str, found)) if isinstance(found, list) else repr(found)
         raise HFDirError(
-            f"{where}: architecture {', '.join(map(str, found)) or '(none)'} is not supported; "
-            f"supported: {', '.join(supported)}"
+            f"{where}: architecture {named or '(none)'} is not supported; supported: {', '.join(supported)}"
+        )
+    model_type = raw.get("model_type")
+    expected = MODEL_TYPES[found[0].partition("For")[0]]
+    if model_type is not None and model_type != expected:  # transformers builds by model_type
+        raise HFDirError(
+            f"{where}: model_type {model_type!r} does not match architecture {found[0]}; supported "
+            f"model_type: {', '.join(sorted(set(MODEL_TYPES.values())))}, each with its own architecture"
         )
     return found[0]
 
@@ -137,7 +149,7 @@ def validated(model: type[M], fields: dict[str, Any], where: Path) -> M:
     except ValidationError as err:
         first = err.errors()[0]
         loc = ".".join(str(part) for part in first["loc"])
-        msg = first["msg"].removeprefix("Value error, ")
+        msg = first["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
         raise HFDirError(f"{where}: {loc + ': ' if loc else ''}{msg}") from None
 
 
@@ -145,7 +157,8 @@ def _raw(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     root = Path(path)
     if not root.is_dir():
         raise HFDirError(f"model directory {path} not found")
-    return root, _read_json(root / "config.json")
+    config = root / "config.json"
+    return root, _read_json(inside(root, config, named_by="a symlink") if config.exists() else config)
 
 
 def hf_fields(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -228,20 +241,38 @@ def value_model(path: str | os.PathLike[str], ours: M, *, role: str) -> M:
     return theirs
 
 
+def inside(root: Path, file: Path, *, named_by: str) -> Path:
+    """``file``, after checking that it (symlinks resolved) lies inside the directory ``root``: a
+    model directory is read as it is, and never leads the reader elsewhere."""
+    resolved, base = file.resolve(), root.resolve()
+    if resolved != base and base not in resolved.parents:
+        raise HFDirError(
+            f"{file} ({named_by}) leads outside {root}, to {resolved}; not followed: copy the file into "
+            "the directory (huggingface-cli download --local-dir writes plain files)"
+        )
+    return file
+
+
 def weight_files(path: str | os.PathLike[str]) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (one file, or the shards of the index)."""
+    """Tensor name -> the safetensors file holding it (one file, or the shards of the index), each
+    inside ``path`` (``inside``)."""
     root = Path(path)
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise HFDirError(f"{index} has no weight_map object")
-        return {name: root / file for name, file in weight_map.items()}
+        weight_map = _read_json(inside(root, index, named_by="the index")).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise HFDirError(f"{index} has no weight_map object of tensor name -> file name")
+        named = f"in {INDEX_FILE}"
+        files = {file: inside(root, root / file, named_by=named) for file in set(weight_map.values())}
+        return {name: files[file] for name, file in weight_map.items()}
     single = root / SINGLE_FILE
     if not single.is_file():
         raise HFDirError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(str(single), framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
+    inside(root, single, named_by="a symlink")
+    try:
+        return dict.fromkeys(read_header(single), single)
+    except HeaderError as err:
+        raise HFDirError(str(err)) from None
 
 
 def read_slices(path: str | os.PathLike[str], wanted: Mapping[str, Index]) -> dict[str, torch.Tensor]:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+import signal
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves the chat template
 GENERATION_CONFIG = "generation_config.json"
+RENDER_LIMIT_S = 5.0  # one prompt's rendering; a real template takes well under a millisecond
 
 Messages = Sequence[Mapping[str, str]]
 
@@ -88,16 +92,60 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
         raise TokenizerError(f"{path}: the tokenizer does not load: {first}") from None
 
 
+class _RenderTimeout(Exception):
+    pass
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise ``_RenderTimeout`` in this thread after ``seconds`` (SIGALRM; only the main thread can
+    take a signal, so elsewhere there is no limit). A chat template is code from the model's files:
+    a loop in it would otherwise stall the start for good."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise _RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, conversations: Sequence[Messages]) -> list[list[int]]:
     """Token ids of each conversation rendered by the tokenizer's chat template, ending with the
-    assistant's turn opened (``add_generation_prompt=True``): what the actor continues."""
+    assistant's turn opened (``add_generation_prompt=True``): what the actor continues.
+    TokenizerError (one line) if the template raises, runs past ``RENDER_LIMIT_S`` or renders no
+    token (the caller names the row)."""
     if not tokenizer.chat_template:
         raise TokenizerError(_no_template(tokenizer.name_or_path or "this directory"))
     out = []
     for messages in conversations:
-        ids = tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        try:
+            with _time_limit(RENDER_LIMIT_S):
+                ids = tokenizer.apply_chat_template(
+                    [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+        except _RenderTimeout:
+            raise TokenizerError(
+                f"the chat template of {tokenizer.name_or_path} ran past {RENDER_LIMIT_S:g} s on one "
+                "prompt (a loop in the template?); fix the template"
+            ) from None
+        except Exception as err:  # the template is the model's code: any error, as one line
+            first = (str(err).strip().splitlines() or ["(no message)"])[0]
+            raise TokenizerError(
+                f"the chat template of {tokenizer.name_or_path} raised {type(err).__name__}: {first}"
+            ) from None
+        if not ids:
+            raise TokenizerError(
+                f"the chat template of {tokenizer.name_or_path} renders an empty prompt; "
+                "fix the template or the row's messages"
+            )
         out.append([int(i) for i in ids])
     return out
 
@@ -122,6 +170,12 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase, stop_ids: Sequence[int]) ->
     first stop id (verl sets ``pad_token = eos_token`` when a tokenizer has none; masks keep pads out
     of every result)."""
     return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else int(stop_ids[0])
+
+
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The characters of the tokenizer's longest token: a text of more than ``n * this`` characters
+    has more than ``n`` tokens, known without tokenizing it (a 10 MB prompt takes a minute)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
 def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:

@@ -18,17 +18,16 @@ else here touches files.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from nereus_core import count_task as task
 from nereus_core.rewards import gsm8k, math_answer
+from nereus_core.rewards.errors import RewardError
+from nereus_core.rewards.user_file import USER_FORM, first_line, load_function
 
 TEXT_BUILTINS: dict[str, Callable[..., Any]] = {
     "gsm8k": gsm8k.compute_score,
@@ -37,11 +36,6 @@ TEXT_BUILTINS: dict[str, Callable[..., Any]] = {
 }
 TOKEN_BUILTINS: dict[str, Callable[..., Any]] = {"count": task.rule_score}
 BUILTINS = (*TEXT_BUILTINS, *TOKEN_BUILTINS)
-USER_FORM = "path/to/file.py:function"
-
-
-class RewardError(RuntimeError):
-    """A reward function failed on a response; ``str(err)`` is one line naming it."""
 
 
 @dataclass(frozen=True)
@@ -89,50 +83,18 @@ def resolve(spec: str) -> RewardFn:
         return RewardFn(spec, TEXT_BUILTINS[spec], "text")
     if spec in TOKEN_BUILTINS:
         return RewardFn(spec, TOKEN_BUILTINS[spec], inputs_of(spec))
-    path_text, _, name = spec.rpartition(":")
-    module = _load_module(Path(path_text))
-    if not hasattr(module, name):
-        raise ValueError(f"{path_text} has no function {name!r}; define it or fix the name after ':'")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise ValueError(f"{path_text}:{name} is a {type(fn).__name__}, not a function")
-    _check_signature(fn, spec)
+    fn = load_function(spec)
     return RewardFn(spec, fn, "text")
 
 
-def _load_module(path: Path) -> Any:
-    """Import the file at ``path`` as a module of its own, not added to ``sys.modules``: a process
-    that needs the function (a worker) resolves the spec itself rather than unpickling it."""
-    if not path.is_file():
-        where = "is a directory" if path.is_dir() else "does not exist"
-        raise ValueError(f"{path} {where}; give the path of a .py file (relative to where nereus runs)")
-    spec = importlib.util.spec_from_file_location(f"nereus_user_reward_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{path} cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:  # the user's code: any error, reported as one line
-        raise ValueError(f"importing {path} raised {type(err).__name__}: {_first_line(err)}") from None
-    return module
+def isolated(reward: RewardFn, timeout_s: float) -> RewardFn:
+    """``reward`` as the job calls it: a built-in as it is, a user's function in a worker process of
+    its own with ``timeout_s`` per call (``nereus_core.rewards.worker``)."""
+    if reward.name in BUILTINS:
+        return reward
+    from nereus_core.rewards.worker import RewardWorker
 
-
-def _check_signature(fn: Callable[..., Any], spec: str) -> None:
-    """verl calls ``fn(data_source, solution_str, ground_truth, extra_info)``; refuse one that cannot
-    take four positional arguments."""
-    try:
-        inspect.signature(fn).bind("source", "solution", "truth", {})
-    except TypeError:
-        raise ValueError(
-            f"{spec} cannot be called as fn(data_source, solution_str, ground_truth, extra_info)"
-        ) from None
-    except ValueError:  # no signature to inspect (some builtins): let the first call tell
-        pass
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else "(no message)"
+    return RewardFn(reward.name, RewardWorker(reward.name, timeout_s), reward.inputs)
 
 
 def score_text(
@@ -144,14 +106,20 @@ def score_text(
         raise RewardError(f"reward function {reward.name} scores token ids, not text; use a text scorer")
     try:
         out = reward.fn(data_source, solution_str, ground_truth, extra_info)
+    except RewardError:  # a reward worker's own one line (a timeout, an exit)
+        raise
     except Exception as err:  # the user's code: any error, named
         raise RewardError(
-            f"reward function {reward.name} raised {type(err).__name__}: {_first_line(err)}"
+            f"reward function {reward.name} raised {type(err).__name__}: {first_line(err)}"
         ) from err
     extras: dict[str, Any] = {}
     if isinstance(out, Mapping):
         if "score" not in out:
-            raise RewardError(f"reward function {reward.name} returned a dict without a 'score' key")
+            keys = ", ".join(map(repr, list(out)[:5])) or "none"
+            raise RewardError(
+                f"reward function {reward.name} returned a dict without a 'score' key (keys: {keys}); "
+                "return a finite float or a dict with a 'score'"
+            )
         extras = {k: v for k, v in out.items() if k != "score"}
         out = out["score"]
     if not isinstance(out, numbers.Real) or not math.isfinite(out):
@@ -170,7 +138,7 @@ def score_tokens(reward: RewardFn, prompts_bp: Any, responses_bt: Any) -> Any:
         return reward.fn(prompts_bp, responses_bt)
     except Exception as err:
         raise RewardError(
-            f"reward function {reward.name} raised {type(err).__name__}: {_first_line(err)}"
+            f"reward function {reward.name} raised {type(err).__name__}: {first_line(err)}"
         ) from err
 
 
@@ -180,6 +148,7 @@ __all__ = [
     "RewardFn",
     "Scored",
     "inputs_of",
+    "isolated",
     "resolve",
     "score_text",
     "score_tokens",

@@ -31,6 +31,18 @@ def running(proc: psutil.Process) -> bool:
         return False
 
 
+def session_left(session: int) -> list[int]:
+    """The processes of ``session`` (a process started with a session of its own) still running."""
+    left = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == session and running(proc):
+                left.append(proc.pid)
+        except (OSError, psutil.Error):
+            continue
+    return left
+
+
 def kill_session(driver: subprocess.Popen) -> None:
     """SIGKILL to ``driver``'s whole session (it was started with one of its own), then reap it."""
     with contextlib.suppress(ProcessLookupError):  # its Dask workers and Prefect server go too

@@ -20,6 +20,7 @@ import yaml
 from flows.cli.main import MAX_DEVICES_ENV, SCHEDULER_ENV
 from nereus_core.config import NereusConfig
 from tests.support.hostile_yaml import alias_bomb
+from tests.support.processes import session_left, wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"
@@ -255,3 +256,50 @@ def test_the_blocked_packages_cannot_be_imported(blocked: Path) -> None:
             [sys.executable, "-c", f"import {name}"], env=env, capture_output=True, text=True
         )
         assert done.returncode != 0 and f"{name} imported before the refusal" in done.stderr
+
+
+# ------------------------------------------------------------ the real-model path, in a subprocess
+# A broken model directory and a reward function that exits, each refused in one line before
+# Prefect or Dask start, with no --out directory and no worker process left (the whole table of
+# tests/support/hostile_inputs.py runs in benchmarks.bench_bad_input).
+
+
+@pytest.fixture(scope="module")
+def real_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    from tests.support import hostile_inputs
+
+    root = tmp_path_factory.mktemp("real")
+    config = hostile_inputs.base(root)
+    (root / "exits.py").write_text(hostile_inputs.REWARDS["os-exit"])
+    return config, hostile_inputs.model_cases(root)
+
+
+def test_a_broken_model_directory_and_an_exiting_reward_are_one_line_before_anything_starts(
+    real_inputs: tuple[Path, dict[str, Any]], blocked: Path, tmp_path: Path
+) -> None:
+    config, models = real_inputs
+    path, needle = models["wrong-shape"]
+    argv = ["run", str(config), "--out", "out", "--set", f"model.path={path}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli.main", *argv],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked), str(ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert_refused(done, 0.0, needle, "model.path: ")
+    reward = f"reward.function={config.parent / 'exits.py'}:score"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli.main", "run", str(config), "--out", "out", "--set", reward],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked), str(ROOT)])},
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    _, err = proc.communicate(timeout=300)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
+    assert_refused(done, 0.0, "ended its process (exit status 0)", "(on data row 0)")
+    wait_for("the reward worker's end", lambda: not session_left(proc.pid), 10, every=0.2)
+    assert not (tmp_path / "out").exists()
