@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from nereus_core.engine import sampling
 from nereus_core.engine.device import DeviceContext
-from nereus_core.engine.shard import shard_state
+from nereus_core.engine.shard import get_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the device actor set for DeepSpeed's world: the engine builds a world of its own.
@@ -154,7 +154,17 @@ def write_slices(ctx: DeviceContext, *, name: str, directory: str) -> str:
     path = Path(directory) / f"{name.replace('/', '-')}-device{ctx.rank}.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in shard_state(ctx, name=name).items()}, str(tmp))
+    # the live parameters, not a clone: save_file copies them into the file once; a tied head is the
+    # embedding's tensor, written once (the engine ties it again)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    held = get_shard(ctx, name).local_state()
+    for key in sorted(held, key=lambda k: k == "lm_head.weight"):  # the head last: the embedding stays
+        value = held[key]
+        if value.data_ptr() not in seen:
+            seen.add(value.data_ptr())
+            tensors[key] = value.detach().cpu().contiguous()
+    save_file(tensors, str(tmp))
     os.replace(tmp, path)
     return str(path)
 
