@@ -14,7 +14,7 @@ PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && { echo $$p; break; }; done)
 STAMP := $(VENV)/.nereus-installed
 
-.PHONY: demo test install lint format clean
+.PHONY: demo test install install-vllm lint format clean
 
 demo: $(STAMP)
 	$(BIN)/nereus run examples/tiny_ppo.yaml
@@ -23,6 +23,13 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 install: $(STAMP)
+
+# vLLM as the rollout engine (rollout.engine: vllm) on CPU; a few minutes. The CUDA torchvision,
+# torchaudio and torchcodec it pulls in do not load against the CPU torch and break transformers.
+install-vllm: $(STAMP)
+	$(BIN)/python -m pip install -e '.[vllm]'
+	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(BIN)/python -c 'import vllm, transformers.models.llama; print("vllm", vllm.__version__)'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from nereus_core.config import ModelConfig, NereusConfig
 from nereus_core.count_task import make_prompts, rule_score, synthetic_responses
+from nereus_core.engine.sampling import SamplingRequest
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.engine.train import score_mse_loss
 from nereus_core.layout import Layout
@@ -40,7 +41,7 @@ from nereus_core.rl.rollout import (
     grpo_objective,
     minibatch_rows,
 )
-from tasks import model_ops
+from tasks import model_ops, rollout_engines
 from tasks.reshard import sync_copy
 from tasks.runtime.device_pool import DevicePool
 
@@ -143,6 +144,36 @@ def generate(
         eos_ids=stopping.eos_ids,
         pad_id=stopping.pad_id,
     )
+
+
+@task(cache_policy=NO_CACHE)
+def generate_on_engines(
+    pool: DevicePool,
+    engines: rollout_engines.Engines,
+    prompts: torch.Tensor,
+    *,
+    request: SamplingRequest,
+    prompt_mask: torch.Tensor | None = None,
+    group: int = 1,
+    pad_id: int = 0,
+) -> Timed:
+    """actor/generate on vLLM engines (rollout.engine: vllm): responses and vLLM's log-probs of them."""
+    return timed(
+        rollout_engines.generate,
+        pool,
+        engines,
+        prompts,
+        request=request,
+        prompt_mask=prompt_mask,
+        group=group,
+        pad_id=pad_id,
+    )
+
+
+@task(cache_policy=NO_CACHE)
+def sync_engines(pool: DevicePool, engines: rollout_engines.Engines, train: Layout) -> dict[str, float]:
+    """actor/train's new weights into every vLLM engine of actor/generate, in place."""
+    return rollout_engines.sync(pool, engines, train, source="actor/train")
 
 
 @task(cache_policy=NO_CACHE)

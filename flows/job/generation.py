@@ -1,7 +1,7 @@
 """Generation on actor/generate from a prompt source: a step's rollout, and validation.
 
     rollout:    source.batch(step) (x group_size for GRPO) -> actor/generate (sampled, stop ids,
-                prompt mask) -> response mask
+                prompt mask; Nereus's sampler, or vLLM's engines with their log-probs) -> response mask
                 -> source.score (the rule: count's on ids, or reward.function on decoded text)
     validate:   every validation batch -> actor/generate (greedy) -> source.score
                 -> mean per data source, under verl's names (val-core/<data_source>/reward/mean@1)
@@ -21,25 +21,52 @@ from prefect import get_run_logger
 from flows.job.records import JobRecords
 from nereus_core import job, prompt_source
 from nereus_core.config.data import ValidationConfig
+from nereus_core.engine.sampling import SamplingRequest
 from nereus_core.plan import ModelStage
 from nereus_core.rl.rollout import Rollout, Stopping, response_mask
-from tasks import stages
+from tasks import rollout_engines, stages
 from tasks.runtime.device_pool import DevicePool
 
 
 def _generate(
-    pool: DevicePool, state: job.JobState, batch: prompt_source.PromptBatch, stopping: Stopping, **how: Any
-) -> tuple[torch.Tensor, float]:
-    return stages.generate(
+    pool: DevicePool,
+    state: job.JobState,
+    batch: prompt_source.PromptBatch,
+    stopping: Stopping,
+    *,
+    temperature: float,
+    seed: int,
+    group: int = 1,
+    engines: rollout_engines.Engines | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """Responses, the engine's log-probs of them (vLLM's; None from Nereus's sampler) and seconds."""
+    max_new = state.config.job.response_len
+    if engines is not None:
+        request = SamplingRequest(
+            max_new_tokens=max_new, temperature=temperature, stop_ids=stopping.eos_ids, seed=seed
+        )
+        (responses, logp), s = stages.generate_on_engines(
+            pool,
+            engines,
+            batch.prompts,
+            request=request,
+            prompt_mask=batch.prompt_mask,
+            group=group,
+            pad_id=stopping.pad_id,
+        )
+        return responses, logp, s
+    responses, s = stages.generate(
         pool,
         state.layouts[ModelStage.ACTOR_GENERATE],
         batch.prompts,
         name="actor/generate",
-        max_new_tokens=state.config.job.response_len,
+        max_new_tokens=max_new,
         prompt_mask=batch.prompt_mask,
         stopping=stopping,
-        **how,
+        temperature=temperature,
+        seed=seed,
     )
+    return responses, None, s
 
 
 def rollout(
@@ -50,20 +77,31 @@ def rollout(
     source: prompt_source.PromptSource,
     *,
     group: int = 1,
+    engines: rollout_engines.Engines | None = None,
 ) -> tuple[Rollout, prompt_source.Scores]:
     """Step ``step``'s prompts (each ``group`` times, copies side by side: GRPO's groups), their
     sampled responses and masks (one generator per replica: every row, copies of one prompt included,
     draws its own tokens), and the rule's scores (``rule_score``; a reward function that raises fails
-    the step here, before any training)."""
+    the step here, before any training). ``engines``: vLLM's (rollout.engine: vllm), whose log-probs
+    the rollout keeps as ``rollout_logp``."""
     cfg, pid = state.config, state.plan_id
     batch, stopping = source.batch(step).repeated(group), source.stopping
     with records.task_call(step, pid) as call:
-        responses, s = _generate(
-            pool, state, batch, stopping, temperature=cfg.ppo.temperature, seed=cfg.job.seed * 7919 + step
+        seed = cfg.job.seed * 7919 + step
+        responses, logp, s = _generate(
+            pool,
+            state,
+            batch,
+            stopping,
+            temperature=cfg.ppo.temperature,
+            seed=seed,
+            group=group,
+            engines=engines,
         )
         mask = response_mask(responses, stopping.eos_ids)
         call.add("actor", "generate", int(mask.sum()), s)
     r = Rollout(prompts=batch.prompts, responses=responses, mask=mask, prompt_mask=batch.prompt_mask)
+    r.rollout_logp = None if logp is None else logp * mask
     with records.plain(step, pid, "task", "rule_score", batch.prompts.shape[0]):
         scores = source.score(batch, responses, mask)
     r.rule_score = scores.score
@@ -81,12 +119,19 @@ def val_key(data_source: str) -> str:
     return f"val-core/{data_source}/reward/mean@1"
 
 
-def validate(pool: DevicePool, state: job.JobState, source: prompt_source.DatasetSource) -> dict[str, float]:
+def validate(
+    pool: DevicePool,
+    state: job.JobState,
+    source: prompt_source.DatasetSource,
+    engines: rollout_engines.Engines | None = None,
+) -> dict[str, float]:
     """Greedy responses to every validation prompt, scored; the mean per data source under
     ``val_key``, and ``val_s`` (the seconds it took)."""
     start, scored = time.perf_counter(), []
     for batch in source.val_batches():
-        responses, _ = _generate(pool, state, batch, source.stopping, temperature=0.0, seed=0)
+        responses, _, _ = _generate(
+            pool, state, batch, source.stopping, temperature=0.0, seed=0, engines=engines
+        )
         mask = response_mask(responses, source.stopping.eos_ids)
         scored.append((batch, source.score(batch, responses, mask)))
     out: dict[str, float] = {val_key(k): v for k, v in prompt_source.mean_by_source(scored).items()}

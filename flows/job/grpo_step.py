@@ -19,7 +19,7 @@ from nereus_core import job
 from nereus_core.plan import ModelStage
 from nereus_core.prompt_source import PromptSource
 from nereus_core.rl import rollout
-from tasks import stages
+from tasks import rollout_engines, stages
 from tasks.runtime.device_pool import DevicePool
 
 # The forward passes over the rollout, of those the job has (actor/train: the old log-probs).
@@ -32,6 +32,8 @@ def run_step(
     records: JobRecords,
     step: int,
     prompt_source: PromptSource | None = None,
+    *,
+    engines: rollout_engines.Engines | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """One GRPO step; returns its statistics and every generated response's length (as PPO's).
     ``prompt_source``: the step's prompts (batch_size / group_size of them), stop ids and rule, as
@@ -39,7 +41,7 @@ def run_step(
     cfg, plan, pid = state.config, state.layouts, state.plan_id
     b, group, t_len = cfg.job.batch_size, cfg.algorithm.group_size, cfg.job.response_len
     source = prompt_source or job_data(cfg).train
-    r, scores = generation.rollout(pool, state, records, step, source, group=group)
+    r, scores = generation.rollout(pool, state, records, step, source, group=group, engines=engines)
     n_tok = int(r.attention_mask.sum())
     r.score = r.rule_score  # verifiable reward: the rule itself
     out = step_parts.forward_passes(pool, state, records, step, r, PASSES)
@@ -64,5 +66,6 @@ def run_step(
         )
         call.add("actor", "train", n_tok * cfg.ppo.ppo_epochs, seconds["train"])
         call.add("actor", "sync", 0, seconds.get("sync", 0.0))
+    step_parts.sync_engines(pool, state, records, step, engines)
     step_parts.write_rollout(records, state, step, r, scores)
     return step_parts.step_stats(state, step, r, scores, {"actor": trained}), r.lengths.tolist()

@@ -35,7 +35,7 @@ from nereus_core.controller.decide import TransitionTiming
 from nereus_core.plan import copies
 from nereus_core.prompt_source import PromptSource
 from nereus_core.rl import rollout
-from tasks import job_ops, model_ops, stages
+from tasks import job_ops, model_ops, rollout_engines, stages
 from tasks.controller import controller_step
 from tasks.runtime.device_pool import DevicePool
 
@@ -48,13 +48,16 @@ def run_step(
     records: JobRecords,
     step: int,
     prompt_source: PromptSource | None = None,
+    *,
+    engines: rollout_engines.Engines | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """One PPO step on the plan in force; returns its statistics (scores, losses, PPO statistics,
     response lengths) and every generated response's length. ``prompt_source``: the prompts, stop ids and
-    rule (flows/job/data.py; default: the count task)."""
+    rule (flows/job/data.py; default: the count task); ``engines``: actor/generate's vLLM engines."""
     cfg, plan, pid = state.config, state.layouts, state.plan_id
     b, t_len = cfg.job.batch_size, cfg.job.response_len
-    r, scores = generation.rollout(pool, state, records, step, prompt_source or job_data(cfg).train)
+    source = prompt_source or job_data(cfg).train
+    r, scores = generation.rollout(pool, state, records, step, source, engines=engines)
     n_tok = int(r.attention_mask.sum())
     # reward/infer runs only when the job scores with a reward model (the plan has it)
     out = step_parts.forward_passes(pool, state, records, step, r, PASSES)
@@ -83,6 +86,7 @@ def run_step(
             )
             call.add(model, "train", n_tok * cfg.ppo.ppo_epochs, seconds["train"])
             call.add(model, "sync", 0, seconds.get("sync", 0.0))
+    step_parts.sync_engines(pool, state, records, step, engines)
     step_parts.write_rollout(records, state, step, r, scores)
     stats = step_parts.step_stats(state, step, r, scores, {m: trained[m] for m in ("actor", "critic")})
     return stats, r.lengths.tolist()
@@ -205,9 +209,10 @@ def rl_job(
             state, started = job_start.bring_up(pool, run, state, point)
             cfg = state.config  # the job's settings from here; devices and lengths change in state.config
             records = JobRecords(run, first_step=point.step if point else 0, config=cfg)
-            if point is None and data.val is not None and cfg.validation and cfg.validation.before_train:
-                started["val_before_train"] = generation.validate(pool, state, data.val)
-            with job_start.quiet_task_logs(), records.tracking():
+            engines_running = job_start.rollout_engines_of(pool, state)
+            with job_start.quiet_task_logs(), records.tracking(), engines_running as engines:
+                if point is None and data.val is not None and cfg.validation and cfg.validation.before_train:
+                    started["val_before_train"] = generation.validate(pool, state, data.val, engines)
                 for step in range(point.step if point else 0, cfg.job.steps):
                     events = [e for e in state.config.job.scenario if e.step == step]
                     event = events[0] if events else growing.event(pool, state, step)  # workers warm: grow
@@ -217,12 +222,13 @@ def rl_job(
                         logger.info("%s before step %d: %s", source, step, ", ".join(what))
                         state = decide_and_switch(pool, state, records, step - 1, why=f" ({', '.join(what)})")
                     t = time.perf_counter()
-                    stats, lengths = STEPS[cfg.algorithm.name](pool, state, records, step, data.train)
+                    run_one = STEPS[cfg.algorithm.name]
+                    stats, lengths = run_one(pool, state, records, step, data.train, engines=engines)
                     wall = time.perf_counter() - t
                     if data.val is not None and generation.validation_due(
                         step, cfg.job.steps, cfg.validation
                     ):
-                        stats.update(generation.validate(pool, state, data.val))  # not in the step's wall
+                        stats.update(generation.validate(pool, state, data.val, engines))  # not in the wall
                     records.finish_step(stats, wall, cfg.job.steps)
                     if cfg.job.adapt and step + 1 < cfg.job.steps:
                         seen = {"rows": records.step_rows(step), "memory_peaks": job_ops.held_bytes(pool)}

@@ -20,7 +20,7 @@ from nereus_core import job, prompt_source
 from nereus_core.plan import ModelStage
 from nereus_core.rl import rollout
 from nereus_core.rl.ppo import masked_mean
-from tasks import stages
+from tasks import rollout_engines, stages
 from tasks.runtime.device_pool import DevicePool
 
 
@@ -42,6 +42,22 @@ def forward_passes(
         for key in run:
             call.add(key.model, "infer", n_tok, seconds[key])
     return out
+
+
+def sync_engines(
+    pool: DevicePool,
+    state: job.JobState,
+    records: JobRecords,
+    step: int,
+    engines: rollout_engines.Engines | None,
+) -> None:
+    """actor/train's new weights into actor/generate's vLLM engines (none: nothing to do), timed as
+    the actor's sync."""
+    if engines is None:
+        return
+    with records.task_call(step, state.plan_id) as call:
+        synced = stages.sync_engines(pool, engines, state.layouts[ModelStage.ACTOR_TRAIN])
+        call.add("actor", "sync", 0, synced["seconds"])
 
 
 def write_rollout(
@@ -72,5 +88,6 @@ def step_stats(
         "tokens": int(r.mask.sum()),
         **{f"{model}_{k}": v for model, stats in trained.items() for k, v in stats.items()},
         **rollout.length_stats(r.mask, state.config.job.response_len),
+        **rollout.engine_logp_gap(r),
         **{f"reward_{k}": v for k, v in scores.extras.items()},
     }

@@ -4,6 +4,7 @@
     model.py      the model section (shapes, or a Hugging Face directory's config.json)
     data.py       data, reward and validation sections
     errors.py     pydantic's errors turned into one line naming the field and the fix
+    rollout.py    the rollout section: Nereus's sampler or vLLM engines for actor/generate
     job.py        ``NereusConfig``, the job's whole config, and ``parse_config``
     from_yaml.py  YAML text -> ``NereusConfig``, with limits on what the text may hold
 
@@ -21,6 +22,7 @@ from nereus_core.config.job import (
     parse_config,
     with_overrides,
 )
+from nereus_core.config.rollout import RolloutConfig, vllm_installed
 
 __all__ = [
     "LLAMA_3_8B",
@@ -29,10 +31,12 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "NereusConfig",
+    "RolloutConfig",
     "RopeScaling",
     "ScenarioEvent",
     "name_error",
     "parse_config",
     "shown",
+    "vllm_installed",
     "with_overrides",
 ]

@@ -40,6 +40,7 @@ from nereus_core.config.errors import one_line
 from nereus_core.config.model import LLAMA_3_8B as LLAMA_3_8B
 from nereus_core.config.model import ModelConfig
 from nereus_core.config.model import RopeScaling as RopeScaling
+from nereus_core.config.rollout import RolloutConfig
 from nereus_core.count_task import MIN_VOCAB, TaskSettings
 from nereus_core.frozen import Frozen
 from nereus_core.hf.files import HFDirError, value_model
@@ -147,6 +148,7 @@ class NereusConfig(Frozen):
         default=None, description="The reward function (rewards/registry.py)."
     )
     critic: CriticConfig = CriticConfig()
+    rollout: RolloutConfig = RolloutConfig()
 
     @property
     def uses_reward_model(self) -> bool:
@@ -251,6 +253,24 @@ class NereusConfig(Frozen):
                     f"{key}: max_position_embeddings={models[model].max_position_embeddings} is shorter "
                     f"than the job's longest sequence ({longest} tokens); shorten the prompts or responses"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_rollout(self) -> NereusConfig:
+        if not self.rollout.uses_vllm:
+            return self
+        generate = self.plan.get(ModelStage.ACTOR_GENERATE)
+        if generate is not None and generate.pp > 1:
+            raise ValueError(
+                f"plan.actor/generate pp={generate.pp}: rollout.engine=vllm generates without pipeline "
+                "stages; use pp=1 (tp and dp as you like) or rollout.engine=nereus"
+            )
+        moving = self.job.adapt or any(e.devices is not None for e in self.job.scenario)
+        if moving:
+            raise ValueError(
+                "rollout.engine=vllm keeps the plan it starts on (a plan switch does not rebuild the "
+                "engines yet); set job.adapt=false and no job.scenario devices, or rollout.engine=nereus"
+            )
         return self
 
     def _value_dirs(self) -> list[tuple[str, str, str]]:

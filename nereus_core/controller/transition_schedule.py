@@ -13,8 +13,8 @@
 
 The controller priced a transition by its bytes alone and was off by 2-20x; on a small
 model nearly all of a switch is per-operation cost (a train stage's engine, a relink's groups).
-``transition_cost.TransitionCosts`` holds those constants per hardware profile (``costs_for``; the
-durable price from layouts alone reads the same ones); the job's own transitions scale them.
+Each hardware profile holds those constants (``HardwareProfile.transitions``, a ``TransitionCosts``;
+the durable price from layouts alone reads the same ones); the job's own transitions scale them.
 
 Boundary: pure planning over layouts and model configs; ``analytic_transition_cost`` in
 ``transition_cost`` remains the estimate from layouts alone (the simulator's).

@@ -38,6 +38,9 @@ class Rollout:
     rule_score: torch.Tensor | None = None  # [b] the task's verifiable score
     score: torch.Tensor | None = None  # [b] the reward model's score
     old_logp: torch.Tensor | None = None  # [b, T] actor log-probs at rollout time
+    # [b, T] the rollout engine's own log-probs of the sampled tokens (vLLM's; kept beside old_logp,
+    # which the train layout recomputes, as verl does, so that a mismatch between the two shows)
+    rollout_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  # [b, T] reference log-probs
     values: torch.Tensor | None = None  # [b, T] critic values at rollout time
     rewards: torch.Tensor | None = None  # [b, T] KL-shaped rewards
@@ -259,6 +262,19 @@ def critic_objective(
         values, batch["values"], batch["returns"], mask, settings.value_clip
     )
     return loss * share, {"value_clip_frac": loss_stats["value_clip_frac"] * share}
+
+
+def engine_logp_gap(r: Rollout) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the train layout's old ones, over the real
+    response tokens: ``rollout_logp_diff_max`` and ``_mean`` (nothing when the engine gave none)."""
+    if r.rollout_logp is None or r.old_logp is None:
+        return {}
+    gap_bt = (r.rollout_logp - r.old_logp).abs() * r.mask
+    real = r.mask.sum().clamp_min(1.0)
+    return {
+        "rollout_logp_diff_max": float(gap_bt.max()),
+        "rollout_logp_diff_mean": float(gap_bt.sum() / real),
+    }
 
 
 def length_stats(mask_bt: torch.Tensor, limit: int) -> dict[str, float]:

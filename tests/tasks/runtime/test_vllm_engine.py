@@ -1,0 +1,177 @@
+"""A vLLM engine process (tasks/runtime/vllm_engine.py) on a tiny random Qwen2 (tied embeddings, q/k/v
+biases, head_dim 64: the CPU attention kernel refuses less than 32): its log-prob of every sampled
+token equals transformers' teacher-forced one on the same weights, before and after an in-place
+weight reload, and GRPO's n samples of one prompt come back as n rows."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nereus_core.config import ModelConfig, vllm_installed
+from nereus_core.engine.sampling import SamplingRequest
+from nereus_core.layout import Layout
+from tasks.runtime import vllm_engine
+from tests.support.hf_models import write_model
+
+pytestmark = pytest.mark.skipif(
+    not vllm_installed(), reason="vLLM is not installed (pip install -e '.[vllm]' or make install-vllm)"
+)
+
+SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
+# fp32 on both sides: vLLM's CPU kernels and transformers' eager attention differ by rounding only.
+TOLERANCE = 2e-4
+NAME = "actor/generate"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen2")
+    write_model("qwen2", path, **SIZES)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ctx(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    ctx = types.SimpleNamespace(rank=0, resident={})
+    config = ModelConfig(path=str(model_dir), dtype="fp32")
+    settings = {
+        "model_dir": str(model_dir),
+        "config": config.model_dump_json(),
+        "work_dir": str(tmp_path_factory.mktemp("engine")),
+        "dtype": "float32",
+        "tp": 1,
+        "max_model_len": 64,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 256,
+        "gpu_memory_utilization": 0.5,
+        "kv_cache_memory_bytes": 16 * 2**20,
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "seed": 0,
+    }
+    ctx.config = config
+    seconds = vllm_engine.start_engine(ctx, name=NAME, replica=0, cores="nobind", settings=settings)
+    print(f"engine process started in {seconds:.1f} s")
+    try:
+        yield ctx
+    finally:
+        vllm_engine.stop_engine(ctx, name=NAME)
+
+
+def reload(ctx: Any, state: dict[str, torch.Tensor], where: Path) -> float:
+    path = where / "slices.safetensors"
+    state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied: the embedding is the head
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    got = vllm_engine.reload_engine(
+        ctx,
+        name=NAME,
+        files=[str(path)],
+        layout_json=Layout.contiguous().model_dump_json(),
+        config_json=ctx.config.model_dump_json(),
+    )
+    return got["seconds"]
+
+
+def teacher_forced(model: Any, prompt: list[int], response: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    rows = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[rows, torch.tensor(response)]
+
+
+def gaps(ctx: Any, model: Any, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    request = SamplingRequest(max_new_tokens=8, temperature=1.0, seed=3)
+    ids, logp = vllm_engine.engine_generate(
+        ctx, prompts, mask, name=NAME, request=request, group=1, row_offset=0, pad_id=0
+    )
+    assert ids.shape == logp.shape == (prompts.shape[0], 8)
+    out = []
+    for row in range(prompts.shape[0]):
+        prompt = prompts[row][mask[row].bool()].tolist()
+        out.append((teacher_forced(model, prompt, ids[row].tolist()) - logp[row]).abs())
+    return torch.cat(out)
+
+
+def test_logprobs_match_transformers_before_and_after_a_reload(
+    ctx: Any, model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    prompts = torch.tensor([[0, 0, 5, 9, 17], [3, 4, 5, 6, 7], [0, 11, 12, 13, 14]])
+    mask = (prompts != 0).long()
+    mask[1] = 1
+    # the engine started empty (dummy weights): the first reload installs the model's
+    reload(ctx, dict(model.state_dict()), tmp_path)
+    before = gaps(ctx, model, prompts, mask)
+    with torch.no_grad():  # a training step's worth of change, the tied embedding included
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    seconds = reload(ctx, dict(model.state_dict()), tmp_path)
+    after = gaps(ctx, model, prompts, mask)
+    print(
+        f"max |diff| before {before.max():.2e} after {after.max():.2e}; mean {after.mean():.2e}; "
+        f"reload {seconds:.2f} s"
+    )
+    assert before.max() < TOLERANCE and after.max() < TOLERANCE
+
+
+def test_a_group_of_copies_is_asked_once_with_n_samples(ctx: Any) -> None:
+    prompts = torch.tensor([[5, 6, 7]] * 4 + [[8, 9, 10]] * 4)
+    request = SamplingRequest(max_new_tokens=6, temperature=1.0, seed=1)
+    ids, logp = vllm_engine.engine_generate(
+        ctx, prompts, None, name=NAME, request=request, group=4, row_offset=0, pad_id=0
+    )
+    assert ids.shape == (8, 6) and bool((logp <= 0).all())
+    assert len({tuple(r) for r in ids[:4].tolist()}) > 1  # the copies draw their own tokens
+    greedy = SamplingRequest(max_new_tokens=6, temperature=0.0)
+    again, _ = vllm_engine.engine_generate(
+        ctx, prompts, None, name=NAME, request=greedy, group=4, row_offset=0, pad_id=0
+    )
+    assert torch.equal(again[0], again[3])  # greedy: every copy the same
+
+
+def test_stop_ids_end_a_response_and_pads_follow(ctx: Any) -> None:
+    prompts = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    greedy = SamplingRequest(max_new_tokens=8, temperature=0.0)
+    free, _ = vllm_engine.engine_generate(
+        ctx, prompts, None, name=NAME, request=greedy, group=1, row_offset=0, pad_id=0
+    )
+    stop = int(free[0, 2])
+    stopped = SamplingRequest(max_new_tokens=8, temperature=0.0, stop_ids=(stop,))
+    ids, logp = vllm_engine.engine_generate(
+        ctx, prompts, None, name=NAME, request=stopped, group=1, row_offset=0, pad_id=127
+    )
+    first = free[0].tolist().index(stop)
+    assert ids[0, : first + 1].tolist() == free[0, : first + 1].tolist()  # the stop id is kept
+    assert bool((ids[0, first + 1 :] == 127).all()) and bool((logp[0, first + 1 :] == 0).all())
+
+
+def test_a_dead_engine_fails_in_one_line_naming_it(ctx: Any, model_dir: Path, tmp_path: Path) -> None:
+    other = types.SimpleNamespace(rank=1, resident={})
+    proc = vllm_engine.EngineProcess(
+        "vLLM engine of actor/generate replica 1 (device 1)", "nobind", tmp_path / "engine.log"
+    )
+    other.resident["vllm/" + NAME] = proc
+    proc.proc.kill()
+    proc.proc.wait()
+    with pytest.raises(vllm_engine.EngineDied, match=r"replica 1 \(device 1\) \(pid \d+\) (exited|lost)"):
+        vllm_engine.engine_generate(
+            other,
+            torch.tensor([[1, 2]]),
+            None,
+            name=NAME,
+            request=SamplingRequest(max_new_tokens=2),
+            group=1,
+            row_offset=0,
+            pad_id=0,
+        )
+    vllm_engine.stop_engine(other, name=NAME)
