@@ -37,6 +37,7 @@ ROLLOUT_TOKEN_COLUMNS = (
     "prompt_mask",
     "mask",
     "old_logp",
+    "rollout_logp",  # the rollout engine's own log-probs (rollout.engine: vllm)
     "ref_logp",
     "values",
     "rewards",
