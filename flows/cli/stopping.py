@@ -35,6 +35,8 @@ from typing import NoReturn
 
 import psutil
 
+from flows.cli.watchdog import terminate_then_kill
+
 GRACE_S = 6.0  # signal -> finish() at the latest; closing a LocalCluster takes about 1-5 s
 KILL_AFTER_S = 2.0  # SIGTERM -> SIGKILL of a child process still running
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -153,14 +155,7 @@ def stop_children(kill_after: float = KILL_AFTER_S) -> list[int]:
         procs = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=kill_after)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=kill_after)
+    terminate_then_kill(procs, grace=kill_after)
     return [p.pid for p in procs]
 
 

@@ -76,16 +76,20 @@ def _stop(procs: Sequence[psutil.Process], *, grace: float) -> list[int]:
     every = {proc.pid: proc for proc in procs}
     for proc in procs:
         every.update({child.pid: child for child in _descendants(proc)})
-    left = [proc for proc in every.values() if proc.pid != os.getpid()]
-    for proc in left:
+    terminate_then_kill([proc for proc in every.values() if proc.pid != os.getpid()], grace=grace)
+    return sorted(every)
+
+
+def terminate_then_kill(procs: Sequence[psutil.Process], *, grace: float) -> None:
+    """SIGTERM to each of ``procs``, SIGKILL to those still running ``grace`` seconds later."""
+    for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.terminate()
-    _, alive = psutil.wait_procs(left, timeout=grace)
+    _, alive = psutil.wait_procs(procs, timeout=grace)
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     psutil.wait_procs(alive, timeout=grace)
-    return sorted(every)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
