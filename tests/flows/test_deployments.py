@@ -48,8 +48,9 @@ def test_the_crash_automation_covers_every_nereus_flow() -> None:
     """A flow left out would stay Running for ever after its process dies."""
     names = set(_crash_automation()["trigger"]["match_related"]["prefect.resource.name"])
     flows = set()
-    for path in sorted((ROOT / "flows").glob("*.py")):
-        module = importlib.import_module(f"flows.{path.stem}")
+    for path in sorted((ROOT / "flows").rglob("*.py")):
+        dotted = path.relative_to(ROOT).with_suffix("").parts
+        module = importlib.import_module(".".join(p for p in dotted if p != "__init__"))
         flows |= {obj.name for obj in vars(module).values() if isinstance(obj, Flow)}
     assert flows and flows == names
 
