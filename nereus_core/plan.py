@@ -14,8 +14,10 @@ How a plan's stages add up to a step time and memory is ``plan_estimate.py``;
 which plan to run is ``controller.py``'s business. This module imports no config,
 so the config can ask it.
 
-Placement (of a global plan): ``colocated`` when every model-stage uses
-the same slots (time-shared), else ``disaggregated``.
+Placement (of a global plan): ``colocated`` when every model-stage uses the same slots
+(time-shared); ``phased`` when some phase (generation; the forward passes; the train stages)
+runs its stages at once on disjoint pools; else ``disaggregated`` (generation | the rest).
+Which stages run at once is ``phases``: the one owner of a plan's phases and pools.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nereus_core.layout import Layout
 
-Placement = Literal["colocated", "disaggregated"]
+Placement = Literal["colocated", "disaggregated", "phased"]
 StageKind = Literal["generate", "infer", "train"]
+PHASES: tuple[StageKind, ...] = ("generate", "infer", "train")  # a step's phases, in order
 # The layout of each model-stage, by name: a global plan's layouts, as transitions and schedules take them.
 StageLayouts = Mapping[str, Layout]
 MODELS = ("actor", "critic", "reference", "reward")
@@ -164,10 +167,58 @@ def layouts_json(layouts: Mapping[str, Layout]) -> dict[str, Any]:
     return {str(k): v.model_dump(mode="json") for k, v in layouts.items()}
 
 
+Pool = tuple[str, ...]  # model-stages of one phase that share slots: they run one after another
+
+
+def pools(layouts: Mapping[str, Layout]) -> tuple[Pool, ...]:
+    """``layouts``' keys grouped so that keys sharing a slot (directly or through another) are in
+    one pool; pools in order of their first key, keys in ``layouts`` order. Pools use disjoint slots."""
+    groups: list[tuple[list[str], set[int]]] = []
+    for key, layout in layouts.items():
+        mine = set(layout.devices)
+        touching = [g for g in groups if g[1] & mine]
+        keys = [k for g in touching for k in g[0]] + [key]
+        groups = [g for g in groups if not g[1] & mine] + [(keys, mine.union(*(g[1] for g in touching)))]
+    order = list(layouts)
+    ordered = sorted((sorted(keys, key=order.index) for keys, _ in groups), key=lambda k: order.index(k[0]))
+    return tuple(tuple(keys) for keys in ordered)
+
+
+def phases(layouts: Mapping[str, Layout]) -> dict[StageKind, tuple[Pool, ...]]:
+    """The plan's phases (``PHASES`` order, those it has), each as its ``pools``, stages in
+    ``MODEL_STAGES`` order. Pools of one phase use disjoint slots and run at once; a phase takes
+    its slowest pool's time and a pool the sum of its stages' (``cost.plan_estimate.step_seconds``,
+    and the runtime's step)."""
+    out: dict[StageKind, tuple[Pool, ...]] = {}
+    for kind in PHASES:
+        members = {s: layouts[s] for s in MODEL_STAGES if s in layouts and s.kind == kind}
+        if members:
+            out[kind] = pools(members)
+    return out
+
+
+def generation_apart(layouts: Mapping[str, Layout]) -> bool:
+    """Whether actor/generate's slots are disjoint from every other model-stage's (it can run
+    while the rest of the step runs: the one-step-off-policy overlap)."""
+    if GENERATE not in layouts:
+        return False
+    mine = set(layouts[GENERATE].devices)
+    return all(not mine & set(v.devices) for s, v in layouts.items() if s != GENERATE)
+
+
+def sync_colocated(train: Layout, generate: Layout) -> bool:
+    """Whether the actor's weight sync is the colocated reshard (every generation slot holds a
+    train shard: 3D-HybridEngine) rather than a send of whole shards to slots that hold none."""
+    return set(generate.devices) <= set(train.devices)
+
+
 def infer_placement(layouts: Mapping[str, Layout]) -> Placement:
-    """colocated when every model-stage uses the same slots, else disaggregated."""
+    """colocated when every model-stage uses the same slots; phased when some phase has pools
+    that run at once (``phases``); else disaggregated."""
     sets = {frozenset(layout.devices) for layout in layouts.values()}
-    return "colocated" if len(sets) == 1 else "disaggregated"
+    if len(sets) == 1:
+        return "colocated"
+    return "phased" if any(len(pools) > 1 for pools in phases(layouts).values()) else "disaggregated"
 
 
 def slots_needed(layouts: Mapping[str, Layout]) -> int:

@@ -77,7 +77,7 @@ class Pricing(NamedTuple):
     def seconds(self, plan: GlobalPlan, t: StepTerms) -> float:
         a = self.scales.as_array()
         stages = {s: float(a @ np.asarray(raw)) for s, raw in t.raw.items()}
-        return step_seconds(plan.placement, stages, t.sync_raw * self.wire, overlap=self.overlap)
+        return step_seconds(plan.layouts, stages, t.sync_raw * self.wire, overlap=self.overlap)
 
 
 def ratios(record: PlanRecord | None, pricing: Pricing) -> list[float]:
@@ -125,7 +125,7 @@ def step_measurement(
     stages: Mapping[str, float] = {
         s: (sum(seen[s]) / len(seen[s]) if s in seen else predicted.stages[s].seconds) for s in plan.layouts
     }
-    return step_seconds(plan.placement, stages, predicted.sync_s, overlap=overlap)
+    return step_seconds(plan.layouts, stages, predicted.sync_s, overlap=overlap)
 
 
 def remember(

@@ -3,12 +3,15 @@
 Boundary: how the per-stage numbers of ``stage_cost.py`` add up for one plan
 (``plan.py`` says what a plan is; the controller says which plan to run).
 
-- ``colocated``: stages run one after another, so a step takes the sum of the
-  stage times (verl's default).
-- ``disaggregated``: with ``overlap`` the generation of step k+1 runs while the
+- A step is its phases (``plan.phases``) one after another; a phase takes its slowest pool's
+  time, stages sharing slots adding up (``step_seconds``, the one rule the job's report,
+  ``nereus plan``, the controller and the simulator use). Colocated, that is the sum of the
+  stage times (verl's default); phased, the forward passes (and the train stages) on disjoint
+  pools run at once (as OpenRLHF runs its Ray actor groups).
+- Generation on slots of its own: with ``overlap`` the generation of step k+1 runs while the
   rest of step k trains (one-step off-policy, as OpenRLHF's async mode and verl's
-  fully_async), so a step takes the longer of the two pools (generation waits for
-  the weight sync); without it the pools take turns and idle (OpenRLHF's default).
+  fully_async), so a step takes the longer of the two (generation waits for the weight
+  sync); without it the pools take turns and idle (OpenRLHF's default).
   Either way the actor's new weights go to the generation copy every step
   (``stage_cost.weight_sync_s``).
 
@@ -30,7 +33,15 @@ from nereus_core.cost.stage_cost import Estimate, MemoryEstimate, Scales, Worklo
 from nereus_core.cost.terms import slots
 from nereus_core.cost.transition_cost import weight_sync_s
 from nereus_core.layout import Layout
-from nereus_core.plan import GENERATE, GlobalPlan, Placement, model_of
+from nereus_core.plan import (
+    GENERATE,
+    GlobalPlan,
+    StageLayouts,
+    generation_apart,
+    model_of,
+    phases,
+    sync_colocated,
+)
 
 
 def memory_per_device(plan: GlobalPlan, memory: Mapping[str, MemoryEstimate]) -> dict[int, int]:
@@ -50,13 +61,24 @@ def memory_per_device(plan: GlobalPlan, memory: Mapping[str, MemoryEstimate]) ->
 
 
 def step_seconds(
-    placement: Placement, stage_seconds: Mapping[str, float], sync_s: float, *, overlap: bool
+    layouts: StageLayouts, stage_seconds: Mapping[str, float], sync_s: float, *, overlap: bool
 ) -> float:
-    """Predicted step time of a plan from its stage times (see the module docstring)."""
-    if placement == "colocated" or not overlap:
-        return sum(stage_seconds.values()) + sync_s
-    rest = sum(v for s, v in stage_seconds.items() if s != GENERATE)
-    return max(stage_seconds.get(GENERATE, 0.0) + sync_s, rest)  # the new weights land before generating
+    """Predicted (or measured) step time of a plan from its stage times: the one step-time rule.
+
+    A step is its phases one after another (``plan.phases``: generation, the forward passes, the
+    train stages); a phase takes its slowest pool's time, the stages of one pool adding up; the
+    weight sync comes after generation's phase. With ``overlap`` and generation on slots of its
+    own (``plan.generation_apart``), generation of the next step runs while the rest trains, so a
+    step takes the longer of the two (the new weights land before generating)."""
+    per_phase = {
+        kind: max(sum(stage_seconds.get(s, 0.0) for s in pool) for pool in pools)
+        for kind, pools in phases(layouts).items()
+    }
+    generation = per_phase.pop("generate", 0.0) + sync_s
+    rest = sum(per_phase.values())
+    if overlap and generation_apart(layouts):
+        return max(generation, rest)
+    return generation + rest
 
 
 class PlanEstimate(BaseModel):
@@ -99,9 +121,9 @@ def evaluate_plan(
     sync = 0.0
     train, gen = plan.layouts.get("actor/train"), plan.layouts.get(GENERATE)
     if train is not None and gen is not None:
-        colocated = plan.placement == "colocated"
+        colocated = sync_colocated(train, gen)
         sync = weight_sync_s(train, gen, models["actor"], profile, colocated=colocated) * sync_scale
-    step = step_seconds(plan.placement, {s: e.seconds for s, e in stages.items()}, sync, overlap=overlap)
+    step = step_seconds(plan.layouts, {s: e.seconds for s, e in stages.items()}, sync, overlap=overlap)
     top = max(max(layout.devices) for layout in plan.layouts.values()) + 1
     resident, transient = np.zeros(top), np.zeros(top)
     for s, layout in plan.layouts.items():  # memory_per_device, vectorized over slots

@@ -159,22 +159,7 @@ class VerlStrategy(FixedStrategy):
         return out
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return step_seconds("colocated", stage_s, sync_s, overlap=False)
-
-
-def phased_seconds(plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-    """Generation + sync, then the inference phase, then the training phase; within a phase, stages on
-    different GPUs (different first slot) run together and stages on the same GPUs one after another."""
-
-    def phase(stages: tuple[str, ...]) -> float:
-        per_pool: dict[int, float] = {}
-        for s in stages:
-            if s in stage_s:
-                first = plan.layouts[s].devices[0]
-                per_pool[first] = per_pool.get(first, 0.0) + stage_s[s]
-        return max(per_pool.values(), default=0.0)
-
-    return stage_s.get(GENERATE, 0.0) + sync_s + phase(INFER) + phase(TRAIN)
+        return step_seconds(plan.layouts, stage_s, sync_s, overlap=False)
 
 
 class OpenRLHFStrategy(FixedStrategy):
@@ -185,7 +170,7 @@ class OpenRLHFStrategy(FixedStrategy):
         self.spec = spec
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return phased_seconds(plan, stage_s, sync_s)
+        return step_seconds(plan.layouts, stage_s, sync_s, overlap=False)
 
     def initial_plan(self, world: World) -> GlobalPlan:
         tr = world.trace

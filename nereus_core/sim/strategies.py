@@ -109,7 +109,7 @@ class NereusStrategy:
         return Prepared(self.plan, world.run_plan(self.plan, world.trace.workloads[k], usable))
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return step_seconds(plan.placement, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)
+        return step_seconds(plan.layouts, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)
 
     def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float:
         """The calibrated cost model's step time for this step, from what it has seen before it:
@@ -213,7 +213,7 @@ class FixedStrategy:
         return Prepared(plan, seconds)
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return step_seconds(plan.placement, stage_s, sync_s, overlap=False)
+        return step_seconds(plan.layouts, stage_s, sync_s, overlap=False)
 
     def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float | None:
         return None
@@ -257,4 +257,4 @@ class StaticStrategy(FixedStrategy):
         return d.plan
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return step_seconds(plan.placement, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)
+        return step_seconds(plan.layouts, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)

@@ -26,7 +26,16 @@ from nereus_core.cost.stage_cost import Workload, stage_kind
 from nereus_core.cost.terms import PERSISTENT, Geometry, layout_geometry, model_stats, stage_tables
 from nereus_core.cost.transition_cost import TransitionEstimate, weight_sync_s
 from nereus_core.layout import Layout
-from nereus_core.plan import GENERATE, MODEL_STAGES, PPO_STAGES, GlobalPlan, ModelStage, model_of, models_for
+from nereus_core.plan import (
+    GENERATE,
+    MODEL_STAGES,
+    PPO_STAGES,
+    GlobalPlan,
+    ModelStage,
+    model_of,
+    models_for,
+    sync_colocated,
+)
 from nereus_core.sim import stage_world, transitions
 from nereus_core.sim.config import NoiseSettings
 from nereus_core.sim.trace import Trace
@@ -188,7 +197,7 @@ class World:
         train, gen = plan.layouts.get("actor/train"), plan.layouts.get(GENERATE)
         if train is None or gen is None:
             return 0.0
-        colocated = plan.placement == "colocated"
+        colocated = sync_colocated(train, gen)
         return weight_sync_s(train, gen, self.models["actor"], self.profile, colocated=colocated)
 
     def true_sync_s(self, plan: GlobalPlan) -> float:
@@ -196,7 +205,8 @@ class World:
         raw = self.raw_sync_s(plan)
         if "actor/train" not in plan.layouts or GENERATE not in plan.layouts:
             return raw
-        return max(raw, transitions.sync_floor_s(plan.placement == "colocated"))
+        colocated = sync_colocated(plan.layouts["actor/train"], plan.layouts[GENERATE])
+        return max(raw, transitions.sync_floor_s(colocated))
 
     def measured_sync_s(self, k: int, true_s: float) -> float:
         return true_s * float(self.stage_noise[k, SYNC])

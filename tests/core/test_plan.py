@@ -19,11 +19,14 @@ from nereus_core.plan import (
     PlanRules,
     copies,
     default_plan,
+    generation_apart,
     infer_placement,
     model_of,
     models_for,
     own_state,
+    phases,
     plan_id,
+    pools,
     problems,
 )
 
@@ -75,14 +78,59 @@ def test_memory_per_device_sums_resident_state_and_takes_the_largest_transient()
     assert memory_per_device(plan, memory) == {0: 10 + 7, 1: 10 + 40 + max(7, 15)}
 
 
+def _on(first: int, n: int) -> Layout:
+    return Layout.contiguous(dp=n, first=first)
+
+
+COLOCATED = {"actor/generate": _on(0, 4), "actor/train": _on(0, 4), "critic/train": _on(0, 4)}
+APART = {"actor/generate": _on(0, 2), "actor/train": _on(2, 2), "critic/train": _on(2, 2)}
+
+
 def test_step_time_by_placement() -> None:
     times = {"actor/generate": 5.0, "actor/train": 3.0, "critic/train": 1.0}
-    assert step_seconds("colocated", times, 0.5, overlap=True) == 9.5
-    assert step_seconds("disaggregated", times, 0.5, overlap=False) == 9.5
-    assert step_seconds("disaggregated", times, 0.5, overlap=True) == 5.5
-    assert (
-        step_seconds("disaggregated", {"actor/generate": 1.0, "actor/train": 3.0}, 0.5, overlap=True) == 3.0
-    )
+    assert step_seconds(COLOCATED, times, 0.5, overlap=True) == 9.5
+    assert step_seconds(APART, times, 0.5, overlap=False) == 9.5
+    assert step_seconds(APART, times, 0.5, overlap=True) == 5.5
+    two = {s: APART[s] for s in ("actor/generate", "actor/train")}
+    assert step_seconds(two, {"actor/generate": 1.0, "actor/train": 3.0}, 0.5, overlap=True) == 3.0
+
+
+PHASED = {
+    "actor/generate": _on(0, 4),
+    "actor/train": _on(0, 2),
+    "critic/infer": _on(0, 1),
+    "critic/train": _on(2, 2),
+    "reference/infer": _on(1, 1),
+    "reward/infer": _on(2, 2),
+}
+
+
+def test_a_phase_takes_its_slowest_pool_and_a_pool_adds_its_stages() -> None:
+    times = {
+        "actor/generate": 5.0,
+        "critic/infer": 1.0,
+        "reference/infer": 2.0,
+        "reward/infer": 0.5,
+        "actor/train": 3.0,
+        "critic/train": 4.0,
+    }
+    # generation 5 + sync 0.5, forward passes max(1, 2, 0.5), train stages max(3, 4)
+    assert step_seconds(PHASED, times, 0.5, overlap=True) == 5.5 + 2.0 + 4.0
+    shared = {**PHASED, "reward/infer": _on(1, 2)}  # shares slot 1 with the reference: one pool
+    assert step_seconds(shared, times, 0.5, overlap=False) == 5.5 + 2.5 + 4.0
+
+
+def test_phases_group_the_stages_that_share_slots() -> None:
+    assert infer_placement(PHASED) == "phased"
+    assert infer_placement(COLOCATED) == "colocated"
+    assert infer_placement(APART) == "disaggregated"
+    got = phases(PHASED)
+    assert list(got) == ["generate", "infer", "train"]
+    assert got["infer"] == (("critic/infer",), ("reference/infer",), ("reward/infer",))
+    assert got["train"] == (("actor/train",), ("critic/train",))
+    chained = {"a": _on(0, 2), "b": _on(3, 1), "c": _on(1, 3)}  # c joins a and b
+    assert pools(chained) == (("a", "b", "c"),)
+    assert not generation_apart(PHASED) and generation_apart(APART)
 
 
 def test_problems_name_what_cannot_run() -> None:

@@ -12,7 +12,7 @@ from nereus_core.config import ConfigError
 from nereus_core.controller.decide import evaluate_plan
 from nereus_core.cost.hardware import H100_SXM
 from nereus_core.plan import GENERATE, MODEL_STAGES
-from nereus_core.sim.baselines import OpenRLHFStrategy, VerlStrategy, phased_seconds
+from nereus_core.sim.baselines import OpenRLHFStrategy, VerlStrategy
 from nereus_core.sim.config import LLAMA_3_8B, NoiseSettings, StrategySpec, parse_sim_config
 from nereus_core.sim.engine import simulate
 from nereus_core.sim.job import SimJob, make_strategy, run_job
@@ -206,7 +206,8 @@ def test_openrlhf_separate_gives_each_model_its_own_gpus() -> None:
     cfg, tr = config(), trace(6)
     world = World(tr, cfg.model, H100_SXM, cfg.noise, 0)
     spec = StrategySpec(kind="openrlhf", placements=("separate",), tune_steps=3)
-    plan = OpenRLHFStrategy("o", spec=spec, settings=cfg.controller).begin(world).plan
+    openrlhf = OpenRLHFStrategy("o", spec=spec, settings=cfg.controller)
+    plan = openrlhf.begin(world).plan
     pools = {
         "gen": {GENERATE},
         "actor": {"actor/train"},
@@ -227,10 +228,11 @@ def test_phased_step_time_overlaps_models_on_different_gpus() -> None:
     cfg, tr = config(), trace(3)
     world = World(tr, cfg.model, H100_SXM, cfg.noise, 0)
     spec = StrategySpec(kind="openrlhf", placements=("separate",), tune_steps=2)
-    plan = OpenRLHFStrategy("o", spec=spec, settings=cfg.controller).begin(world).plan
+    openrlhf = OpenRLHFStrategy("o", spec=spec, settings=cfg.controller)
+    plan = openrlhf.begin(world).plan
     stage_s = dict(zip(MODEL_STAGES, (10.0, 7.0, 3.0, 5.0, 4.0, 2.0), strict=True))
     # generate + sync, then max(ref 4, reward 2, critic/infer 3), then max(actor 7, critic 5)
-    assert phased_seconds(plan, stage_s, 1.0) == pytest.approx(10 + 1 + 4 + 7)
+    assert openrlhf.combine(plan, stage_s, 1.0) == pytest.approx(10 + 1 + 4 + 7)
 
 
 # ---------------------------------------------------------------- summary
