@@ -58,6 +58,20 @@ def _plan_header(cfg: NereusConfig, profile: str, obs: Any, headroom: float) -> 
     )
 
 
+def describe_phases(layouts: Any, seconds: dict[str, float]) -> str:
+    """``generate 1.2 s [actor/generate] ; infer 0.8 s [critic/infer] | [reference/infer] ; ...``:
+    each phase's time and its pools (``|``: pools that run at once, on disjoint slots)."""
+    from nereus_core.cost.plan_estimate import phase_seconds
+    from nereus_core.plan import phases
+
+    times = phase_seconds(layouts, seconds)
+    parts = []
+    for kind, pools in phases(layouts).items():
+        pooled = " | ".join("[" + ", ".join(pool) + "]" for pool in pools)
+        parts.append(f"{kind} {times[kind]:.4g} s {pooled}")
+    return " ; ".join(parts)
+
+
 def _plan_table(chosen: Any) -> str:
     plan = chosen.plan
     lines = [
@@ -73,6 +87,9 @@ def _plan_table(chosen: Any) -> str:
             f"  {stage:<16} {layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.micro_batches:>4}  "
             f"{slots:<12} {est.seconds:>10.4g} {est.memory.total / 2**30:>9.3f}"
         )
+    lines.append(
+        f"  phases: {describe_phases(plan.layouts, {s: e.seconds for s, e in chosen.stages.items()})}"
+    )
     lines.append(
         f"  busiest slot: {chosen.memory_peak / 2**30:.3f} GiB of {chosen.usable / 2**30:.2f} GiB usable"
     )

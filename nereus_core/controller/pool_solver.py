@@ -70,13 +70,6 @@ def fitting(tables: dict[str, StageTable], size: int, budget: float) -> dict[str
     return {s: (t.world <= size) & (t.persistent + t.transient <= budget) for s, t in tables.items()}
 
 
-def lower_bound(tables: dict[str, StageTable], masks: dict[str, np.ndarray]) -> float:
-    """Sum of each stage's fastest candidate, memory coupling ignored (no pool choice is faster)."""
-    if not all(m.any() for m in masks.values()):
-        return INF
-    return sum(float(t.seconds[masks[s]].min()) for s, t in tables.items())
-
-
 def solve_pool(tables: dict[str, StageTable], size: int, budget: float, buckets: int) -> PoolResult:
     """Fastest choice per stage with sum(resident) + max(transient) <= budget on ``size`` slots."""
     masks = fitting(tables, size, budget)

@@ -11,32 +11,39 @@ How it stays fast (the brief asks for <= 50 ms at 1,024 devices x 6 model-stages
    two or divisor of the layers, dp a divisor of the batch, micro-batches a power of
    two dividing the replica batch; layouts use consecutive slots from the pool's
    first slot, so their links follow from the degrees (one table per node offset).
-2. Pool splits: colocated (all slots, six stages) and, for disaggregated, generation
-   on the first G slots and the other five stages on the rest, G on one ladder
-   (powers of two, and 3 x 2^k from two nodes up) for every device count, so the
-   candidates of N slots are among those of N+1 and more devices never predict a
-   slower best step. The per-step weight sync (``stage_cost.sync_seconds``) is folded
-   into the generation seconds; colocated, it depends on actor/train's (t, p), so there
-   is one colocated split per such pair. Splits are solved cheapest lower bound
-   first and skipped once their bound cannot beat the best found.
+2. Pool splits: colocated (all slots, six stages); disaggregated, generation on the first G
+   slots and the other five stages on the rest, G on one ladder (``phased_pools.ladder``) for
+   every device count, so the candidates of N slots are among those of N+1 and more devices
+   never predict a slower best step; and phased, generation on all slots or the first G, the
+   forward passes on slot-disjoint pools of the rest and the train stages likewise, pools sized
+   to the stages' cost (``phased_pools``). The per-step weight sync
+   (``stage_cost.sync_seconds``) is folded into the generation seconds; colocated, it depends
+   on actor/train's (t, p), so there is one colocated split per such pair. Splits are solved
+   cheapest lower bound first and skipped once their bound cannot beat the best found; every
+   split's step time is the one step-time rule (``plan_estimate.step_seconds``).
 3. In a pool, the stages couple only through memory; ``pool_solver`` picks the
    fastest candidates that fit together (an exact knapsack when the fastest do not).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
 from nereus_core.config import ModelConfig
-from nereus_core.controller.pool_solver import INF, StageTable, fitting, lower_bound, solve_pool, totals
+from nereus_core.controller import phased_pools
+from nereus_core.controller.candidates import build_table, candidates
+from nereus_core.controller.pool_solver import INF, StageTable, fitting, solve_pool, totals
 from nereus_core.cost.hardware import HardwareProfile
+from nereus_core.cost.plan_estimate import step_seconds
 from nereus_core.cost.stage_cost import Scales, Workload
-from nereus_core.cost.terms import PERSISTENT, contiguous_geometry, model_stats, split_arrays, stage_tables
+from nereus_core.cost.terms import model_stats, split_arrays
 from nereus_core.cost.transition_cost import sync_seconds
-from nereus_core.plan import GENERATE, GlobalPlan, ModelStage, Placement, model_of, stage_rows
+from nereus_core.layout import Layout
+from nereus_core.plan import GENERATE, GlobalPlan, ModelStage, Placement, model_of
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class SearchSpace:
     devices: int
     budget: float  # usable bytes per device (capacity minus headroom)
     disaggregated: bool = True
+    phased: bool = True  # phased splits: the forward passes, and the train stages, on pools of their own
     overlap: bool = True
     buckets: int = 64
 
@@ -83,70 +91,27 @@ class SearchResult:
     variants: list[Found] = field(default_factory=list)  # the best with one stage's runner-up layout
 
 
-def _powers(limit: int) -> list[int]:
-    out, v = [], 1
-    while v <= limit:
-        out.append(v)
-        v *= 2
-    return out
-
-
-def candidates(
-    stage: str, model: ModelConfig, profile: HardwareProfile, work: Workload, max_world: int
-) -> tuple[np.ndarray, ...]:
-    """Arrays (tp, pp, dp, m) of the layouts considered for ``stage`` on up to ``max_world`` slots:
-    the degrees ``plan.layout_problems`` admits (tp/pp shard the model, dp*m divides the stage's rows)."""
-    batch = stage_rows(stage, work.batch, work.mini_batches)
-    tps = [t for t in _powers(min(profile.devices_per_node, max_world)) if model.tp_error(t) is None]
-    layers = model.num_hidden_layers
-    pps = [p for p in range(1, min(layers, max_world) + 1) if (p & (p - 1) == 0 or layers % p == 0)]
-    pps = [p for p in pps if model.pp_error(p) is None]
-    dps = [d for d in range(1, min(batch, max_world) + 1) if batch % d == 0]
-    waves = profile.max_generate_waves if stage == GENERATE else batch
-    grid = np.array(np.meshgrid(tps, pps, dps, _powers(min(waves, batch)), indexing="ij")).reshape(4, -1)
-    tp, pp, dp, m = grid
-    keep = (tp * pp * dp <= max_world) & ((batch // dp) % m == 0)
-    return tp[keep], pp[keep], dp[keep], m[keep]
-
-
-def build_table(
-    stage: str,
-    model: ModelConfig,
-    work: Workload,
-    profile: HardwareProfile,
-    scales: Scales,
-    *,
-    first: int,
-    max_world: int,
-    base: tuple[np.ndarray, ...] | None = None,
-) -> StageTable:
-    """Every candidate of ``stage`` placed from slot ``first``; ``base`` reuses the candidate
-    degrees and their pipeline split (they do not depend on ``first``)."""
-    stats = model_stats(model)
-    if base is None:
-        tp, pp, dp, m = candidates(stage, model, profile, work, max_world)
-        base = (tp, pp, dp, m, *split_arrays(stats, tp, pp))
-    tp, pp, dp, m, *split = base
-    geo = contiguous_geometry(stats, profile, tp, pp, dp, m, first, split=tuple(split))
-    raw, mem = stage_tables(stage.partition("/")[2], geo, work, stats, profile)  # type: ignore[arg-type]
-    persistent, transient = mem[PERSISTENT].sum(axis=0), mem[~PERSISTENT].sum(axis=0)
-    return StageTable(tp, pp, dp, m, scales.as_array() @ raw, persistent, transient)
-
-
 def _pools(devices: int, per_node: int, disaggregated: bool) -> list[tuple[Placement, int]]:
     """(placement, generation slots G) of every pool split; G = devices for colocated.
 
-    G runs over one ladder for every device count: powers of two, and three times a
-    power of two from two nodes up (so the rest pool starts on a node boundary).
+    G runs over one ladder for every device count (``phased_pools.ladder``: powers of two, and
+    three times a power of two from two nodes up, so the rest pool starts on a node boundary).
     """
     out: list[tuple[Placement, int]] = [("colocated", devices)]
     if disaggregated:
-        ladder = {2**k for k in range(16)} | {3 * 2**k for k in range(16) if 3 * 2**k >= 2 * per_node}
-        out += [("disaggregated", g) for g in sorted(ladder) if g < devices]
+        out += [("disaggregated", g) for g in phased_pools.ladder(devices - 1, per_node)]
     return out
 
 
 Part = tuple[tuple[str, ...], int, int, dict[str, np.ndarray]]  # stages, first slot, size, seconds overrides
+
+
+@lru_cache(maxsize=1024)
+def _region(first: int, size: int) -> Layout:
+    """The slots of a pool as a layout (for the step-time rule's pools; degrees irrelevant)."""
+    return Layout.model_construct(
+        tp=1, pp=1, dp=size, devices=tuple(range(first, first + size)), micro_batches=1
+    )
 
 
 class Searcher:
@@ -216,12 +181,58 @@ class Searcher:
             seconds = {GENERATE: gen.seconds + sync((0, t * p - 1), (t, p)), "actor/train": only}
             parts = [(self.stages, 0, n, seconds)]
             out.append(("colocated", parts))
-        if not self.space.disaggregated:
-            return out
-        for _, g in _pools(n, self.profile.devices_per_node, True)[1:]:
+        apart = [g for _, g in _pools(n, self.profile.devices_per_node, self.space.disaggregated)[1:]]
+        for g in apart:
             parts = [((GENERATE,), 0, g, {GENERATE: gen.seconds + sync((0, g))}), (rest, g, n - g, {})]
             out.append(("disaggregated", parts))
+        if self.space.phased:
+            out += [("phased", parts) for g in (n, *apart) if (parts := self._phased(g, sync)) is not None]
         return out
+
+    def _phased(self, g: int, sync: Callable[..., np.ndarray]) -> list[Part] | None:
+        """The phased split with generation on slots 0..g-1 (all of them when g is every slot): the
+        forward passes on pools of their own in the rest, and the train stages likewise
+        (``phased_pools``); None when neither phase has two stages to run at once. Stages whose pools
+        coincide are solved together (one pool); pools that overlap are checked together after."""
+        n, per_node = self.space.devices, self.profile.devices_per_node
+        first, size = (g, n - g) if g < n else (0, n)
+        sizes = phased_pools.ladder(size, per_node)
+        regions: dict[str, tuple[int, int]] = {}
+        split_any = False
+        for kind in ("infer", "train"):
+            stages = [s for s in self.stages if s.kind == kind]
+            split = self._split(stages, sizes, size) if len(stages) > 1 else None
+            split_any |= split is not None
+            placed = phased_pools.place(split, first) if split else {}
+            regions |= {s: (placed[s], split[s]) if split else (first, size) for s in stages}
+        if not split_any:
+            return None
+        gen = self.table(GENERATE, 0)
+        train_first, train_size = regions["actor/train"]
+        if g == n and (train_first, train_size) == (0, n):  # the colocated reshard, at train's fastest (t, p)
+            t = self.table("actor/train", 0)
+            i = int(np.argmin(t.seconds))
+            synced = gen.seconds + sync((0, int(t.tp[i] * t.pp[i]) - 1), (int(t.tp[i]), int(t.pp[i])))
+        else:
+            synced = gen.seconds + sync((0, train_first))
+        regions[GENERATE] = (0, g)
+        grouped: dict[tuple[int, int], list[str]] = {}
+        for stage in self.stages:
+            grouped.setdefault(regions[stage], []).append(stage)
+        return [
+            (tuple(stages), at, width, {GENERATE: synced} if GENERATE in stages else {})
+            for (at, width), stages in grouped.items()
+        ]
+
+    def _split(self, stages: list[ModelStage], sizes: list[int], slots: int) -> dict[str, int] | None:
+        """Pool sizes of one phase's ``stages`` (``phased_pools.split_phase``), each stage's seconds
+        by pool size from its node-aligned table (candidates that fit in memory alone)."""
+        curves = {}
+        for stage in stages:
+            t = self.table(stage, 0)
+            alone = np.where(t.persistent + t.transient <= self.space.budget, t.seconds, INF)
+            curves[stage] = phased_pools.fastest_by_size(t.world, alone, sizes)
+        return phased_pools.split_phase(curves, sizes, slots)
 
     def run(self) -> SearchResult:
         """Solve every pool split, cheapest lower bound first, skipping splits that cannot win; then
@@ -229,13 +240,7 @@ class Searcher:
         result = SearchResult()
         ranked = []
         for placement, parts in self.splits():
-            bounds = [
-                lower_bound(t, fitting(t, p[2], self.space.budget))
-                for p in parts
-                for t in [self.tables(p, bound=True)]
-            ]
-            overlap = placement == "disaggregated" and self.space.overlap
-            ranked.append((max(bounds) if overlap else sum(bounds), placement, parts))
+            ranked.append((self._bound(parts), placement, parts))
         ranked.sort(key=lambda item: item[0])
         best_seconds, seen = INF, set()
         for bound, placement, parts in ranked:
@@ -253,12 +258,26 @@ class Searcher:
         result.rejected.sort(key=lambda f: f.seconds)
         return result
 
+    def _bound(self, parts: list[Part]) -> float:
+        """No plan of the split is faster: each stage's fastest candidate that fits its pool alone,
+        combined by the step-time rule over the pools' slots (memory coupling ignored)."""
+        seconds, regions = {}, {}
+        for part in parts:
+            tables = self.tables(part, bound=True)
+            masks = fitting(tables, part[2], self.space.budget)
+            for s, t in tables.items():
+                seconds[s] = float(t.seconds[masks[s]].min()) if masks[s].any() else INF
+                regions[s] = _region(part[1], part[2])
+        return step_seconds(regions, seconds, 0.0, overlap=self.space.overlap)
+
     def _solve(self, placement: Placement, parts: list[Part], result: SearchResult) -> Found | None:
         solved = []
         for part in parts:
             tables = self.tables(part)
             res = solve_pool(tables, part[2], self.space.budget, self.space.buckets)
             solved.append((res, tables, part[1], part[2]))
+        if placement == "phased":
+            return self._solve_phased(parts, solved, result)
         best = self._found(placement, solved, fastest=False)
         if best is not None:
             result.feasible.append(best)
@@ -267,6 +286,29 @@ class Searcher:
             if over is not None and (best is None or over.seconds < best.seconds):
                 result.rejected.append(over)
         return best
+
+    def _solve_phased(self, parts: list[Part], solved: list, result: SearchResult) -> Found | None:
+        """Each pool's own choice when they fit together where pools overlap; else one knapsack over
+        every stage, each within its pool (residents counted on every slot: what it picks fits)."""
+        own = self._found("phased", solved, fastest=False)
+        if own is not None and own.fits and np.isfinite(own.seconds):
+            result.feasible.append(own)
+            return own
+        tables = {}
+        for part in parts:
+            for s, t in self.tables(part).items():
+                tables[s] = replace(t, seconds=np.where(t.world <= part[2], t.seconds, INF))
+        joint = solve_pool(tables, self.space.devices, self.space.budget, self.space.buckets)
+        if joint.choice is None:
+            return None
+        chosen = [(self.tables(p), {s: joint.choice[s] for s in p[0]}, p[1], p[2]) for p in parts]
+        found = self._total("phased", chosen, True)
+        if not np.isfinite(found.seconds):
+            return None
+        result.feasible.append(found)
+        if own is not None and own.seconds < found.seconds:
+            result.rejected.append(own)
+        return found
 
     def _found(self, placement: Placement, solved: list, *, fastest: bool) -> Found | None:
         """The plan made of each pool's best (or, with ``fastest``, its fastest) choice."""
@@ -280,11 +322,32 @@ class Searcher:
         return self._total(placement, chosen, fits)
 
     def _total(self, placement: Placement, chosen: list[Chosen], fits: bool) -> Found:
-        per_pool = [totals(tables, choice) for tables, choice, _, _ in chosen]
-        seconds = [t[0] for t in per_pool]
-        overlap = placement == "disaggregated" and self.space.overlap
-        total = max(seconds) if overlap else sum(seconds)
-        return Found(placement, chosen, total, max(t[1] for t in per_pool), fits)
+        """The step-time rule over the chosen layouts; memory per pool, and where pools overlap
+        (phased) per slot over them all."""
+        seconds = {
+            s: float(tables[s].seconds[i]) for tables, choice, _, _ in chosen for s, i in choice.items()
+        }
+        layouts = {
+            s: tables[s].layout(i, first) for tables, choice, first, _ in chosen for s, i in choice.items()
+        }
+        total = step_seconds(layouts, seconds, 0.0, overlap=self.space.overlap)
+        if placement == "phased":
+            memory = phased_pools.memory_peak(
+                [
+                    (
+                        first,
+                        first + int(tables[s].world[i]),
+                        float(tables[s].persistent[i]),
+                        float(tables[s].transient[i]),
+                    )
+                    for tables, choice, first, _ in chosen
+                    for s, i in choice.items()
+                ]
+            )
+            fits = fits and memory <= self.space.budget
+        else:
+            memory = max(totals(tables, choice)[1] for tables, choice, _, _ in chosen)
+        return Found(placement, chosen, total, memory, fits)
 
     def _variants(self, best: Found) -> list[Found]:
         """For each stage of ``best``, its next-fastest layout that still fits with the others."""

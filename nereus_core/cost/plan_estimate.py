@@ -60,6 +60,14 @@ def memory_per_device(plan: GlobalPlan, memory: Mapping[str, MemoryEstimate]) ->
     return {d: persistent[d] + transient[d] for d in persistent}
 
 
+def phase_seconds(layouts: StageLayouts, stage_seconds: Mapping[str, float]) -> dict[str, float]:
+    """Each phase's time (``plan.phases`` order): its slowest pool's, a pool's stages adding up."""
+    return {
+        kind: max(sum(stage_seconds.get(s, 0.0) for s in pool) for pool in pools)
+        for kind, pools in phases(layouts).items()
+    }
+
+
 def step_seconds(
     layouts: StageLayouts, stage_seconds: Mapping[str, float], sync_s: float, *, overlap: bool
 ) -> float:
@@ -70,10 +78,7 @@ def step_seconds(
     weight sync comes after generation's phase. With ``overlap`` and generation on slots of its
     own (``plan.generation_apart``), generation of the next step runs while the rest trains, so a
     step takes the longer of the two (the new weights land before generating)."""
-    per_phase = {
-        kind: max(sum(stage_seconds.get(s, 0.0) for s in pool) for pool in pools)
-        for kind, pools in phases(layouts).items()
-    }
+    per_phase = phase_seconds(layouts, stage_seconds)
     generation = per_phase.pop("generate", 0.0) + sync_s
     rest = sum(per_phase.values())
     if overlap and generation_apart(layouts):
