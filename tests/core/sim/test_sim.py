@@ -295,7 +295,7 @@ def test_transitions_pay_fixed_costs_and_a_step_that_does_not_fit_pays_a_restart
         static.summary["mean_step_s"] + static.summary["transition_s_total"] / tr.steps
     )
     # Memory pressure below what the plan needs: the step fails and is charged a restart.
-    squeezed = parse_trace(csv_text(4).replace(",80.0,", ",30.0,"), name="t")
+    squeezed = parse_trace(csv_text(4).replace(",80.0,", ",16.0,"), name="t")
     plan = make_strategy(cfg, "static").begin(world).plan
     records, _ = simulate(World(squeezed, cfg.model, H100_SXM, cfg.noise, 0), Pinned(plan), trace="t", seed=0)
     assert all(not r["fits"] for r in records)
