@@ -128,6 +128,7 @@ class VerlStrategy(FixedStrategy):
             devices=n,
             budget=float(usable),
             disaggregated=False,
+            phased=False,
             overlap=False,
             buckets=self.settings.memory_buckets,
         )
