@@ -147,7 +147,8 @@ class JobRecords:
             if self.progress is not None:
                 self.progress.close()
 
-    def _row(self, step: int, plan_id: str, stage: Stage, start: float, outer: float) -> None:
+    def _row(self, step: int, plan_id: str, stage: Stage | tuple, start: float, outer: float) -> None:
+        stage = Stage(*stage)  # a plain (model, stage, tokens, seconds) too
         self.rows.append(
             {
                 "step": step,
