@@ -29,7 +29,7 @@ PHASED_JOB: dict[str, Any] = {
     "name": "phased-test",
     "cluster": {"devices": 4},
     "model": dict(SMALL_MODEL),
-    "job": {"steps": 2, "batch_size": 8, "prompt_len": 4, "response_len": 4, "adapt": False},
+    "job": {"steps": 2, "batch_size": 16, "prompt_len": 4, "response_len": 4, "adapt": False},
     "ppo": {"reward_fit_steps": 3, "reward_fit_batch": 8, "ppo_epochs": 1, "mini_batches": 2},
     "plan": PHASED_PLAN,
 }
