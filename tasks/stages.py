@@ -1,7 +1,9 @@
 """Prefect tasks of one PPO or GRPO step: one per stage, each a thin call into nereus_core on the pool.
 
 Every stage task returns ``(result, seconds inside the task)`` so the flow can
-tell the time spent in stages from the orchestration around them. Rollout
+tell the time spent in stages from the orchestration around them; the tasks a phased plan runs
+at once (``experience``, ``train``) also return when each timed part began (``time.perf_counter``
+of the driver, whose threads run the tasks), so that the records show what overlapped. Rollout
 tensors are small (token ids and per-token floats) and stay in the driver; the
 models' weights never leave the devices (weight sync moves them device to device).
 """
@@ -182,17 +184,19 @@ def experience(
     layouts: dict[str, Layout],
     ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Every forward pass over the rollout in one task, each stage timed on its own: ``layouts`` maps
-    the model-stage to run (reward/infer, reference/infer, actor/train for the old log-probs,
-    critic/infer) to its layout. One task instead of four: a task costs ~10 ms here, a forward pass
-    of the demo's models ~50 ms (OpenRLHF groups the same passes as ``make_experience``)."""
-    outputs, seconds = {}, {}
+) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]]:
+    """The forward passes over the rollout of one pool in one task, each stage timed on its own:
+    ``layouts`` maps the model-stage to run (reward/infer, reference/infer, actor/train for the old
+    log-probs, critic/infer) to its layout. One task per pool instead of one per pass: a task costs
+    ~10 ms here, a forward pass of the demo's models ~50 ms (OpenRLHF groups the same passes as
+    ``make_experience``). Returns the outputs, the seconds and the start of each."""
+    outputs, seconds, started = {}, {}, {}
     for name, layout in layouts.items():
+        started[name] = time.perf_counter()
         outputs[name], seconds[name] = timed(
             model_ops.forward, pool, layout, ids, name=name, attention_mask=attention_mask
         )
-    return outputs, seconds
+    return outputs, seconds, started
 
 
 def timed_rule_score(prompts: torch.Tensor, responses: torch.Tensor) -> Timed:
@@ -280,22 +284,24 @@ def train(
     settings: PPOConfig,
     seed: int,
     sync: tuple[Layout, str, ModelConfig] | None = None,
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """A train stage (actor/train or critic/train, PPO's or GRPO's ``objective``): epochs over
     shuffled mini-batches, then (``sync``: the inference copy's layout, name and config) the new
     weights into the inference layout. Returns ``(stats, timings)``: the mean loss and statistics
     over the optimizer steps (``objective.keys``), and the seconds of ``train`` and ``sync``, each
-    timed on its own."""
+    timed on its own, and when each began."""
+    started = {"train": time.perf_counter()}
     stats, seconds = timed(
         train_epochs, pool, layout, rollout, name=name, objective=objective, settings=settings, seed=seed
     )
     timings = {"train": seconds}
     if sync is not None:
         dst, dst_name, config = sync
+        started["sync"] = time.perf_counter()
         _, timings["sync"] = timed(
             sync_inference_copy, pool, layout, dst, src_name=name, dst_name=dst_name, config=config
         )
-    return stats, timings
+    return stats, timings, started
 
 
 def sync_inference_copy(

@@ -86,7 +86,7 @@ def rollout(
     the rollout keeps as ``rollout_logp``."""
     cfg, pid = state.config, state.plan_id
     batch, stopping = source.batch(step).repeated(group), source.stopping
-    with records.task_call(step, pid) as call:
+    with records.phase("generate"), records.task_call(step, pid) as call:
         seed = cfg.job.seed * 7919 + step
         responses, logp, s = _generate(
             pool,

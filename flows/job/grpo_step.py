@@ -38,11 +38,10 @@ def run_step(
     """One GRPO step; returns its statistics and every generated response's length (as PPO's).
     ``prompt_source``: the step's prompts (batch_size / group_size of them), stop ids and rule, as
     PPO's step takes them (flows/job/data.py; default: the count task)."""
-    cfg, plan, pid = state.config, state.layouts, state.plan_id
+    cfg, pid = state.config, state.plan_id
     b, group, t_len = cfg.job.batch_size, cfg.algorithm.group_size, cfg.job.response_len
     source = prompt_source or job_data(cfg).train
     r, scores = generation.rollout(pool, state, records, step, source, group=group, engines=engines)
-    n_tok = int(r.attention_mask.sum())
     r.score = r.rule_score  # verifiable reward: the rule itself
     out = step_parts.forward_passes(pool, state, records, step, r, PASSES)
     r.old_logp = rollout.response_logp(out[ModelStage.ACTOR_TRAIN], t_len)
@@ -50,22 +49,8 @@ def run_step(
         r.ref_logp = rollout.response_logp(out[ModelStage.REFERENCE_INFER], t_len)
     with records.plain(step, pid, "grpo", "advantages", b * t_len):
         rollout.compute_group_advantages(r, cfg.algorithm, cfg.ppo)
-    source, generate = ModelStage.ACTOR_TRAIN, ModelStage.ACTOR_GENERATE
-    config = job.model_config(cfg, source)
-    sync = None if generate in state.aliased else (plan[generate], str(generate), config)
-    with records.task_call(step, pid) as call:
-        trained, seconds = stages.train(
-            pool,
-            plan[source],
-            r,
-            name=str(source),
-            objective=stages.grpo_actor_objective(cfg.ppo, cfg.algorithm),
-            settings=cfg.ppo,
-            seed=cfg.job.seed + step,
-            sync=sync,
-        )
-        call.add("actor", "train", n_tok * cfg.ppo.ppo_epochs, seconds["train"])
-        call.add("actor", "sync", 0, seconds.get("sync", 0.0))
+    objective = stages.grpo_actor_objective(cfg.ppo, cfg.algorithm)
+    trained = step_parts.train_stages(pool, state, records, step, r, {ModelStage.ACTOR_TRAIN: objective})
     step_parts.sync_engines(pool, state, records, step, engines)
     step_parts.write_rollout(records, state, step, r, scores)
-    return step_parts.step_stats(state, step, r, scores, {"actor": trained}), r.lengths.tolist()
+    return step_parts.step_stats(state, step, r, scores, trained), r.lengths.tolist()

@@ -2,6 +2,8 @@
 
     stage timings  -> metrics/steps.parquet (and the step's response lengths), a table per step
                       (run logger), artifact nereus-step-timings
+    phase times    -> each row's ``phase``; each phase's wall (``phase_<kind>_s``) and how many pools
+                      ran in it at once (``phase_<kind>_pools``) in the step's history line
     step history   -> metrics/history.parquet (scores, losses, PPO statistics, lengths, wall, overhead)
     transitions    -> metrics/transitions.parquet, artifact nereus-transitions
     every step     -> trainer.logger's trackers (flows/job/tracking.py), the progress bar on a terminal
@@ -12,7 +14,10 @@ the state after N steps, the one step N starts from).
 
 Boundary: recording only; the flow decides what happens (flows/job/rl_job.py) and the job's rules
 are nereus_core.job's. Timing: ``task_call`` times a Prefect task call from outside (its rows get
-the task's orchestration overhead), ``plain`` times a driver-side call.
+the task's orchestration overhead), ``plain`` times a driver-side call, ``record_call`` records a
+task call timed elsewhere (one of a phase's pools, run at once), ``phase`` times a phase
+(``nereus_core.plan.PHASES``: generation, the forward passes, the train stages) from its first
+task's start to its last one's end.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
@@ -82,14 +87,24 @@ class QuietCompletedTasks(logging.Filter):
         return not (record.levelno == logging.INFO and done)
 
 
+class Stage(NamedTuple):
+    """One stage a task call ran: its seconds inside the task and (when the task says) its start."""
+
+    model: str
+    stage: str
+    tokens: int
+    seconds: float
+    started: float | None = None  # time.perf_counter() when it began; None: when the call did
+
+
 @dataclass
 class TaskCall:
-    """The stages one task call ran: ``add(model, stage, tokens, seconds inside)``."""
+    """The stages one task call ran: ``add(model, stage, tokens, seconds inside[, started])``."""
 
-    stages: list[tuple[str, str, int, float]] = field(default_factory=list)
+    stages: list[Stage] = field(default_factory=list)
 
-    def add(self, model: str, stage: str, tokens: int, seconds: float) -> None:
-        self.stages.append((model, stage, tokens, seconds))
+    def add(self, model: str, stage: str, tokens: int, seconds: float, started: float | None = None) -> None:
+        self.stages.append(Stage(model, stage, tokens, seconds, started))
 
 
 class JobRecords:
@@ -108,6 +123,9 @@ class JobRecords:
         self.console = config is None or "console" in config.trainer.logger
         self.trackers: Trackers = Trackers([])
         self.progress: ProgressBar | None = None
+        self._phase: str | None = None  # the phase running now (its rows name it)
+        self._phases: dict[str, float] = {}  # this step's phases: their wall times
+        self._pools: dict[str, int] = {}  # and how many pools ran at once in each
 
     @contextmanager
     def tracking(self) -> Iterator[None]:
@@ -129,34 +147,37 @@ class JobRecords:
             if self.progress is not None:
                 self.progress.close()
 
-    def _row(
-        self, step: int, plan_id: str, stage: tuple[str, str, int, float], start: float, outer: float
-    ) -> None:
-        model, name, tokens, seconds = stage
+    def _row(self, step: int, plan_id: str, stage: Stage | tuple, start: float, outer: float) -> None:
+        stage = Stage(*stage)  # a plain (model, stage, tokens, seconds) too
         self.rows.append(
             {
                 "step": step,
-                "model": model,
-                "stage": name,
+                "model": stage.model,
+                "stage": stage.stage,
                 "plan_id": plan_id,
-                "start_s": start - self.t0,
-                "duration_s": seconds,
-                "tokens": tokens,
-                "task_overhead_s": outer - seconds,  # Prefect's share: the task call minus its body
+                "phase": self._phase,
+                "start_s": (start if stage.started is None else stage.started) - self.t0,
+                "duration_s": stage.seconds,
+                "tokens": stage.tokens,
+                "task_overhead_s": outer - stage.seconds,  # Prefect's share: the task call minus its body
             }
         )
 
-    @contextmanager
-    def task_call(self, step: int, plan_id: str) -> Iterator[TaskCall]:
-        """Time a Prefect task call; its orchestration overhead is split evenly over its stages."""
-        call, start = TaskCall(), time.perf_counter()
-        yield call
-        outer = time.perf_counter() - start
-        inside = sum(s[3] for s in call.stages)
+    def record_call(self, step: int, plan_id: str, call: TaskCall, start: float, outer: float) -> None:
+        """A Prefect task call that took ``outer`` seconds from ``start`` (``time.perf_counter``); its
+        orchestration overhead is split evenly over its stages."""
+        inside = sum(s.seconds for s in call.stages)
         self.task_overheads.append(outer - inside)
         share = (outer - inside) / max(len(call.stages), 1)
         for stage in call.stages:
-            self._row(step, plan_id, stage, start, stage[3] + share)
+            self._row(step, plan_id, stage, start, stage.seconds + share)
+
+    @contextmanager
+    def task_call(self, step: int, plan_id: str) -> Iterator[TaskCall]:
+        """Time a Prefect task call from outside (``record_call``)."""
+        call, start = TaskCall(), time.perf_counter()
+        yield call
+        self.record_call(step, plan_id, call, start, time.perf_counter() - start)
 
     @contextmanager
     def plain(self, step: int, plan_id: str, model: str, stage: str, tokens: int) -> Iterator[None]:
@@ -164,7 +185,19 @@ class JobRecords:
         start = time.perf_counter()
         yield
         seconds = time.perf_counter() - start
-        self._row(step, plan_id, (model, stage, tokens, seconds), start, seconds)
+        self._row(step, plan_id, Stage(model, stage, tokens, seconds), start, seconds)
+
+    @contextmanager
+    def phase(self, kind: str, pools: int = 1) -> Iterator[None]:
+        """Time one phase of the step (``pools`` of its stages' pools running at once); the rows
+        recorded inside it name it."""
+        start, self._phase = time.perf_counter(), kind
+        try:
+            yield
+        finally:
+            self._phase = None
+        self._phases[kind] = self._phases.get(kind, 0.0) + time.perf_counter() - start
+        self._pools[kind] = max(self._pools.get(kind, 0), pools)
 
     def step_rows(self, step: int) -> list[dict[str, Any]]:
         return [r for r in self.rows if r["step"] == step]
@@ -174,14 +207,18 @@ class JobRecords:
         start, step = time.perf_counter(), stats["step"]
         rows = self.step_rows(step)
         inside = sum(r["duration_s"] for r in rows)
+        busy = busy_s(rows)  # == inside unless stages ran at once (a phased plan)
         lengths = {k: stats[k] for k in LENGTH_STATS if k in stats}
         for r in rows:
             r["step_wall_s"] = wall_s
             r.update(lengths)  # the step's response lengths beside its stage times
-        stats.update(wall_s=wall_s, stage_s=inside, overhead_s=wall_s - inside)
+        stats.update(wall_s=wall_s, stage_s=inside, overhead_s=wall_s - busy)
+        stats.update({f"phase_{k}_s": v for k, v in self._phases.items()})
+        stats.update({f"phase_{k}_pools": n for k, n in self._pools.items()})
+        self._phases, self._pools = {}, {}
         stats["run_s"] = self.before_s + time.perf_counter() - self.t0
         self.run.write_rows(STEPS_TABLE, self.rows)
-        note = f"Stage timings of step {step} (wall {wall_s:.3f} s, overhead {wall_s - inside:.3f} s)"
+        note = f"Stage timings of step {step} (wall {wall_s:.3f} s, overhead {wall_s - busy:.3f} s)"
         level = logging.INFO if self.console else logging.DEBUG
         get_run_logger().log(level, "step %d (of 0-%d)\n%s", step, steps - 1, step_table(rows, stats))
         create_table_artifact(
@@ -276,6 +313,16 @@ class JobRecords:
             "reward_fit": {"first_mse": fit.get("first_loss"), "last_mse": fit.get("last_loss")},
             "history": history,
         }
+
+
+def busy_s(rows: list[dict[str, Any]]) -> float:
+    """Seconds in which some stage of ``rows`` ran: the union of their ``[start_s, start_s +
+    duration_s]`` intervals (stages of one phase's pools run at once and count once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted((r["start_s"], r["start_s"] + r["duration_s"]) for r in rows):
+        total += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return total
 
 
 def rounded(value: Any, digits: int = 4) -> Any:

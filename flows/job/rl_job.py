@@ -5,7 +5,8 @@
                a grow to come? -> the pool prepares its workers in the background
                the algorithm's step (STEPS): PPO's here, GRPO's in flows/job/grpo_step.py
                PPO step: actor/generate -> experience (reward, reference, old log-probs, values)
-                         -> advantages -> actor/train (+ sync) -> critic/train (+ sync) -> rollout
+                         -> advantages -> actor/train (+ sync), critic/train (+ sync) -> rollout
+               a phase's stages on disjoint slots (a phased plan) run at once: flows/job/phases.py
                record (flows/job/records.py) -> controller -> transition subflow -> commit
                checkpoint every K steps
     final checkpoint -> summary.json
@@ -32,7 +33,7 @@ from flows.job.transition import transition_flow
 from nereus_core import job
 from nereus_core.config import NereusConfig
 from nereus_core.controller.decide import TransitionTiming
-from nereus_core.plan import copies
+from nereus_core.plan import ModelStage
 from nereus_core.prompt_source import PromptSource
 from nereus_core.rl import rollout
 from tasks import job_ops, model_ops, rollout_engines, stages
@@ -40,6 +41,7 @@ from tasks.controller import controller_step
 from tasks.runtime.device_pool import DevicePool
 
 PASSES = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # forward passes over the rollout
+TRAINS = (ModelStage.ACTOR_TRAIN, ModelStage.CRITIC_TRAIN)  # the train stages, each with its sync
 
 
 def run_step(
@@ -58,7 +60,6 @@ def run_step(
     b, t_len = cfg.job.batch_size, cfg.job.response_len
     source = prompt_source or job_data(cfg).train
     r, scores = generation.rollout(pool, state, records, step, source, engines=engines)
-    n_tok = int(r.attention_mask.sum())
     # reward/infer runs only when the job scores with a reward model (the plan has it)
     out = step_parts.forward_passes(pool, state, records, step, r, PASSES)
     r.score = (
@@ -69,23 +70,8 @@ def run_step(
     r.values = rollout.response_values(out["critic/infer"], t_len)
     with records.plain(step, pid, "ppo", "advantages", b * t_len):
         rollout.compute_advantages(r, cfg.ppo)
-    trained: dict[str, dict[str, float]] = {}
-    for copy, source in copies(plan).items():
-        model, config = source.model, job.model_config(cfg, source)
-        sync = None if copy in state.aliased else (plan[copy], str(copy), config)
-        with records.task_call(step, pid) as call:
-            trained[model], seconds = stages.train(
-                pool,
-                plan[source],
-                r,
-                name=str(source),
-                objective=stages.ppo_objective(cfg.ppo, critic=model == "critic"),
-                settings=cfg.ppo,
-                seed=cfg.job.seed + step,
-                sync=sync,
-            )
-            call.add(model, "train", n_tok * cfg.ppo.ppo_epochs, seconds["train"])
-            call.add(model, "sync", 0, seconds.get("sync", 0.0))
+    objectives = {s: stages.ppo_objective(cfg.ppo, critic=s.model == "critic") for s in TRAINS if s in plan}
+    trained = step_parts.train_stages(pool, state, records, step, r, objectives)
     step_parts.sync_engines(pool, state, records, step, engines)
     step_parts.write_rollout(records, state, step, r, scores)
     stats = step_parts.step_stats(state, step, r, scores, {m: trained[m] for m in ("actor", "critic")})

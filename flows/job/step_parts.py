@@ -1,7 +1,9 @@
 """What PPO's step (flows/job/rl_job.py) and GRPO's (flows/job/grpo_step.py) do alike after generation:
 
-    rollout -> the forward passes the job has (one task, each pass recorded as ``infer``)
-    ... each algorithm's advantages and training ...
+    rollout -> the forward passes the job has (one task per pool, pools at once: flows/job/phases.py;
+               each pass recorded as ``infer``)
+    ... each algorithm's advantages ...
+    the train stages (one task each, with its sync; those on disjoint slots at once)
     rollout -> rollouts/step=N.parquet (a stage of its own) ; the statistics every step reports
 
 Boundary: recording and naming only; which passes and which losses are each step's.
@@ -14,10 +16,10 @@ from typing import Any
 
 import torch
 
-from flows.job import generation
-from flows.job.records import JobRecords
+from flows.job import generation, phases
+from flows.job.records import JobRecords, TaskCall
 from nereus_core import job, prompt_source
-from nereus_core.plan import ModelStage
+from nereus_core.plan import ModelStage, copies, model_of
 from nereus_core.rl import rollout
 from nereus_core.rl.ppo import masked_mean
 from tasks import rollout_engines, stages
@@ -32,16 +34,75 @@ def forward_passes(
     r: rollout.Rollout,
     passes: Iterable[str],
 ) -> dict[str, torch.Tensor]:
-    """Those of ``passes`` (model-stages) the plan in force has, over the rollout ``r`` in one task,
-    each recorded as its model's ``infer`` over the rollout's tokens; their outputs by model-stage."""
+    """Those of ``passes`` (model-stages) the plan in force has, over the rollout ``r``: one task per
+    pool of their layouts (``phases.pools_of``; actor/train's for the old log-probs among them), the
+    pools at once, each pass recorded as its model's ``infer`` over the rollout's tokens; their
+    outputs by model-stage."""
     plan, pid = state.layouts, state.plan_id
-    run = [ModelStage(k) for k in passes if k in plan]
+    run = {str(k): plan[k] for k in map(ModelStage, passes) if k in plan}
     n_tok = int(r.attention_mask.sum())
-    with records.task_call(step, pid) as call:
-        out, seconds = stages.experience(pool, {str(k): plan[k] for k in run}, r.ids, r.attention_mask)
-        for key in run:
-            call.add(key.model, "infer", n_tok, seconds[key])
-    return out
+    groups = phases.pools_of(run)
+    calls = [
+        [dict(pool=pool, layouts={k: run[k] for k in g}, ids=r.ids, attention_mask=r.attention_mask)]
+        for g in groups
+    ]
+    out: dict[str, torch.Tensor] = {}
+    with records.phase("infer", len(groups)):
+        for (ran,) in phases.run_pools(stages.experience, calls):
+            outputs, seconds, started = ran.result
+            call = TaskCall()
+            for key in outputs:
+                call.add(model_of(key), "infer", n_tok, seconds[key], started[key])
+            records.record_call(step, pid, call, ran.start, ran.seconds)
+            out.update(outputs)
+    return {k: out[k] for k in run}
+
+
+def train_stages(
+    pool: DevicePool,
+    state: job.JobState,
+    records: JobRecords,
+    step: int,
+    r: rollout.Rollout,
+    objectives: Mapping[ModelStage, stages.Objective],
+) -> dict[str, dict[str, float]]:
+    """The train stages of ``objectives`` (each with its loss) on the rollout ``r``, one task each
+    with the sync of its inference copy (none when the copy is the train stage itself): the stages
+    of one pool one after another, the pools at once (``phases.pools_of``). Each recorded as its
+    model's ``train`` (the rollout's tokens x epochs) and ``sync``; their statistics by model."""
+    cfg, plan, pid = state.config, state.layouts, state.plan_id
+    n_tok = int(r.attention_mask.sum())
+    copy_of = {source: copy for copy, source in copies(plan).items()}
+
+    def kwargs(source: ModelStage) -> dict[str, Any]:
+        copy = copy_of.get(source)
+        sync = None
+        if copy is not None and copy not in state.aliased:
+            sync = (plan[copy], str(copy), job.model_config(cfg, source))
+        return dict(
+            pool=pool,
+            layout=plan[source],
+            rollout=r,
+            name=str(source),
+            objective=objectives[source],
+            settings=cfg.ppo,
+            seed=cfg.job.seed + step,
+            sync=sync,
+        )
+
+    groups = phases.pools_of({str(s): plan[s] for s in objectives})
+    trained: dict[str, dict[str, float]] = {}
+    with records.phase("train", len(groups)):
+        done = phases.run_pools(stages.train, [[kwargs(ModelStage(s)) for s in g] for g in groups])
+        for group, ran_pool in zip(groups, done, strict=True):
+            for source, ran in zip(group, ran_pool, strict=True):
+                model = model_of(source)
+                trained[model], seconds, started = ran.result
+                call = TaskCall()
+                call.add(model, "train", n_tok * cfg.ppo.ppo_epochs, seconds["train"], started["train"])
+                call.add(model, "sync", 0, seconds.get("sync", 0.0), started.get("sync"))
+                records.record_call(step, pid, call, ran.start, ran.seconds)
+    return {model_of(s): trained[model_of(s)] for s in objectives}
 
 
 def sync_engines(

@@ -20,6 +20,14 @@ def step_table(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> str:
         f"({stats['overhead_s'] / wall:.1%}) | score {stats['score']:.3f} rule {stats['rule_score']:.3f}"
         + (f" | kl {stats['kl']:.4f}" if "kl" in stats else "")  # no reference model: no KL
     )
+    phases = [k[len("phase_") : -len("_s")] for k in stats if k.startswith("phase_") and k.endswith("_s")]
+    if phases:  # each phase's wall: its pools ran at once, the stages of one pool one after another
+        parts = []
+        for kind in phases:
+            pools = stats.get(f"phase_{kind}_pools", 1)
+            at_once = f" ({pools} pools at once)" if pools > 1 else ""
+            parts.append(f"{kind} {stats[f'phase_{kind}_s']:.3f} s{at_once}")
+        lines.append(f"{'phases':<10} " + " | ".join(parts))
     if "actor_loss" in stats:  # the statistics verl logs (pg_clipfrac, ppo_kl, entropy, grad_norm, ...)
         parts = [
             f"actor loss {stats['actor_loss']:.4f} clip {stats['actor_clip_frac']:.3f} "

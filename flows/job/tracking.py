@@ -48,6 +48,10 @@ HISTORY_NAMES = {
     "tokens": "nereus/generated_tokens",
     "stage_s": "nereus/stage_s",
     "overhead_s": "nereus/overhead_s",
+    # each phase's wall (its pools at once on a phased plan; flows/job/phases.py)
+    "phase_generate_s": "nereus/phase_generate_s",
+    "phase_infer_s": "nereus/phase_infer_s",
+    "phase_train_s": "nereus/phase_train_s",
 }
 # Stage rows (model, stage) -> verl's timing names.
 STAGE_NAMES = {

@@ -29,7 +29,7 @@ def test_train_actor_keeps_groups_whole_and_averages_statistics(monkeypatch: Any
     rollout = Rollout(prompts=prompts, responses=torch.ones(16, 3, dtype=torch.long), mask=torch.ones(16, 3))
     algorithm = AlgorithmConfig(name="grpo", group_size=4)
     settings = PPOConfig(ppo_epochs=2, mini_batches=2)
-    stats, timings = stages.train.fn(
+    stats, timings, started = stages.train.fn(
         None,
         Layout.contiguous(),
         rollout,
@@ -44,4 +44,4 @@ def test_train_actor_keeps_groups_whole_and_averages_statistics(monkeypatch: Any
         assert len(rows) == 8 and all(rows.count(p) == 4 for p in set(rows))  # two whole groups
         assert c["loss_fn"].func is grpo_objective and c["loss_fn"].keywords["algorithm"] is algorithm
     assert stats["loss"] == pytest.approx(25.0) and stats["grad_norm"] == pytest.approx(2.5)
-    assert "kl_loss" not in stats and set(timings) == {"train"}  # no KL term, no sync asked
+    assert "kl_loss" not in stats and set(timings) == set(started) == {"train"}  # no KL term, no sync asked

@@ -31,7 +31,7 @@ def test_train_averages_each_statistic_over_optimizer_steps(monkeypatch: Any, cr
         mask=torch.ones(8, 3),
     )
     settings = PPOConfig(ppo_epochs=2, mini_batches=2)
-    stats, timings = ppo_stages.train.fn(
+    stats, timings, started = ppo_stages.train.fn(
         None,
         Layout.contiguous(),
         rollout,
@@ -45,4 +45,4 @@ def test_train_averages_each_statistic_over_optimizer_steps(monkeypatch: Any, cr
     expected = ppo_stages.CRITIC_STATS if critic else ppo_stages.ACTOR_STATS
     assert list(stats) == list(expected)  # only the named statistics
     assert stats["loss"] == pytest.approx(25.0) and stats["grad_norm"] == pytest.approx(2.5)
-    assert set(timings) == {"train"}
+    assert set(timings) == set(started) == {"train"}
