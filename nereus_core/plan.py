@@ -168,6 +168,7 @@ def layouts_json(layouts: Mapping[str, Layout]) -> dict[str, Any]:
 
 
 Pool = tuple[str, ...]  # model-stages of one phase that share slots: they run one after another
+OLD_LOGP = "actor/train:old-logp"  # the forward pass of actor/train in the forward-pass phase
 
 
 def pools(layouts: Mapping[str, Layout]) -> tuple[Pool, ...]:
@@ -188,11 +189,19 @@ def phases(layouts: Mapping[str, Layout]) -> dict[StageKind, tuple[Pool, ...]]:
     """The plan's phases (``PHASES`` order, those it has), each as its ``pools``, stages in
     ``MODEL_STAGES`` order. Pools of one phase use disjoint slots and run at once; a phase takes
     its slowest pool's time and a pool the sum of its stages' (``cost.plan_estimate.step_seconds``,
-    and the runtime's step)."""
+    and the runtime's step). The forward passes include the old log-probs on actor/train's slots
+    (as the runtime runs them), so passes sharing those slots are one pool."""
     out: dict[StageKind, tuple[Pool, ...]] = {}
     for kind in PHASES:
         members = {s: layouts[s] for s in MODEL_STAGES if s in layouts and s.kind == kind}
-        if members:
+        if not members:
+            continue
+        if kind == "infer" and ModelStage.ACTOR_TRAIN in layouts:
+            # The old log-probs are a forward pass of actor/train on its own slots, in this phase:
+            # the passes it shares slots with wait for it (one pool); it is timed within actor/train.
+            grouped = pools({OLD_LOGP: layouts[ModelStage.ACTOR_TRAIN], **members})
+            out[kind] = tuple(p for p in (tuple(s for s in pool if s != OLD_LOGP) for pool in grouped) if p)
+        else:
             out[kind] = pools(members)
     return out
 

@@ -98,10 +98,10 @@ def test_step_time_by_placement() -> None:
 PHASED = {
     "actor/generate": _on(0, 4),
     "actor/train": _on(0, 2),
-    "critic/infer": _on(0, 1),
+    "critic/infer": _on(0, 2),
     "critic/train": _on(2, 2),
-    "reference/infer": _on(1, 1),
-    "reward/infer": _on(2, 2),
+    "reference/infer": _on(2, 1),
+    "reward/infer": _on(3, 1),
 }
 
 
@@ -116,7 +116,7 @@ def test_a_phase_takes_its_slowest_pool_and_a_pool_adds_its_stages() -> None:
     }
     # generation 5 + sync 0.5, forward passes max(1, 2, 0.5), train stages max(3, 4)
     assert step_seconds(PHASED, times, 0.5, overlap=True) == 5.5 + 2.0 + 4.0
-    shared = {**PHASED, "reward/infer": _on(1, 2)}  # shares slot 1 with the reference: one pool
+    shared = {**PHASED, "reward/infer": _on(2, 2)}  # shares slot 2 with the reference: one pool
     assert step_seconds(shared, times, 0.5, overlap=False) == 5.5 + 2.5 + 4.0
 
 
@@ -128,6 +128,9 @@ def test_phases_group_the_stages_that_share_slots() -> None:
     assert list(got) == ["generate", "infer", "train"]
     assert got["infer"] == (("critic/infer",), ("reference/infer",), ("reward/infer",))
     assert got["train"] == (("actor/train",), ("critic/train",))
+    # the old log-probs run on actor/train's slots in the forward-pass phase: passes there wait for them
+    spanning = {**PHASED, "actor/train": _on(0, 4)}
+    assert phases(spanning)["infer"] == (("critic/infer", "reference/infer", "reward/infer"),)
     chained = {"a": _on(0, 2), "b": _on(3, 1), "c": _on(1, 3)}  # c joins a and b
     assert pools(chained) == (("a", "b", "c"),)
     assert not generation_apart(PHASED) and generation_apart(APART)
