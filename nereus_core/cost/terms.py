@@ -40,6 +40,7 @@ __all__ = [
     "ModelStats",
     "Num",
     "contiguous_geometry",
+    "generation_collectives_s",
     "is_contiguous",
     "layout_geometry",
     "model_stats",
@@ -92,6 +93,21 @@ def korthikanti_bytes(
     return seq * batch * h * per_value * activation_bytes / 2.0
 
 
+def generation_collectives_s(
+    stats: ModelStats, tp: Num, passes: Num, tokens: Num, act: int, alpha: float, bw: Num
+) -> tuple[Num, Num]:
+    """Generation's TP collectives: per pass (prefill or decode step) 2 all-reduces per layer, 1 for
+    the vocab-parallel embedding and 2 gathers to sample. Two parts, two rows: a fixed cost per
+    collective call (``tp_calls_generate``: launch and synchronisation, one ``alpha`` whatever the
+    degree) and the ring's (``tp_comm_generate``: 2(t-1) hops of latency, and the layers' all-reduces
+    moving the hidden state of the ``tokens`` passed, 2(t-1)/t of it per device). Zero at tp 1.
+    ``controller.probe`` prices a timed probe with it."""
+    calls = passes * (2 * stats.layers + 3)
+    latency = calls * 2.0 * (tp - 1) * alpha
+    volume = 2 * stats.layers * ring_bytes(tokens * stats.hidden * act, tp) / bw
+    return (tp > 1) * calls * alpha, (tp > 1) * (latency + volume)
+
+
 def stage_tables(
     kind: StageKind, geo: Geometry, work: WorkloadLike, stats: ModelStats, profile: HardwareProfile
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -103,13 +119,14 @@ def stage_tables(
         _generate(raw, mem, geo, work, stats, profile)
     else:
         _forward_backward(raw, mem, kind == "train", geo, work, stats, profile)
-    # One dispatch per stage call, plus one per device it reaches (tasks/runtime/device_pool.py), plus a
-    # pass's
-    # fixed cost per call (hardware.py). Generation's per-call cost is the engine's and sits with its
-    # other engine costs in ``overhead`` (``_generate``), so calibration scales the two apart.
+    # One dispatch per stage call, plus one per device it reaches (tasks/runtime/device_pool.py), plus the
+    # kind's fixed cost per call (hardware.py: the engine's for generation, a pass's for infer and train),
+    # in the kind's own row: calibration fits each kind's fixed cost apart from the others and from compute.
     world = geo.tp * geo.pp * geo.dp
-    call = {"generate": 0.0, "infer": profile.infer_call_s, "train": profile.train_call_s}[kind]
-    raw[TERMS.index("dispatch")] = profile.call_overhead_s + world * profile.dispatch_per_device_s + call
+    call = {"generate": profile.generate_call_s, "infer": profile.infer_call_s, "train": profile.train_call_s}
+    raw[TERMS.index(f"dispatch_{kind}")] = (
+        profile.call_overhead_s + world * profile.dispatch_per_device_s + call[kind]
+    )
     for term, scale in profile.term_scales.items():
         raw[TERMS.index(term)] *= scale
     mem[MEMORY_PARTS.index("weights")] = geo.device_params * value_bytes(stats, profile).weight
@@ -148,7 +165,8 @@ def _generate(
     replica runs (m - 1) * mean + longest iterations. Each iteration reads the weights
     and pays ``decode_step_s`` (scheduler, sampling, launches); the KV read and the
     FLOPs follow the tokens actually generated (b * mean), whatever the schedule.
-    The engine's fixed cost per call (``generate_call_s``) is in ``overhead`` too.
+    TP collectives go to ``tp_comm_generate`` (decode-sized and latency-bound, unlike the passes');
+    the engine's fixed cost per call (``generate_call_s``) to ``dispatch_generate`` (``stage_tables``).
     """
     tp, pp = geo.tp, geo.pp
     slow = _slowdown(profile, geo.per_node / pp)  # one pipeline stage per replica works at a time
@@ -172,8 +190,9 @@ def _generate(
     alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
     act = sizes.activation
     # Per pass: 2 all-reduces per layer, 1 for the vocab-parallel embedding, 2 gathers to sample.
-    tp_latency = passes * (2 * layers + 3) * 2.0 * (tp - 1) * alpha
-    tp_bytes = 2 * layers * ring_bytes(b * h * act * (prompt + resp), tp) / geo.tp_bw
+    tp_calls, tp_ring = generation_collectives_s(
+        stats, tp, passes, b * (prompt + resp), act, alpha, geo.tp_bw
+    )
     # Per pass: p-1 hidden-state sends forward and the sampled token back to the first stage.
     pp_comm = (pp > 1) * (passes * pp * alpha + (pp - 1) * b * h * act * (prompt + resp) / geo.pp_bw)
     _set(
@@ -181,11 +200,10 @@ def _generate(
         TERMS,
         compute=(prefill + decode_flops) / flops,
         decode=(iters * weight_read + waves * bw_ * resp * kv_read) * slow / profile.hbm,
-        tp_comm=(tp > 1) * (tp_latency + tp_bytes),
+        tp_comm_generate=tp_ring,
+        tp_calls_generate=tp_calls,
         pp_comm=pp_comm,
-        overhead=passes * layers * profile.layer_overhead_s * slow
-        + iters * profile.decode_step_s
-        + profile.generate_call_s,
+        overhead=passes * layers * profile.layer_overhead_s * slow + iters * profile.decode_step_s,
     )
     seq_high = prompt + work.response_high
     share = geo.stage_layers / layers
