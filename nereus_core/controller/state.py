@@ -119,14 +119,20 @@ class TransitionTiming(Frozen):
 
 
 class ProbeRequest(Frozen):
-    """A short timed probe the controller asks for (``controller.probe``): the TP collectives of
-    ``iterations`` decode steps of one generation replica at degree ``tp``, on ``devices``."""
+    """A short timed probe the controller asks for (``controller.probe``): the TP collectives at degree
+    ``tp``, on ``devices``, of ``iterations`` decode steps of one generation replica, or of as many
+    micro-batch forwards of a pass stage."""
 
     stage: ModelStage
     tp: int = Field(ge=2, le=4096, description="The TP degree probed.")
     devices: tuple[int, ...] = Field(min_length=2, description="The tp slots the collectives run on.")
-    batch: int = Field(ge=1, description="Sequences of one replica at that degree (the buffer's rows).")
-    iterations: int = Field(ge=1, description="Decode steps whose collectives are timed.")
+    batch: int = Field(
+        ge=1,
+        description="Rows of the buffer: sequences of one replica (generation) or "
+        "of one micro-batch (a pass).",
+    )
+    iterations: int = Field(ge=1, description="Decode steps (generation) or micro-batch forwards timed.")
+    seq: int = Field(default=1, ge=1, description="Tokens of each row per pass: 1 for a decode step.")
 
     @model_validator(mode="after")
     def _ranks(self) -> ProbeRequest:

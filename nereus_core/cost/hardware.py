@@ -26,10 +26,10 @@ from nereus_core.frozen import Frozen
 
 # The latency terms of the cost model (stage_cost.py's docstring defines them). One row per term the
 # running job can tell apart, so calibration fits each its own scale: generation's TP collectives
-# (decode-sized, latency-bound, on the engine's layout) apart from the passes' (``tp_comm``), their
-# fixed cost per call (``tp_calls_generate``, the same at every degree) apart from their ring hops
-# and bytes (``tp_comm_generate``, growing with the degree; probes at several degrees tell the two
-# apart: ``controller.probe``), and the
+# (decode-sized, latency-bound, on the engine's layout) apart from the passes' (``tp_comm``); for
+# both, the fixed cost per collective call (``tp_calls_generate``, ``tp_calls``: the same at every
+# degree) apart from the ring's hops and bytes (growing with the degree; probes at several degrees
+# tell the two apart: ``controller.probe``), and the
 # fixed cost of a call of each stage kind apart from compute. A stage's raw vector is zero in the rows
 # of the other kinds.
 COST_TERMS: tuple[str, ...] = (
@@ -38,6 +38,7 @@ COST_TERMS: tuple[str, ...] = (
     "tp_comm_generate",
     "tp_calls_generate",
     "tp_comm",
+    "tp_calls",
     "pp_comm",
     "dp_comm",
     "optimizer",
@@ -59,7 +60,7 @@ LEGACY_TERMS: tuple[str, ...] = (
     "dispatch",
 )
 _LEGACY_SPLIT = {
-    "tp_comm": ("tp_comm_generate", "tp_comm"),
+    "tp_comm": ("tp_comm_generate", "tp_calls_generate", "tp_comm", "tp_calls"),
     "dispatch": ("dispatch_generate", "dispatch_infer", "dispatch_train"),
 }
 
@@ -372,6 +373,7 @@ CPU_WORKERS = HardwareProfile(
         "tp_comm_generate": 2.45,  # fitted with one tp_comm and one dispatch scale for every kind
         "tp_calls_generate": 2.45,
         "tp_comm": 2.45,
+        "tp_calls": 2.45,
         "pp_comm": 0.402,
         "dp_comm": 12.5,
         "optimizer": 18.0,

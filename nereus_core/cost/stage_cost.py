@@ -12,20 +12,20 @@ Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
 - ``decode``: memory-bound decode, per decode iteration (weights/tp + KV read) / HBM
   bandwidth (decode is memory-bound); a replica iterates until its longest
   sequence ends and the stage waits for the slowest replica (``Workload.response_max``).
-- ``tp_comm`` (infer and train passes): per layer 2 all-reduces forward (+2 backward) of b*s*h values, plus
-  Megatron's vocab-parallel embedding/head collectives; a ring all-reduce moves
-  2(t-1)/t of the buffer and pays 2(t-1) hops of latency (hardware.md, "TP
-  traffic"; alpha-beta model of Thakur et al. 2005).
+- ``tp_comm``, ``tp_calls`` (infer and train passes): per layer 2 all-reduces forward (+2
+  backward) of b*s*h values, plus Megatron's vocab-parallel embedding/head collectives; a
+  ring all-reduce moves 2(t-1)/t of the buffer and pays 2(t-1) hops of latency (hardware.md,
+  "TP traffic"; alpha-beta model of Thakur et al. 2005). Two rows: the first hop of each call is its
+  fixed cost (``tp_calls``, the same at every degree), the other hops and the bytes the ring's
+  (``tp_comm``), so probes at several degrees (``controller.probe``) can tell them apart.
 - ``pp_comm``: the pipeline bubble (p-1)/(m+p-1) of the pipelined time
   (Narayanan et al. 2021) plus the point-to-point sends between stages.
 - ``dp_comm``: ZeRO-1 gradient reduce-scatter + parameter all-gather = one ring
   all-reduce of the device's gradients over dp (Rajbhandari et al. 2020).
 - ``optimizer``: the Adam step, memory-bound over the device's state shard.
-- ``tp_comm_generate``, ``tp_calls_generate``: the same collectives in generation, per prefill
-  and decode pass: their ring hops and bytes, and a fixed cost per collective call (one hop's
-  latency, whatever the degree). Rows of their own: generation runs on its own TP degree, its
-  collectives are priced apart from the passes', and probes at several degrees
-  (``controller.probe``) tell the part that grows with the degree from the part that does not.
+- ``tp_comm_generate``, ``tp_calls_generate``: the same two parts of generation's collectives,
+  per prefill and decode pass. Rows of their own: generation runs on its own TP degree, with
+  small decode-sized buffers, and its collectives are priced apart from the passes'.
 - ``overhead``: a fixed cost per decoder-layer pass of each micro-batch (kernel launches;
   Python on CPU); for generation also one per decode iteration (``decode_step_s``:
   scheduler, sampling).
@@ -178,7 +178,10 @@ class Scales(Frozen):
         default=1.0, gt=0, description="Scale of generation's fixed cost per TP collective call."
     )
     tp_comm: float = Field(
-        default=1.0, gt=0, description="Scale of the infer and train passes' tensor-parallel collectives."
+        default=1.0, gt=0, description="Scale of the passes' TP collectives' ring hops and bytes."
+    )
+    tp_calls: float = Field(
+        default=1.0, gt=0, description="Scale of the passes' fixed cost per TP collective call."
     )
     pp_comm: float = Field(default=1.0, gt=0, description="Scale of the pipeline bubble and sends.")
     dp_comm: float = Field(default=1.0, gt=0, description="Scale of the gradient all-reduce.")

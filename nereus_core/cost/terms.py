@@ -39,11 +39,13 @@ __all__ = [
     "Geometry",
     "ModelStats",
     "Num",
+    "collectives_s",
     "contiguous_geometry",
     "generation_collectives_s",
     "is_contiguous",
     "layout_geometry",
     "model_stats",
+    "pass_collectives_s",
     "pipeline_split",
     "slots",
     "split_arrays",
@@ -93,19 +95,37 @@ def korthikanti_bytes(
     return seq * batch * h * per_value * activation_bytes / 2.0
 
 
+def collectives_s(
+    tp: Num, calls: Num, reduces: Num, values: Num, act: int, alpha: float, bw: Num
+) -> tuple[Num, Num]:
+    """TP collectives in two parts, two rows: a fixed cost per collective call (one ``alpha``, the
+    first hop, whatever the degree: launch and synchronisation) and the ring's (its other 2(t-1) - 1
+    hops, and ``reduces`` all-reduces of ``values`` values, 2(t-1)/t of them per device; the alpha-beta
+    model of Thakur et al. 2005). Together the ring all-reduce of hardware.md ("TP traffic"); zero at
+    tp 1. Probes at several degrees (``controller.probe``) tell the part that grows with the degree
+    from the part that does not."""
+    ring = calls * (2.0 * (tp - 1) - 1.0) * alpha + reduces * ring_bytes(values * act, tp) / bw
+    return (tp > 1) * calls * alpha, (tp > 1) * ring
+
+
 def generation_collectives_s(
     stats: ModelStats, tp: Num, passes: Num, tokens: Num, act: int, alpha: float, bw: Num
 ) -> tuple[Num, Num]:
-    """Generation's TP collectives: per pass (prefill or decode step) 2 all-reduces per layer, 1 for
-    the vocab-parallel embedding and 2 gathers to sample. Two parts, two rows: a fixed cost per
-    collective call (``tp_calls_generate``: launch and synchronisation, one ``alpha`` whatever the
-    degree) and the ring's (``tp_comm_generate``: 2(t-1) hops of latency, and the layers' all-reduces
-    moving the hidden state of the ``tokens`` passed, 2(t-1)/t of it per device). Zero at tp 1.
-    ``controller.probe`` prices a timed probe with it."""
+    """Generation's TP collectives (``tp_calls_generate``, ``tp_comm_generate``): per pass (prefill or
+    decode step) 2 all-reduces per layer, 1 for the vocab-parallel embedding and 2 gathers to sample;
+    the layers' all-reduces move the hidden state of the ``tokens`` passed."""
     calls = passes * (2 * stats.layers + 3)
-    latency = calls * 2.0 * (tp - 1) * alpha
-    volume = 2 * stats.layers * ring_bytes(tokens * stats.hidden * act, tp) / bw
-    return (tp > 1) * calls * alpha, (tp > 1) * (latency + volume)
+    return collectives_s(tp, calls, 2 * stats.layers, tokens * stats.hidden, act, alpha, bw)
+
+
+def pass_collectives_s(
+    tp: Num, layers: Num, rows: Num, seq: Num, hidden: int, train: bool, act: int, alpha: float, bw: Num
+) -> tuple[Num, Num]:
+    """One micro-batch's TP collectives in an infer or train pass (``tp_calls``, ``tp_comm``; Megatron-LM,
+    Shoeybi et al. 2019): 2 all-reduces per layer forward (+2 backward) of rows*seq*hidden values, plus
+    the vocab-parallel embedding (1) and log-prob (3) all-reduces."""
+    reduces = (4 if train else 2) * layers
+    return collectives_s(tp, reduces + 4, reduces, rows * seq * hidden, act, alpha, bw)
 
 
 def stage_tables(
@@ -244,23 +264,18 @@ def _forward_backward(
     compute_mb = (
         bm * seq * (mult * geo.stage_flop_params + attn * layers * h * seq) * slow / (profile.flops * tp)
     )
-    # TP traffic (Megatron-LM, Shoeybi et al. 2019): 2 all-reduces per layer forward (+2 backward) of
-    # b*s*h values;
-    # plus the vocab-parallel embedding (1) and log-prob (3) all-reduces (Megatron-LM).
-    reduces = (4 if train else 2) * layers
-    tp_mb = (tp > 1) * (
-        (reduces + 4) * 2.0 * (tp - 1) * alpha + reduces * ring_bytes(bm * seq * h * act, tp) / geo.tp_bw
-    )
+    calls_mb, tp_mb = pass_collectives_s(tp, layers, bm, seq, h, train, act, alpha, geo.tp_bw)
     overhead_mb = (3.0 if train else 1.0) * layers * profile.layer_overhead_s * slow
     # Narayanan et al. 2021: with m micro-batches a pass takes (m+p-1) stage slots, m of them busy;
     # the idle (p-1) slots are the bubble, (p-1)/(m+p-1) of the pass.
-    bubble = (pp - 1) * (compute_mb + tp_mb + overhead_mb)
+    bubble = (pp - 1) * (compute_mb + calls_mb + tp_mb + overhead_mb)
     sends = (2.0 if train else 1.0) * (m + pp - 2) * (alpha + bm * seq * h * act / geo.pp_bw)
     _set(
         raw,
         TERMS,
         compute=epochs * m * compute_mb,
         tp_comm=epochs * m * tp_mb,
+        tp_calls=epochs * m * calls_mb,
         pp_comm=epochs * (bubble + (pp > 1) * sends),
         overhead=epochs * m * overhead_mb,
     )

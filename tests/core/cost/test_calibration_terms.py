@@ -18,8 +18,8 @@ WORK = Workload(batch=512, prompt_len=256, response_mean=512, response_high=1024
 STAGES = ("actor/generate", "critic/infer", "actor/train")
 KIND_ROWS = {
     "actor/generate": ("tp_comm_generate", "tp_calls_generate", "dispatch_generate"),
-    "critic/infer": ("tp_comm", "dispatch_infer"),
-    "actor/train": ("tp_comm", "dispatch_train"),
+    "critic/infer": ("tp_comm", "tp_calls", "dispatch_infer"),
+    "actor/train": ("tp_comm", "tp_calls", "dispatch_train"),
 }
 
 
@@ -77,7 +77,7 @@ def _merge(terms: tuple[float, ...]) -> tuple[float, ...]:
     t = dict(zip(TERMS, terms, strict=True))
     merged = {
         **t,
-        "tp_comm": t["tp_comm"] + t["tp_comm_generate"] + t["tp_calls_generate"],
+        "tp_comm": t["tp_comm"] + t["tp_calls"] + t["tp_comm_generate"] + t["tp_calls_generate"],
         "dispatch": t["dispatch_generate"] + t["dispatch_infer"] + t["dispatch_train"],
     }
     return tuple(merged[k] for k in LEGACY_TERMS)
@@ -98,12 +98,12 @@ def test_calibration_separates_the_fixed_cost_of_each_kind_from_compute() -> Non
 def test_scale_records_from_before_the_split_read_back() -> None:
     old = dict(zip(LEGACY_TERMS, (0.5, 0.9, 2.0, 1.1, 0.8, 1.0, 0.7, 1.4), strict=True))
     scales = Scales.model_validate(old)
-    assert scales.tp_comm == scales.tp_comm_generate == 2.0  # one scale covered both
+    # one scale covered every TP collective (calls and ring, generation and passes)
+    assert scales.tp_comm == scales.tp_comm_generate == scales.tp_calls == scales.tp_calls_generate == 2.0
     assert scales.dispatch_generate == scales.dispatch_infer == scales.dispatch_train == 1.4
-    assert scales.tp_calls_generate == 1.0  # a row that did not exist stays at the prior
     assert scales.compute == 0.5 and scales.overhead == 0.7
     # New records are read as written: tp_comm alone is the passes' only.
-    assert Scales(tp_comm=2.0).tp_comm_generate == 1.0
+    assert Scales(tp_comm=2.0).tp_comm_generate == Scales(tp_comm=2.0).tp_calls == 1.0
     assert split_legacy_terms({"compute": 2.0}) == {"compute": 2.0}
     profile = H100_SXM.model_validate({**H100_SXM.model_dump(), "term_scales": {"dispatch": 2.0}})
     assert profile.term_scales == {"dispatch_generate": 2.0, "dispatch_infer": 2.0, "dispatch_train": 2.0}

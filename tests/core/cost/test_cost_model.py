@@ -98,10 +98,13 @@ def test_forward_compute_and_tp_traffic_by_hand() -> None:
     buffer = 4 * seq * h * 2  # b*s*h bf16 values per all-reduce
     bytes_s = 2 * layers * (2 * 1 / 2) * buffer / (450e9 * 0.6)  # 2 per layer, ring 2(t-1)/t, NVLink
     latency = (2 * layers + 4) * 2 * 1e-6  # + embedding and log-prob all-reduces, 2(t-1) hops each
-    assert two["tp_comm"] == pytest.approx(bytes_s + latency)
+    assert two["tp_comm"] + two["tp_calls"] == pytest.approx(bytes_s + latency)
+    assert two["tp_calls"] == pytest.approx((2 * layers + 4) * 1e-6)  # the first hop of each call
     # The same tp=2 group across two nodes (slots 7 and 8) goes over InfiniBand.
     across = estimate("reference/infer", Layout(tp=2, devices=(7, 8)), w, LLAMA_8B, H100_SXM).raw
-    assert across["tp_comm"] == pytest.approx(bytes_s * (450e9 * 0.6) / (50e9 * 0.9) + latency)
+    assert across["tp_comm"] + across["tp_calls"] == pytest.approx(
+        bytes_s * (450e9 * 0.6) / (50e9 * 0.9) + latency
+    )
 
 
 def test_training_memory_follows_the_16_bytes_rule_and_zero1() -> None:
