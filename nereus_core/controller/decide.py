@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from nereus_core.controller import admission, history
+from nereus_core.controller import admission, history, probe
 from nereus_core.controller.search import Searcher, SearchSpace
 from nereus_core.controller.state import (
     Alternative,
@@ -35,6 +35,8 @@ from nereus_core.controller.state import (
     Decision,
     Observation,
     PlanRecord,
+    ProbeRequest,
+    ProbeTiming,
     StageTiming,
     TransitionTiming,
 )
@@ -59,6 +61,8 @@ __all__ = [
     "Decision",
     "Observation",
     "PlanRecord",
+    "ProbeRequest",
+    "ProbeTiming",
     "StageTiming",
     "TransitionTiming",
     "calibrated_on",
@@ -96,11 +100,12 @@ def observe(observation: Observation, state: ControllerState) -> ControllerState
         model = state.models[model_of(timing.stage)]
         raw = estimate(timing.stage, timing.layout, work, model, state.profile).raw
         samples.append(Sample(tuple(raw.values()), timing.seconds))
+    samples += [probe.sample(p, state) for p in observation.probes]
     s = state.settings
     cal = s.calibration
     samples = samples[-cal.max_samples :]
     scales = state.scales
-    if observation.timings:
+    if observation.timings or observation.probes:
         scales = Scales.from_array(fit_scales(samples, cal, start=scales.as_array()))
     if observation.transition is not None:
         state = calibrated_on(state, [observation.transition])
@@ -325,6 +330,11 @@ def _finish(
         }
     )
     gain = basis.gain(current, chosen) if (current is not None and chosen) else 0.0
+    probes = (
+        probe.requests(plan, observation.workload, new_state) if probe.due(state, observation.step) else ()
+    )
+    if probes:
+        new_state = new_state.model_copy(update={"probed_at": observation.step})
     return Decision(
         action=action,
         forced=verdict.forced,
@@ -337,6 +347,7 @@ def _finish(
         horizon_steps=horizon,
         transition=chosen.move if chosen and (action == "switch" or verdict.forced) else None,
         alternatives=tuple(alternatives[: state.settings.max_alternatives]),
+        probes=probes,
         state=new_state,
         elapsed_s=time.perf_counter() - started,
     )

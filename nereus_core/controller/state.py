@@ -83,6 +83,16 @@ class ControllerSettings(Frozen):
         "or from the GTG schedule the transition flow runs (``transition_schedule``; the job).",
     )
     max_alternatives: int = Field(default=5, ge=0, le=100, description="Rejected plans reported.")
+    probe_every: int = Field(
+        default=10,
+        ge=0,
+        le=1_000_000,
+        description="Steps between probes of generation's TP collectives at every degree it may use "
+        "(``controller.probe``; the plan in force shows only its own); 0: never.",
+    )
+    probe_iterations: int = Field(
+        default=16, ge=1, le=10_000, description="Decode iterations whose collectives one probe times."
+    )
     calibration: CalibrationSettings = CalibrationSettings()
     transition_calibration: CalibrationSettings | None = Field(
         default=None,
@@ -108,6 +118,36 @@ class TransitionTiming(Frozen):
     seconds: float = Field(gt=0)
 
 
+class ProbeRequest(Frozen):
+    """A short timed probe the controller asks for (``controller.probe``): the TP collectives at degree
+    ``tp``, on ``devices``, of ``iterations`` decode steps of one generation replica, or of as many
+    micro-batch forwards of a pass stage."""
+
+    stage: ModelStage
+    tp: int = Field(ge=2, le=4096, description="The TP degree probed.")
+    devices: tuple[int, ...] = Field(min_length=2, description="The tp slots the collectives run on.")
+    batch: int = Field(
+        ge=1,
+        description="Rows of the buffer: sequences of one replica (generation) or "
+        "of one micro-batch (a pass).",
+    )
+    iterations: int = Field(ge=1, description="Decode steps (generation) or micro-batch forwards timed.")
+    seq: int = Field(default=1, ge=1, description="Tokens of each row per pass: 1 for a decode step.")
+
+    @model_validator(mode="after")
+    def _ranks(self) -> ProbeRequest:
+        if len(self.devices) != self.tp:
+            raise ValueError(f"{len(self.devices)} devices for a tp={self.tp} probe; give tp slots")
+        return self
+
+
+class ProbeTiming(Frozen):
+    """A probe that ran and how long it took."""
+
+    request: ProbeRequest
+    seconds: float = Field(gt=0)
+
+
 class Observation(Frozen):
     """What the job reports after a step."""
 
@@ -121,6 +161,9 @@ class Observation(Frozen):
     )
     memory_peaks: dict[int, int] = Field(default_factory=dict, description="Measured peak bytes per slot.")
     transition: TransitionTiming | None = None
+    probes: tuple[ProbeTiming, ...] = Field(
+        default=(), description="The probes the last decision asked for, timed."
+    )
     ready_devices: int | None = Field(
         default=None,
         ge=1,
@@ -200,6 +243,7 @@ class ControllerState(Frozen):
     highs: tuple[tuple[int, int], ...] = Field(
         default=(), description="(step, high response length) of recent observations, for the forecast."
     )
+    probed_at: int | None = Field(default=None, description="Step of the last probes asked for.")
 
     @classmethod
     def initial(
@@ -257,5 +301,8 @@ class Decision(Frozen):
     horizon_steps: int
     transition: TransitionEstimate | None
     alternatives: tuple[Alternative, ...]
+    probes: tuple[ProbeRequest, ...] = Field(
+        default=(), description="Probes to time before the next decision (``controller.probe``)."
+    )
     state: ControllerState
     elapsed_s: float

@@ -24,8 +24,32 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nereus_core.frozen import Frozen
 
-# The latency terms of the cost model (stage_cost.py's docstring defines them).
+# The latency terms of the cost model (stage_cost.py's docstring defines them). One row per term the
+# running job can tell apart, so calibration fits each its own scale: generation's TP collectives
+# (decode-sized, latency-bound, on the engine's layout) apart from the passes' (``tp_comm``); for
+# both, the fixed cost per collective call (``tp_calls_generate``, ``tp_calls``: the same at every
+# degree) apart from the ring's hops and bytes (growing with the degree; probes at several degrees
+# tell the two apart: ``controller.probe``), and the
+# fixed cost of a call of each stage kind apart from compute. A stage's raw vector is zero in the rows
+# of the other kinds.
 COST_TERMS: tuple[str, ...] = (
+    "compute",
+    "decode",
+    "tp_comm_generate",
+    "tp_calls_generate",
+    "tp_comm",
+    "tp_calls",
+    "pp_comm",
+    "dp_comm",
+    "optimizer",
+    "overhead",
+    "dispatch_generate",
+    "dispatch_infer",
+    "dispatch_train",
+)
+# The terms before generation's TP collectives and each kind's fixed cost had rows of their own: one
+# ``tp_comm`` and one ``dispatch`` covered every stage kind.
+LEGACY_TERMS: tuple[str, ...] = (
     "compute",
     "decode",
     "tp_comm",
@@ -35,6 +59,24 @@ COST_TERMS: tuple[str, ...] = (
     "overhead",
     "dispatch",
 )
+_LEGACY_SPLIT = {
+    "tp_comm": ("tp_comm_generate", "tp_calls_generate", "tp_comm", "tp_calls"),
+    "dispatch": ("dispatch_generate", "dispatch_infer", "dispatch_train"),
+}
+
+
+def split_legacy_terms(values: dict[str, float]) -> dict[str, float]:
+    """Per-term values as ``COST_TERMS`` names them. A mapping written before the split (it has a
+    ``dispatch`` key) meant one scale for every stage kind: its ``tp_comm`` and ``dispatch`` are given
+    to each row they now cover, unless that row is named too. Any other mapping is returned as is."""
+    if "dispatch" not in values:
+        return values
+    out = {k: v for k, v in values.items() if k not in _LEGACY_SPLIT}
+    for old, rows in _LEGACY_SPLIT.items():
+        if old in values:
+            for row in rows:
+                out.setdefault(row, values[old])
+    return out
 
 
 class TransitionCosts(Frozen):
@@ -177,6 +219,7 @@ class HardwareProfile(BaseModel):
     @field_validator("term_scales")
     @classmethod
     def _known_terms(cls, value: dict[str, float]) -> dict[str, float]:
+        value = split_legacy_terms(value)
         for term, scale in value.items():
             if term not in COST_TERMS:
                 raise ValueError(f"term_scales: unknown term {term!r}; valid: {', '.join(COST_TERMS)}")
@@ -327,12 +370,17 @@ CPU_WORKERS = HardwareProfile(
     term_scales={
         "compute": 0.336,
         "decode": 5.55,
+        "tp_comm_generate": 2.45,  # fitted with one tp_comm and one dispatch scale for every kind
+        "tp_calls_generate": 2.45,
         "tp_comm": 2.45,
+        "tp_calls": 2.45,
         "pp_comm": 0.402,
         "dp_comm": 12.5,
         "optimizer": 18.0,
         "overhead": 0.14,
-        "dispatch": 2.24,
+        "dispatch_generate": 2.24,
+        "dispatch_infer": 2.24,
+        "dispatch_train": 2.24,
     },
 )
 

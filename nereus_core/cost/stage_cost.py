@@ -12,22 +12,28 @@ Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
 - ``decode``: memory-bound decode, per decode iteration (weights/tp + KV read) / HBM
   bandwidth (decode is memory-bound); a replica iterates until its longest
   sequence ends and the stage waits for the slowest replica (``Workload.response_max``).
-- ``tp_comm``: per layer 2 all-reduces forward (+2 backward) of b*s*h values, plus
-  Megatron's vocab-parallel embedding/head collectives; a ring all-reduce moves
-  2(t-1)/t of the buffer and pays 2(t-1) hops of latency (hardware.md, "TP
-  traffic"; alpha-beta model of Thakur et al. 2005).
+- ``tp_comm``, ``tp_calls`` (infer and train passes): per layer 2 all-reduces forward (+2
+  backward) of b*s*h values, plus Megatron's vocab-parallel embedding/head collectives; a
+  ring all-reduce moves 2(t-1)/t of the buffer and pays 2(t-1) hops of latency (hardware.md,
+  "TP traffic"; alpha-beta model of Thakur et al. 2005). Two rows: the first hop of each call is its
+  fixed cost (``tp_calls``, the same at every degree), the other hops and the bytes the ring's
+  (``tp_comm``), so probes at several degrees (``controller.probe``) can tell them apart.
 - ``pp_comm``: the pipeline bubble (p-1)/(m+p-1) of the pipelined time
   (Narayanan et al. 2021) plus the point-to-point sends between stages.
 - ``dp_comm``: ZeRO-1 gradient reduce-scatter + parameter all-gather = one ring
   all-reduce of the device's gradients over dp (Rajbhandari et al. 2020).
 - ``optimizer``: the Adam step, memory-bound over the device's state shard.
+- ``tp_comm_generate``, ``tp_calls_generate``: the same two parts of generation's collectives,
+  per prefill and decode pass. Rows of their own: generation runs on its own TP degree, with
+  small decode-sized buffers, and its collectives are priced apart from the passes'.
 - ``overhead``: a fixed cost per decoder-layer pass of each micro-batch (kernel launches;
   Python on CPU); for generation also one per decode iteration (``decode_step_s``:
-  scheduler, sampling) and the engine's per call (``generate_call_s``: wake-up, weights
-  into the engine, KV cache; fitted to verl's logs, see hardware.py).
-- ``dispatch``: a fixed cost per stage call plus one per device reached, plus an infer or
-  train pass's fixed cost per call (``infer_call_s``, ``train_call_s``; same fit). Kept
-  apart from generation's so calibration can scale the engine's and the passes' apart.
+  scheduler, sampling).
+- ``dispatch_generate``, ``dispatch_infer``, ``dispatch_train``: a fixed cost per stage call plus
+  one per device reached, plus the kind's fixed cost per call (``generate_call_s``: the engine's
+  wake-up, weights into the engine, KV cache; ``infer_call_s``, ``train_call_s``: a pass's; fitted
+  to verl's logs, see hardware.py). One row per kind, zero in the others' raw vectors, so
+  calibration fits each kind's fixed cost apart from the others and from compute.
 
 Memory (bytes on the busiest device): weights, gradients, ZeRO-1 optimizer state
 sharded over dp, activations (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per
@@ -48,7 +54,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from nereus_core.config import ModelConfig, NereusConfig
-from nereus_core.cost.hardware import HardwareProfile
+from nereus_core.cost.hardware import HardwareProfile, split_legacy_terms
 from nereus_core.cost.terms import (
     MEMORY_PARTS,
     TERMS,
@@ -157,16 +163,42 @@ def _mean_and_high(lengths: Sequence[int], quantile: float) -> tuple[float, int]
 
 
 class Scales(Frozen):
-    """Per-term multipliers fitted by calibration (1 = the analytic prior)."""
+    """Per-term multipliers fitted by calibration (1 = the analytic prior), one per ``TERMS`` row.
+
+    Backwards-readable: a record written before generation's TP collectives and each kind's fixed
+    cost had scales of their own (its one ``dispatch`` field) reads with its ``tp_comm`` and
+    ``dispatch`` given to every row they covered (``hardware.split_legacy_terms``)."""
 
     compute: float = Field(default=1.0, gt=0, description="Scale of the compute term.")
     decode: float = Field(default=1.0, gt=0, description="Scale of the memory-bound decode term.")
-    tp_comm: float = Field(default=1.0, gt=0, description="Scale of tensor-parallel collectives.")
+    tp_comm_generate: float = Field(
+        default=1.0, gt=0, description="Scale of generation's TP collectives' ring hops and bytes."
+    )
+    tp_calls_generate: float = Field(
+        default=1.0, gt=0, description="Scale of generation's fixed cost per TP collective call."
+    )
+    tp_comm: float = Field(
+        default=1.0, gt=0, description="Scale of the passes' TP collectives' ring hops and bytes."
+    )
+    tp_calls: float = Field(
+        default=1.0, gt=0, description="Scale of the passes' fixed cost per TP collective call."
+    )
     pp_comm: float = Field(default=1.0, gt=0, description="Scale of the pipeline bubble and sends.")
     dp_comm: float = Field(default=1.0, gt=0, description="Scale of the gradient all-reduce.")
     optimizer: float = Field(default=1.0, gt=0, description="Scale of the optimizer step.")
-    overhead: float = Field(default=1.0, gt=0, description="Scale of the per-layer fixed cost.")
-    dispatch: float = Field(default=1.0, gt=0, description="Scale of the per-call dispatch cost.")
+    overhead: float = Field(
+        default=1.0, gt=0, description="Scale of the per-layer and per-decode-iteration fixed costs."
+    )
+    dispatch_generate: float = Field(
+        default=1.0, gt=0, description="Scale of a generation call's fixed cost (dispatch, engine)."
+    )
+    dispatch_infer: float = Field(default=1.0, gt=0, description="Scale of an infer call's fixed cost.")
+    dispatch_train: float = Field(default=1.0, gt=0, description="Scale of a train call's fixed cost.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: object) -> object:
+        return split_legacy_terms(data) if isinstance(data, dict) else data
 
     def as_array(self) -> np.ndarray:
         return np.array([getattr(self, t) for t in TERMS], dtype=float)

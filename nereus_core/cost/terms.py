@@ -39,10 +39,13 @@ __all__ = [
     "Geometry",
     "ModelStats",
     "Num",
+    "collectives_s",
     "contiguous_geometry",
+    "generation_collectives_s",
     "is_contiguous",
     "layout_geometry",
     "model_stats",
+    "pass_collectives_s",
     "pipeline_split",
     "slots",
     "split_arrays",
@@ -92,6 +95,39 @@ def korthikanti_bytes(
     return seq * batch * h * per_value * activation_bytes / 2.0
 
 
+def collectives_s(
+    tp: Num, calls: Num, reduces: Num, values: Num, act: int, alpha: float, bw: Num
+) -> tuple[Num, Num]:
+    """TP collectives in two parts, two rows: a fixed cost per collective call (one ``alpha``, the
+    first hop, whatever the degree: launch and synchronisation) and the ring's (its other 2(t-1) - 1
+    hops, and ``reduces`` all-reduces of ``values`` values, 2(t-1)/t of them per device; the alpha-beta
+    model of Thakur et al. 2005). Together the ring all-reduce of hardware.md ("TP traffic"); zero at
+    tp 1. Probes at several degrees (``controller.probe``) tell the part that grows with the degree
+    from the part that does not."""
+    ring = calls * (2.0 * (tp - 1) - 1.0) * alpha + reduces * ring_bytes(values * act, tp) / bw
+    return (tp > 1) * calls * alpha, (tp > 1) * ring
+
+
+def generation_collectives_s(
+    stats: ModelStats, tp: Num, passes: Num, tokens: Num, act: int, alpha: float, bw: Num
+) -> tuple[Num, Num]:
+    """Generation's TP collectives (``tp_calls_generate``, ``tp_comm_generate``): per pass (prefill or
+    decode step) 2 all-reduces per layer, 1 for the vocab-parallel embedding and 2 gathers to sample;
+    the layers' all-reduces move the hidden state of the ``tokens`` passed."""
+    calls = passes * (2 * stats.layers + 3)
+    return collectives_s(tp, calls, 2 * stats.layers, tokens * stats.hidden, act, alpha, bw)
+
+
+def pass_collectives_s(
+    tp: Num, layers: Num, rows: Num, seq: Num, hidden: int, train: bool, act: int, alpha: float, bw: Num
+) -> tuple[Num, Num]:
+    """One micro-batch's TP collectives in an infer or train pass (``tp_calls``, ``tp_comm``; Megatron-LM,
+    Shoeybi et al. 2019): 2 all-reduces per layer forward (+2 backward) of rows*seq*hidden values, plus
+    the vocab-parallel embedding (1) and log-prob (3) all-reduces."""
+    reduces = (4 if train else 2) * layers
+    return collectives_s(tp, reduces + 4, reduces, rows * seq * hidden, act, alpha, bw)
+
+
 def stage_tables(
     kind: StageKind, geo: Geometry, work: WorkloadLike, stats: ModelStats, profile: HardwareProfile
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -103,13 +139,14 @@ def stage_tables(
         _generate(raw, mem, geo, work, stats, profile)
     else:
         _forward_backward(raw, mem, kind == "train", geo, work, stats, profile)
-    # One dispatch per stage call, plus one per device it reaches (tasks/runtime/device_pool.py), plus a
-    # pass's
-    # fixed cost per call (hardware.py). Generation's per-call cost is the engine's and sits with its
-    # other engine costs in ``overhead`` (``_generate``), so calibration scales the two apart.
+    # One dispatch per stage call, plus one per device it reaches (tasks/runtime/device_pool.py), plus the
+    # kind's fixed cost per call (hardware.py: the engine's for generation, a pass's for infer and train),
+    # in the kind's own row: calibration fits each kind's fixed cost apart from the others and from compute.
     world = geo.tp * geo.pp * geo.dp
-    call = {"generate": 0.0, "infer": profile.infer_call_s, "train": profile.train_call_s}[kind]
-    raw[TERMS.index("dispatch")] = profile.call_overhead_s + world * profile.dispatch_per_device_s + call
+    call = {"generate": profile.generate_call_s, "infer": profile.infer_call_s, "train": profile.train_call_s}
+    raw[TERMS.index(f"dispatch_{kind}")] = (
+        profile.call_overhead_s + world * profile.dispatch_per_device_s + call[kind]
+    )
     for term, scale in profile.term_scales.items():
         raw[TERMS.index(term)] *= scale
     mem[MEMORY_PARTS.index("weights")] = geo.device_params * value_bytes(stats, profile).weight
@@ -148,7 +185,8 @@ def _generate(
     replica runs (m - 1) * mean + longest iterations. Each iteration reads the weights
     and pays ``decode_step_s`` (scheduler, sampling, launches); the KV read and the
     FLOPs follow the tokens actually generated (b * mean), whatever the schedule.
-    The engine's fixed cost per call (``generate_call_s``) is in ``overhead`` too.
+    TP collectives go to ``tp_comm_generate`` (decode-sized and latency-bound, unlike the passes');
+    the engine's fixed cost per call (``generate_call_s``) to ``dispatch_generate`` (``stage_tables``).
     """
     tp, pp = geo.tp, geo.pp
     slow = _slowdown(profile, geo.per_node / pp)  # one pipeline stage per replica works at a time
@@ -172,8 +210,9 @@ def _generate(
     alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
     act = sizes.activation
     # Per pass: 2 all-reduces per layer, 1 for the vocab-parallel embedding, 2 gathers to sample.
-    tp_latency = passes * (2 * layers + 3) * 2.0 * (tp - 1) * alpha
-    tp_bytes = 2 * layers * ring_bytes(b * h * act * (prompt + resp), tp) / geo.tp_bw
+    tp_calls, tp_ring = generation_collectives_s(
+        stats, tp, passes, b * (prompt + resp), act, alpha, geo.tp_bw
+    )
     # Per pass: p-1 hidden-state sends forward and the sampled token back to the first stage.
     pp_comm = (pp > 1) * (passes * pp * alpha + (pp - 1) * b * h * act * (prompt + resp) / geo.pp_bw)
     _set(
@@ -181,11 +220,10 @@ def _generate(
         TERMS,
         compute=(prefill + decode_flops) / flops,
         decode=(iters * weight_read + waves * bw_ * resp * kv_read) * slow / profile.hbm,
-        tp_comm=(tp > 1) * (tp_latency + tp_bytes),
+        tp_comm_generate=tp_ring,
+        tp_calls_generate=tp_calls,
         pp_comm=pp_comm,
-        overhead=passes * layers * profile.layer_overhead_s * slow
-        + iters * profile.decode_step_s
-        + profile.generate_call_s,
+        overhead=passes * layers * profile.layer_overhead_s * slow + iters * profile.decode_step_s,
     )
     seq_high = prompt + work.response_high
     share = geo.stage_layers / layers
@@ -226,23 +264,18 @@ def _forward_backward(
     compute_mb = (
         bm * seq * (mult * geo.stage_flop_params + attn * layers * h * seq) * slow / (profile.flops * tp)
     )
-    # TP traffic (Megatron-LM, Shoeybi et al. 2019): 2 all-reduces per layer forward (+2 backward) of
-    # b*s*h values;
-    # plus the vocab-parallel embedding (1) and log-prob (3) all-reduces (Megatron-LM).
-    reduces = (4 if train else 2) * layers
-    tp_mb = (tp > 1) * (
-        (reduces + 4) * 2.0 * (tp - 1) * alpha + reduces * ring_bytes(bm * seq * h * act, tp) / geo.tp_bw
-    )
+    calls_mb, tp_mb = pass_collectives_s(tp, layers, bm, seq, h, train, act, alpha, geo.tp_bw)
     overhead_mb = (3.0 if train else 1.0) * layers * profile.layer_overhead_s * slow
     # Narayanan et al. 2021: with m micro-batches a pass takes (m+p-1) stage slots, m of them busy;
     # the idle (p-1) slots are the bubble, (p-1)/(m+p-1) of the pass.
-    bubble = (pp - 1) * (compute_mb + tp_mb + overhead_mb)
+    bubble = (pp - 1) * (compute_mb + calls_mb + tp_mb + overhead_mb)
     sends = (2.0 if train else 1.0) * (m + pp - 2) * (alpha + bm * seq * h * act / geo.pp_bw)
     _set(
         raw,
         TERMS,
         compute=epochs * m * compute_mb,
         tp_comm=epochs * m * tp_mb,
+        tp_calls=epochs * m * calls_mb,
         pp_comm=epochs * (bubble + (pp > 1) * sends),
         overhead=epochs * m * overhead_mb,
     )

@@ -4,7 +4,9 @@
   and always when the devices or the capacity change), fed the stage times the world
   measured; it recalibrates, searches and switches when a plan pays for its move. A
   switch's time is the world's true cost of what the controller estimated, and is
-  reported back to it so it calibrates the transition cost too.
+  reported back to it so it calibrates the transition cost too. The probes a decision asks for
+  (``controller.probe``) are answered by the world (``sim.probes``) and seen by the next decision;
+  their time is not charged (tens of ms every ``probe_every`` steps of a minute or more).
 - ``static``: the plan the controller picks at step 0 (the same start as nereus) with
   its TP/PP kept for the whole run; when the devices change, every stage's DP degree
   (and its slots) is scaled with them, and that rescale costs a transition like any
@@ -27,6 +29,7 @@ from nereus_core.controller.decide import (
     ControllerState,
     Decision,
     Observation,
+    ProbeTiming,
     StageTiming,
     TransitionTiming,
     decide,
@@ -37,6 +40,7 @@ from nereus_core.cost.stage_cost import Workload
 from nereus_core.cost.transition_cost import analytic_transition_cost
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, models_for
+from nereus_core.sim import probes
 from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.engine import Move, Prepared, SimError, StepRun
 from nereus_core.sim.world import World, largest_dp, usable_bytes
@@ -82,14 +86,16 @@ class NereusStrategy:
         self.plan: GlobalPlan | None = None
         self.timings: list[StageTiming] = []
         self.last: TransitionTiming | None = None
+        self.probes: tuple[ProbeTiming, ...] = ()  # the last decision's probes, answered by the world
 
-    def _decide(self, observation: Observation) -> tuple[Decision, float, float]:
+    def _decide(self, observation: Observation, world: World, k: int) -> tuple[Decision, float, float]:
         assert self.state is not None
         started = time.perf_counter()
         d = decide(observation, self.state)
         wall = time.perf_counter() - started
         charged = wall if self.decision.cost == "measured" else self.decision.seconds
         self.state = d.state
+        self.probes = probes.answer(world, k, d.probes)  # timed now, seen by the next decision
         return d, charged, wall
 
     def begin(self, world: World) -> Move:
@@ -97,7 +103,7 @@ class NereusStrategy:
         self.state = ControllerState.initial(
             models_for(self.model), self.profile, self.settings, stages=world.stages
         )
-        d, charged, wall = self._decide(first_observation(world))
+        d, charged, wall = self._decide(first_observation(world), world, 0)
         if d.plan is None:
             raise SimError(f"trace {tr.name}: no plan fits at step 0: {d.reason}")
         self.plan = d.plan
@@ -141,8 +147,9 @@ class NereusStrategy:
             workload=tr.expected(k, self.decision.length_window),
             timings=tuple(self.timings),
             transition=self.last,
+            probes=self.probes,
         )
-        d, charged, wall = self._decide(obs)
+        d, charged, wall = self._decide(obs, world, k)
         self.timings, self.last = [], None
         if d.action == "none" or d.plan is None:
             return Move(
