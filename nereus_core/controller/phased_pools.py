@@ -27,6 +27,21 @@ def ladder(limit: int, per_node: int) -> list[int]:
     return sorted(v for v in sizes if v <= limit)
 
 
+# Rest pools as multiples of generation's when generation has slots of its own.
+REST_RATIOS = (0.5, 1.0, 1.5, 2.0, 3.0)
+
+
+def regions(devices: int, per_node: int) -> list[tuple[int, int]]:
+    """``(g, r)`` of every phased split on ``devices`` slots: generation on the first g slots and the
+    other stages on the next r (g > 0), or everything on the first r (g = 0), g and r on the
+    ladder (and r/g one of ``REST_RATIOS``). No pair depends on ``devices`` beyond fitting in it,
+    so the splits of N slots are among those of N+1 (more slots never predict a slower step)."""
+    sizes = ladder(devices, per_node)
+    shared = [(0, r) for r in sizes]
+    apart = [(g, r) for g in sizes for r in sizes if g + r <= devices and r / g in REST_RATIOS]
+    return shared + apart
+
+
 def fastest_by_size(world: np.ndarray, seconds: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
     """For each of ``sizes``, the fastest of ``seconds`` among candidates of at most that many slots
     (``world``); inf where none fits. Non-increasing in the size."""

@@ -186,36 +186,37 @@ class Searcher:
             parts = [((GENERATE,), 0, g, {GENERATE: gen.seconds + sync((0, g))}), (rest, g, n - g, {})]
             out.append(("disaggregated", parts))
         if self.space.phased:
-            out += [("phased", parts) for g in (n, *apart) if (parts := self._phased(g, sync)) is not None]
+            regions = phased_pools.regions(n, self.profile.devices_per_node)
+            out += [("phased", parts) for g, r in regions if (parts := self._phased(g, r, sync)) is not None]
         return out
 
-    def _phased(self, g: int, sync: Callable[..., np.ndarray]) -> list[Part] | None:
-        """The phased split with generation on slots 0..g-1 (all of them when g is every slot): the
-        forward passes on pools of their own in the rest, and the train stages likewise
-        (``phased_pools``); None when neither phase has two stages to run at once. Stages whose pools
-        coincide are solved together (one pool); pools that overlap are checked together after."""
-        n, per_node = self.space.devices, self.profile.devices_per_node
-        first, size = (g, n - g) if g < n else (0, n)
-        sizes = phased_pools.ladder(size, per_node)
+    def _phased(self, g: int, r: int, sync: Callable[..., np.ndarray]) -> list[Part] | None:
+        """The phased split of region ``(g, r)`` (``phased_pools.regions``): generation on slots
+        0..r-1 with the rest on the same slots (g = 0), or on 0..g-1 with the rest on g..g+r-1; the
+        forward passes on pools of their own in the rest, and the train stages likewise; None when
+        neither phase has two stages to run at once. Stages whose pools coincide are solved together
+        (one pool); pools that overlap are checked together after."""
+        first = g
+        sizes = phased_pools.ladder(r, self.profile.devices_per_node)
         regions: dict[str, tuple[int, int]] = {}
         split_any = False
         for kind in ("infer", "train"):
             stages = [s for s in self.stages if s.kind == kind]
-            split = self._split(stages, sizes, size) if len(stages) > 1 else None
+            split = self._split(stages, sizes, r) if len(stages) > 1 else None
             split_any |= split is not None
             placed = phased_pools.place(split, first) if split else {}
-            regions |= {s: (placed[s], split[s]) if split else (first, size) for s in stages}
+            regions |= {s: (placed[s], split[s]) if split else (first, r) for s in stages}
         if not split_any:
             return None
         gen = self.table(GENERATE, 0)
         train_first, train_size = regions["actor/train"]
-        if g == n and (train_first, train_size) == (0, n):  # the colocated reshard, at train's fastest (t, p)
+        if g == 0 and train_size == r:  # the colocated reshard, at train's fastest (t, p)
             t = self.table("actor/train", 0)
-            i = int(np.argmin(t.seconds))
+            i = int(np.argmin(np.where(t.world <= r, t.seconds, INF)))
             synced = gen.seconds + sync((0, int(t.tp[i] * t.pp[i]) - 1), (int(t.tp[i]), int(t.pp[i])))
         else:
             synced = gen.seconds + sync((0, train_first))
-        regions[GENERATE] = (0, g)
+        regions[GENERATE] = (0, g or r)
         grouped: dict[tuple[int, int], list[str]] = {}
         for stage in self.stages:
             grouped.setdefault(regions[stage], []).append(stage)

@@ -114,3 +114,11 @@ def test_a_phased_plan_s_step_is_the_rule_over_its_stage_estimates() -> None:
     stage_s = {s: e.seconds for s, e in exact.stages.items()}
     assert exact.step_s == step_seconds(plan.layouts, stage_s, exact.sync_s, overlap=OVERLAP)
     assert exact.step_s < sum(stage_s.values()) + exact.sync_s  # some stages run at once
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 2048), st.sampled_from([1, 4, 8]))
+def test_the_phased_regions_of_n_slots_are_among_those_of_n_plus_one(n: int, per_node: int) -> None:
+    fewer, more = phased_pools.regions(n, per_node), phased_pools.regions(n + 1, per_node)
+    assert set(fewer) <= set(more)
+    assert all(g + r <= n for g, r in fewer)
