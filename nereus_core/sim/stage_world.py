@@ -3,7 +3,9 @@
 Boundary: pure arithmetic over a model's size, one step's response lengths and a GPU
 (``Gpu``), with a handful of free constants (``WorldConstants``) fitted to real logs
 by ``fit`` (benchmarks/validate_cost_model.py fits them to verl's Qwen2.5-0.5B GSM8K
-PPO logs and checks them on the held-out gemma-2-2b log; ``FITTED`` is that fit).
+PPO logs and checks them on the held-out gemma-2-2b log; ``FITTED`` is that fit) and, for 7-8B
+models, by benchmarks/fit_world_7b.py on published 7B runs (``FITTED_7B``; ``constants_for``
+picks by size).
 It shares no formula with ``stage_cost``/``cost.terms``, so comparing the two can show
 the cost model wrong. ``world.World`` uses it as the simulator's truth.
 
@@ -13,9 +15,10 @@ so its p90 is the step's p90 where that is known, so the tail reaches the logged
 each DP replica runs continuous batching under its KV budget (a finished sequence frees
 its slot for a waiting one; paged KV, so a sequence holds the KV of its mean context);
 every decode iteration costs a fixed ``decode_step_s`` (scheduler, sampling, kernel
-launches), two all-reduces per layer under TP, and the larger of reading the weights /
-tp plus the active KV cache from HBM (decode is memory-bound) and the
-iteration's FLOPs; the stage ends with the slowest replica, plus ``generate_fixed_s``
+launches), two all-reduces per layer under TP (their latency per iteration, their bytes per
+running sequence over the TP link), at most ``max_num_seqs`` sequences per engine, and the
+larger of reading the weights / tp plus the active KV cache from HBM (decode is
+memory-bound) and the iteration's FLOPs; the stage ends with the slowest replica, plus ``generate_fixed_s``
 per step (engine wake-up, weight load into the engine, tokenisation). Summed over a
 replica, the KV read and the FLOPs do not depend on the schedule, only the number of
 iterations does (FCFS list scheduling onto the slots).
@@ -120,7 +123,9 @@ FITTED = WorldConstants(
 # Megatron TP4, vLLM TP4; Qwen2-7B GRPO on 16 GPUs, Megatron TP4 PP2, vLLM TP2; eric-haibin-lin/verl-data,
 # H100-class GPUs assumed: the logs do not say, and the Qwen run's logged actor MFU 0.290 is what this
 # world's FLOPs give at that peak). Held out: verl's Qwen2-7B FSDP2 run on 8 GPUs (generation within
-# 17 %) and OpenRLHF's Llama-2-7B benchmark on 8 A800s (within the range its unknown lengths allow).
+# 17 %; its passes, with CPU offload on a GPU the log does not name, run 2-2.7x slower than this world's)
+# and OpenRLHF's Llama-2-7B benchmark on 8 A800s (generation inside the world's range for mean responses
+# of 512-1,024 tokens, which it does not publish; training 9 % above the range's top).
 # Generation is eager-mode vLLM with its KV cache rebuilt every step (verl's setting in those runs):
 # ~21 s per call and 16.5 ms per decode iteration; no per-sequence decode cost is supported (the FSDP2
 # run decodes twice the sequences per engine of the Qwen Megatron run in the same time).
