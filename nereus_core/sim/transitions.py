@@ -1,9 +1,9 @@
 """What a transition, a weight sync and a restart really take in the simulated world: fixed costs.
 
-Boundary: pure arithmetic over two plans' layouts and the cost model's byte accounting
-(``TransitionEstimate.wire_s``: the busiest port's bytes at link speed, taken as the
-physics of the moved bytes); the fixed costs added here are the world's, from published
-GPU figures. Figures measured by this repository's CPU runs (process groups of gloo on
+Boundary: pure arithmetic over two plans' layouts and, for a transition, the cost model's byte
+accounting (``TransitionEstimate.wire_s``: the busiest port's bytes at link speed, taken as the
+physics of the moved bytes); the fixed costs added here and the weight sync (``sync_s``) are the
+world's, from published GPU figures. Figures measured by this repository's CPU runs (process groups of gloo on
 one host) are not used: they say nothing of NCCL on GPUs.
 
 - Process-group creation per changed layout, for its largest group: 2 s at 8 ranks
@@ -78,10 +78,6 @@ def restart_s(layouts: dict[str, Layout]) -> float:
     """Fixed seconds of restarting a job on ``layouts`` from its last checkpoint (engine and groups)."""
     groups = max((group_s(largest_group(v)) for v in layouts.values()), default=0.0)
     return groups + ENGINE_REBUILD_S
-
-
-def sync_floor_s(colocated: bool) -> float:
-    return SYNC_FLOOR_COLOCATED_S if colocated else SYNC_FLOOR_NCCL_S
 
 
 def sync_s(weight_bytes: float, *, colocated: bool, cross_node: bool, tensors: int = 0) -> float:

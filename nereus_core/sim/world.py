@@ -1,16 +1,18 @@
 """The simulated world: the true time of every stage, weight sync and transition, and what fits in memory.
 
 Boundary: the only place that knows the truth. A stage's true time comes from the
-stage-time world model (``stage_world``, fitted to verl's real logs; it shares no
-formula with the cost model), run on the sequences of that step: their response
-lengths are drawn once per (seed, step) from the trace's mean, p90 and max, so every
-strategy of one (trace, seed) meets the same sequences and the same noise (common
-random numbers: their differences are not luck). What a job *measures* is the true
-time times seeded per-stage, per-step noise; strategies see only measured times
-(``measured_stage_s``). Transitions, weight syncs and restarts add the world's fixed
-costs (``transitions``). The cost model's terms (``stage_tables``) are kept beside
-each evaluation only for what the job predicts and for memory: the cost model's
-memory is the truth of what fits (it gates feasibility).
+stage-time world model (``stage_world``, fitted to verl's real logs, with constants
+per model size: ``stage_world.constants_for``; it shares no formula with the cost
+model), run on the sequences of that step: their response lengths are drawn once per
+(seed, step) from the trace's mean, p90 and max, so every strategy of one (trace, seed)
+meets the same sequences and the same noise (common random numbers: their differences
+are not luck). What a job *measures* is the true time times seeded per-stage, per-step
+noise; strategies see only measured times (``measured_stage_s``). Transitions and
+restarts add the world's fixed costs, and the weight sync is the world's own formula
+(``transitions``); ``raw_sync_s`` is the cost model's estimate, for what the job
+predicts. The cost model's terms (``stage_tables``) are kept beside each evaluation only
+for what the job predicts and for memory: the cost model's memory is the truth of what
+fits (it gates feasibility).
 """
 
 from __future__ import annotations
