@@ -20,11 +20,23 @@ waves, verl's dynamic batch size) are re-picked every step at the true cost.
   DeepSpeed models, no pipeline). Placements (its flags): ``separate`` (each model its
   own GPUs, the default), ``paired`` (actor+reference, critic+reward) and ``colocated``
   (all models and vLLM time-share every GPU). Pool sizes are powers of two. Weight sync
-  after every update: NCCL broadcast into the vLLM ranks (disaggregated; the cost model's
-  per-receiver bound, not the per-parameter broadcast the issues measure), CUDA IPC
-  when colocated. Within a step: generation, then the inference stages, then training;
+  after every update: NCCL broadcast into the vLLM ranks one parameter at a time
+  (disaggregated; the per-tensor cost the issues measure), CUDA IPC when colocated.
+  Within a step: generation, then the inference stages, then training;
   models on different GPUs run those phases concurrently (OpenRLHF calls their Ray
   actors together), models sharing GPUs one after another, and pools idle otherwise.
+
+``config: default`` replaces the oracle by each one's documented example for an 8B model
+(``DEFAULTS``): verl's ``ppo_trainer.yaml`` (one colocated pool, FSDP, vLLM
+``tensor_model_parallel_size: 2``) and OpenRLHF's README PPO command for Llama-3-8B
+(``--colocate_all_models``, ``--vllm_tensor_parallel_size 2``, ZeRO-3). The cost model's memory
+knows ZeRO-1 only, so the train and forward layouts take the smallest TP of 1, 2, 4, 8 whose plan
+fits every sampled step (FSDP/ZeRO-3 without TP where that fits; verl's Megatron examples for 7B
+use TP4), the one choice left open, in their favour.
+
+OpenRLHF's weight sync is priced one tensor at a time where it broadcasts over NCCL (its
+``_broadcast_to_vllm``; ``World.per_tensor_sync``, ``transitions.sync_s``), by CUDA IPC when
+colocated.
 
 Both place only the model-stages the job has (``World.stages``). For GRPO that is what
 each does: verl builds the critic's worker group only for GAE advantages (``need_critic``
@@ -71,6 +83,11 @@ POOLS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 Combine = Callable[[GlobalPlan, Mapping[str, float], float], float]
+# Documented defaults (8B): vLLM TP of the rollout; the train and forward stages share the pool.
+DEFAULTS = {
+    "verl": 2,  # verl/trainer/config/ppo_trainer.yaml: rollout.tensor_model_parallel_size 2
+    "openrlhf": 2,  # OpenRLHF README, Llama-3-8B PPO: --vllm_tensor_parallel_size 2 --colocate_all_models
+}
 
 
 def job_pools(placement: str, stages: Sequence[str]) -> dict[str, tuple[str, ...]]:
@@ -99,6 +116,22 @@ def oracle_seconds(
     return total
 
 
+def default_plan(
+    world: World, name: str, works: Sequence[Workload], usable: float, combine: Combine
+) -> GlobalPlan:
+    """``name``'s documented layout (``DEFAULTS``) on all the trace's first devices, colocated: the
+    rollout at its vLLM TP, every other stage at the smallest TP that fits every sampled step."""
+    n, batch = int(world.trace.devices[0]), works[0].batch
+    vllm_tp = min(DEFAULTS[name], n)
+    gen = Layout.contiguous(tp=vllm_tp, dp=largest_dp(batch, n // vllm_tp))
+    for tp in tp_options(world, n):
+        layouts = {s: Layout.contiguous(tp=tp, dp=largest_dp(batch, n // tp)) for s in world.stages}
+        plan = GlobalPlan.model_construct(placement="colocated", layouts={**layouts, GENERATE: gen})
+        if oracle_seconds(world, plan, works, usable, combine) < INF:
+            return plan
+    raise SimError(f"trace {world.trace.name}: {name}-default: no TP of {tp_options(world, n)} fits")
+
+
 def tp_options(world: World, limit: int) -> list[int]:
     """Tensor-parallel sizes within a node that shard every model."""
     out = []
@@ -122,6 +155,8 @@ class VerlStrategy(FixedStrategy):
         n = int(tr.devices[0])
         usable = usable_bytes(tr.memory_bytes(0), self.headroom)
         works = [tr.workloads[i] for i in sample_steps(tr.steps, self.spec.tune_steps)]
+        if self.spec.config == "default":
+            return default_plan(world, "verl", works, usable, self.combine)
         by_length = sorted(works, key=lambda w: w.response_mean)
         picks = {by_length[int(q * (len(by_length) - 1))] for q in (0.0, 0.5, 0.9, 1.0)}
         space = SearchSpace(
@@ -178,6 +213,9 @@ class OpenRLHFStrategy(FixedStrategy):
         n = int(tr.devices[0])
         usable = usable_bytes(tr.memory_bytes(0), self.headroom)
         works = [tr.workloads[i] for i in sample_steps(tr.steps, self.spec.tune_steps)]
+        world.per_tensor_sync = True  # _broadcast_to_vllm: one NCCL broadcast per parameter
+        if self.spec.config == "default":
+            return default_plan(world, "openrlhf", works, usable, self.combine)
         best: tuple[float, GlobalPlan] | None = None
         for placement in self.spec.placements:
             found = (
@@ -300,7 +338,9 @@ def _phase(
     stages: tuple[str, ...],
     names: list[str],
 ) -> np.ndarray:
-    """Per sampled step: the slowest pool of a phase, each pool summing its stages of that phase."""
+    """Per sampled step: the slowest pool of a phase, each pool summing its stages of that phase:
+    ``step_seconds``'s rule (``plan.phases``) on the plan ``_assemble`` builds, whose pools are these
+    on disjoint slots, vectorised over the sampled steps (tests check the two agree)."""
     out = np.zeros_like(next(iter(per_stage.values())))
     for p in names:
         mine = [per_stage[s] for s in pools[p] if s in stages]

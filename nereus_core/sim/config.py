@@ -75,6 +75,11 @@ class StrategySpec(Frozen):
         min_length=1,
         description="openrlhf only: placements it may use (its flags); the fastest is taken, in its favour.",
     )
+    config: Literal["oracle", "default"] = Field(
+        default="oracle",
+        description="openrlhf and verl: oracle (the fastest config for the trace, picked offline in "
+        "truth) or default (the layout of their documented example for an 8B model: baselines.DEFAULTS).",
+    )
     tune_steps: int = Field(
         default=16,
         ge=1,

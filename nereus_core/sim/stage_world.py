@@ -3,7 +3,9 @@
 Boundary: pure arithmetic over a model's size, one step's response lengths and a GPU
 (``Gpu``), with a handful of free constants (``WorldConstants``) fitted to real logs
 by ``fit`` (benchmarks/validate_cost_model.py fits them to verl's Qwen2.5-0.5B GSM8K
-PPO logs and checks them on the held-out gemma-2-2b log; ``FITTED`` is that fit).
+PPO logs and checks them on the held-out gemma-2-2b log; ``FITTED`` is that fit) and, for 7-8B
+models, by benchmarks/fit_world_7b.py on published 7B runs (``FITTED_7B``; ``constants_for``
+picks by size).
 It shares no formula with ``stage_cost``/``cost.terms``, so comparing the two can show
 the cost model wrong. ``world.World`` uses it as the simulator's truth.
 
@@ -13,9 +15,10 @@ so its p90 is the step's p90 where that is known, so the tail reaches the logged
 each DP replica runs continuous batching under its KV budget (a finished sequence frees
 its slot for a waiting one; paged KV, so a sequence holds the KV of its mean context);
 every decode iteration costs a fixed ``decode_step_s`` (scheduler, sampling, kernel
-launches), two all-reduces per layer under TP, and the larger of reading the weights /
-tp plus the active KV cache from HBM (decode is memory-bound) and the
-iteration's FLOPs; the stage ends with the slowest replica, plus ``generate_fixed_s``
+launches), two all-reduces per layer under TP (their latency per iteration, their bytes per
+running sequence over the TP link), at most ``max_num_seqs`` sequences per engine, and the
+larger of reading the weights / tp plus the active KV cache from HBM (decode is
+memory-bound) and the iteration's FLOPs; the stage ends with the slowest replica, plus ``generate_fixed_s``
 per step (engine wake-up, weight load into the engine, tokenisation). Summed over a
 replica, the KV read and the FLOPs do not depend on the schedule, only the number of
 iterations does (FCFS list scheduling onto the slots).
@@ -107,6 +110,7 @@ class WorldConstants:
     hbm_efficiency: float = 0.8  # share of HBM bandwidth reached by decode
     kv_share: float = 0.9  # share of the free device memory the engine gives the KV cache (vLLM's default)
     length_concentration: float = 4.0  # Beta a + b of the response-length draw when no p90 is given
+    max_num_seqs: int = 1024  # sequences one engine runs at once (verl's rollout default max_num_seqs)
 
 
 # ``benchmarks/validate_cost_model.py`` fit on both Qwen2.5-0.5B verl logs (its "constants": passes on
@@ -115,6 +119,25 @@ class WorldConstants:
 FITTED = WorldConstants(
     generate_fixed_s=12.27, decode_step_s=0.0, infer_fixed_s=5.11, train_fixed_s=17.43, mfu=0.9
 )
+# ``python -m benchmarks.fit_world_7b`` fit on two published 7B verl runs (deepseek-llm-7b PPO on 4 GPUs,
+# Megatron TP4, vLLM TP4; Qwen2-7B GRPO on 16 GPUs, Megatron TP4 PP2, vLLM TP2; eric-haibin-lin/verl-data,
+# H100-class GPUs assumed: the logs do not say, and the Qwen run's logged actor MFU 0.290 is what this
+# world's FLOPs give at that peak). Held out: verl's Qwen2-7B FSDP2 run on 8 GPUs (generation within
+# 17 %; its passes, with CPU offload on a GPU the log does not name, run 2-2.7x slower than this world's)
+# and OpenRLHF's Llama-2-7B benchmark on 8 A800s (generation inside the world's range for mean responses
+# of 512-1,024 tokens, which it does not publish; training 9 % above the range's top).
+# Generation is eager-mode vLLM with its KV cache rebuilt every step (verl's setting in those runs):
+# ~21 s per call and 16.5 ms per decode iteration; no per-sequence decode cost is supported (the FSDP2
+# run decodes twice the sequences per engine of the Qwen Megatron run in the same time).
+FITTED_7B = WorldConstants(
+    generate_fixed_s=21.46, decode_step_s=0.016514, infer_fixed_s=3.02, train_fixed_s=0.0, mfu=0.289
+)
+FITTED_BY_PARAMS = ((2e9, FITTED), (float("inf"), FITTED_7B))  # up to 2B: the 0.5B fit; above: 7B's
+
+
+def constants_for(params: float) -> WorldConstants:
+    """The fitted constants of the size class of a model of ``params`` parameters."""
+    return next(c for top, c in FITTED_BY_PARAMS if params <= top)
 
 
 def draw_lengths(stats: StepStats, rng: np.random.Generator, concentration: float) -> np.ndarray:
@@ -171,6 +194,7 @@ def generation_s(
     weights = 2.0 * model.params
     free = max(gpu.memory_bytes * c.kv_share - weights / shard, 0.05 * gpu.memory_bytes)
     slots = max(1, int(free / (model.kv_bytes_per_token / shard * (prompt + float(lengths.mean())))))
+    slots = min(slots, c.max_num_seqs)
     bw, flops = gpu.hbm_bytes_per_s * c.hbm_efficiency, gpu.peak_flops * c.mfu
     per_iter = c.decode_step_s + (2 * model.layers * ALL_REDUCE_LATENCY_S if tp > 1 else 0.0)
     dp = shape.dp
@@ -187,7 +211,11 @@ def generation_s(
     ctx = (lf * prompt + lf * (lf + 1) / 2).sum(axis=1)  # KV tokens read, summed over iterations
     memory = iters * weights / tp / bw + ctx * model.kv_bytes_per_token / tp / bw
     compute = 2.0 * model.params * lf.sum(axis=1) / (tp * flops)
+    tokens = lf.sum(axis=1)
     replica = iters * per_iter + np.maximum(memory, compute)
+    if tp > 1:  # two all-reduces per layer of each running sequence's hidden state (bf16, ring)
+        ring = 2.0 * (tp - 1) / tp
+        replica = replica + tokens * model.layers * 2 * model.hidden * 2.0 * ring / tp_link(shape, gpu)
     prefill = 2.0 * model.params * len(lengths) * prompt / (flops * shape.devices)
     return c.generate_fixed_s + prefill + float(replica.max())
 

@@ -1,16 +1,18 @@
 """The simulated world: the true time of every stage, weight sync and transition, and what fits in memory.
 
 Boundary: the only place that knows the truth. A stage's true time comes from the
-stage-time world model (``stage_world``, fitted to verl's real logs; it shares no
-formula with the cost model), run on the sequences of that step: their response
-lengths are drawn once per (seed, step) from the trace's mean, p90 and max, so every
-strategy of one (trace, seed) meets the same sequences and the same noise (common
-random numbers: their differences are not luck). What a job *measures* is the true
-time times seeded per-stage, per-step noise; strategies see only measured times
-(``measured_stage_s``). Transitions, weight syncs and restarts add the world's fixed
-costs (``transitions``). The cost model's terms (``stage_tables``) are kept beside
-each evaluation only for what the job predicts and for memory: the cost model's
-memory is the truth of what fits (it gates feasibility).
+stage-time world model (``stage_world``, fitted to verl's real logs, with constants
+per model size: ``stage_world.constants_for``; it shares no formula with the cost
+model), run on the sequences of that step: their response lengths are drawn once per
+(seed, step) from the trace's mean, p90 and max, so every strategy of one (trace, seed)
+meets the same sequences and the same noise (common random numbers: their differences
+are not luck). What a job *measures* is the true time times seeded per-stage, per-step
+noise; strategies see only measured times (``measured_stage_s``). Transitions and
+restarts add the world's fixed costs, and the weight sync is the world's own formula
+(``transitions``); ``raw_sync_s`` is the cost model's estimate, for what the job
+predicts. The cost model's terms (``stage_tables``) are kept beside each evaluation only
+for what the job predicts and for memory: the cost model's memory is the truth of what
+fits (it gates feasibility).
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def model_size(m: ModelConfig) -> stage_world.ModelSize:
     )
 
 
+def weight_tensors(m: ModelConfig) -> int:
+    """Tensors of a Llama/Qwen decoder's state dict: per layer q, k, v, o, gate, up, down and two norms
+    (plus three biases with ``attention_bias``); embeddings, final norm and an untied head."""
+    per_layer = 9 + (3 if m.attention_bias else 0)
+    return m.num_hidden_layers * per_layer + 2 + (0 if m.tie_word_embeddings else 1)
+
+
 class World:
     """One (trace, seed) of a job whose model-stages are ``stages`` (``SimConfig.stages``; default a PPO
     job's): the sequences of every step, the noise, and the true cost of anything run. Strategies plan
@@ -84,7 +93,8 @@ class World:
         self.trace, self.profile, self.seed, self.stages = trace, profile, seed, stages
         self.models = {m: v for m, v in models_for(model).items() if m in {model_of(s) for s in stages}}
         self.sizes = {name: model_size(m) for name, m in self.models.items()}
-        self.constants = stage_world.FITTED
+        self.constants = stage_world.constants_for(self.sizes["actor"].params)
+        self.per_tensor_sync = False  # the framework broadcasts weights one tensor at a time (OpenRLHF)
         # One noise column per model-stage there is (and the sync), whichever the job has: a stage meets
         # the same noise in a PPO and a GRPO run of one (trace, seed).
         rng = np.random.default_rng([seed, 20_260_117])
@@ -201,12 +211,21 @@ class World:
         return weight_sync_s(train, gen, self.models["actor"], self.profile, colocated=colocated)
 
     def true_sync_s(self, plan: GlobalPlan) -> float:
-        """The weight sync in truth: the bytes at link speed, at least the measured floor (transitions)."""
-        raw = self.raw_sync_s(plan)
-        if "actor/train" not in plan.layouts or GENERATE not in plan.layouts:
-            return raw
-        colocated = sync_colocated(plan.layouts["actor/train"], plan.layouts[GENERATE])
-        return max(raw, transitions.sync_floor_s(colocated))
+        """The weight sync in truth (``transitions.sync_s``, the world's formula): the actor's bf16 weights
+        over the link the sync crosses, at least the measured floor; one tensor at a time when the job's
+        framework broadcasts that way (``per_tensor_sync``, set by its strategy)."""
+        train, gen = plan.layouts.get("actor/train"), plan.layouts.get(GENERATE)
+        if train is None or gen is None:
+            return 0.0
+        per_node = self.profile.devices_per_node
+        nodes = {d // per_node for d in (*gen.devices, train.devices[0])}
+        tensors = weight_tensors(self.models["actor"]) if self.per_tensor_sync else 0
+        return transitions.sync_s(
+            2.0 * self.sizes["actor"].params,
+            colocated=sync_colocated(train, gen),
+            cross_node=len(nodes) > 1,
+            tensors=tensors,
+        )
 
     def measured_sync_s(self, k: int, true_s: float) -> float:
         return true_s * float(self.stage_noise[k, SYNC])

@@ -25,12 +25,16 @@ def test_growing_trace_moves_are_few_and_priced_near_their_world_cost() -> None:
     assert s["transitions_devices"] == 11  # every device change forces one
     assert s["infeasible_steps"] == 0  # it never runs a plan that does not fit
     # 86 before the prior had fixed costs, 36 with them, 20 since admission compares plans like with
-    # like (11 forced by devices, 7 by memory: two capacity drops and length surges); the aim: about 20.
-    assert s["transitions"] <= 22
-    assert s["transitions_gain"] <= 4
+    # like (11 forced by devices, 7 by memory: two capacity drops and length surges). In the world fitted
+    # at 7B (stage_world.FITTED_7B) layouts differ by a few per cent, so 8 moves for gain (3-6 % of a
+    # step each) are taken beside the 18 forced ones: 26.
+    assert s["transitions"] <= 28
+    assert s["transitions_gain"] <= 10
     chosen = [r for r in result.records if r["move"] == "switch" and r["reason"].startswith("gain")]
     ratios = [r["predicted_transition_s"] / r["transition_s"] for r in chosen if r["transition_s"] > 0]
     # Moves were predicted at 0.002-0.3 s against the world's 3-60 s; with group setup and engine
     # rebuilds in the prior, and calibration on the measured ones, the median is near the truth.
     assert 0.5 <= statistics.median(ratios) <= 2.0
-    assert s["prediction_error_45_55"] < 0.03  # the calibrated cost model tracks the world's step time
+    # The calibrated cost model tracks the world's step time: within 3 % in the 0.5B-fitted world, 9 %
+    # in the 7B one (per-iteration decode cost, decode's TP traffic, the world's own weight sync).
+    assert s["prediction_error_45_55"] < 0.12
