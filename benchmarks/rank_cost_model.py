@@ -165,8 +165,8 @@ def search_plans(search: Searcher) -> list[GlobalPlan]:
 
 def true_step_s(world: World, plan: GlobalPlan, usable: float, overlap: bool) -> float:
     work = world.trace.workloads[world.k]
-    stages = world.run_plan(plan, work, usable)
-    return step_seconds(plan.layouts, stages, world.true_sync_s(plan), overlap=overlap)
+    ran, stages = world.run_plan(plan, work, usable)
+    return step_seconds(ran.layouts, stages, world.true_sync_s(ran), overlap=overlap)
 
 
 def plan_ranks(

@@ -7,6 +7,8 @@
   reported back to it so it calibrates the transition cost too. The probes a decision asks for
   (``controller.probe``) are answered by the world (``sim.probes``) and seen by the next decision;
   their time is not charged (tens of ms every ``probe_every`` steps of a minute or more).
+  Generation's waves are the rollout engine's, as for every strategy (``World.run_plan``: the
+  engine admits what its KV budget holds); every other micro-batch count is the controller's.
 - ``static``: the plan the controller picks at step 0 (the same start as nereus) with
   its TP/PP kept for the whole run; when the devices change, every stage's DP degree
   (and its slots) is scaled with them, and that rescale costs a transition like any
@@ -112,7 +114,7 @@ class NereusStrategy:
     def prepare(self, k: int, world: World) -> Prepared:
         assert self.plan is not None
         usable = usable_bytes(world.trace.memory_bytes(k), self.settings.headroom)
-        return Prepared(self.plan, world.run_plan(self.plan, world.trace.workloads[k], usable))
+        return Prepared(*world.run_plan(self.plan, world.trace.workloads[k], usable))
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
         return step_seconds(plan.layouts, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)

@@ -293,13 +293,25 @@ class World:
         tuned = GlobalPlan.model_construct(placement=plan.placement, layouts=layouts)
         return tuned, fits, {s: self.stage(s, v, work).seconds for s, v in layouts.items()}
 
-    def run_plan(self, plan: GlobalPlan, work: Workload, usable: float) -> dict[str, float]:
-        """Each stage's true seconds on ``plan`` as given (its micro-batches kept), with the same
-        recomputation option the fixed strategies get where a train stage would not fit ``usable``."""
+    def run_plan(
+        self, plan: GlobalPlan, work: Workload, usable: float
+    ) -> tuple[GlobalPlan, dict[str, float]]:
+        """``plan`` as it runs, and each stage's true seconds on it: every stage's micro-batches kept,
+        with the same recomputation option the fixed strategies get where a train stage would not fit
+        ``usable``, except generation's waves, which are the rollout engine's (it admits the sequences
+        its KV budget holds, for every strategy alike: the count ``tune`` picks)."""
         resident = self.resident(plan, work)
+        layouts = dict(plan.layouts)
         for stage, layout in plan.layouts.items():
-            self._choose(stage, layout, [layout.micro_batches], work, usable - resident[stage], False)
-        return {s: self.stage(s, v, work).seconds for s, v in plan.layouts.items()}
+            engine = stage == GENERATE
+            ms = (
+                micro_batch_options(stage, layout, work.batch, self.profile)
+                if engine
+                else [layout.micro_batches]
+            )
+            layouts[stage], _ = self._choose(stage, layout, ms, work, usable - resident[stage], engine)
+        ran = GlobalPlan.model_construct(placement=plan.placement, layouts=layouts)
+        return ran, {s: self.stage(s, v, work).seconds for s, v in layouts.items()}
 
     def peak_bytes(self, plan: GlobalPlan, work: Workload) -> float:
         """Bytes on the busiest device of ``plan`` (``plan.evaluate_plan``'s rule, true memory)."""
