@@ -13,23 +13,34 @@ TORCH_SPEC ?= torch==2.13.0
 PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && { echo $$p; break; }; done)
 STAMP := $(VENV)/.nereus-installed
+VLLM_STAMP := $(VENV)/.nereus-vllm-installed
+# The tests install the vLLM extra too (its engine tests run); `make test WITH_VLLM=0` skips it
+# (on CUDA, install `vllm` yourself first: an importable vllm is left alone).
+WITH_VLLM ?= 1
 
 .PHONY: demo test install install-vllm lint format clean
 
 demo: $(STAMP)
 	$(BIN)/nereus run examples/tiny_ppo.yaml
 
-test: $(STAMP)
+test: $(STAMP) $(if $(filter 1,$(WITH_VLLM)),$(VLLM_STAMP))
 	$(BIN)/python -m pytest -q
 
 install: $(STAMP)
 
 # vLLM as the rollout engine (rollout.engine: vllm) on CPU; a few minutes. The CUDA torchvision,
 # torchaudio and torchcodec it pulls in do not load against the CPU torch and break transformers.
-install-vllm: $(STAMP)
-	$(BIN)/python -m pip install -e '.[vllm]'
-	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	@if $(BIN)/python -c 'import vllm' >/dev/null 2>&1; then \
+		echo "vllm already installed in $(VENV)"; \
+	else \
+		$(BIN)/python -m pip install -e '.[vllm]' && \
+		$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec; \
+	fi
 	$(BIN)/python -c 'import vllm, transformers.models.llama; print("vllm", vllm.__version__)'
+	@touch $@
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
