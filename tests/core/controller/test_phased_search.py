@@ -16,7 +16,7 @@ from nereus_core.cost.hardware import H100_SXM
 from nereus_core.cost.plan_estimate import memory_per_device, step_seconds
 from nereus_core.cost.stage_cost import MemoryEstimate, Scales, Workload
 from nereus_core.layout import Layout
-from nereus_core.plan import PPO_STAGES, PlanRules, models_for, phases, problems
+from nereus_core.plan import PPO_STAGES, GlobalPlan, PlanRules, models_for, phases, problems
 
 GB = 1e9
 OVERLAP = ControllerState.initial(
@@ -64,7 +64,7 @@ def test_memory_peak_is_the_per_slot_rule_of_plan_estimate() -> None:
         "actor/generate": MemoryEstimate(weights=10, kv_cache=7),
         "actor/train": MemoryEstimate(weights=10, optimizer=30, gradients=20),
     }
-    exact = max(memory_per_device(type("P", (), {"layouts": layouts})(), memory).values())
+    exact = max(memory_per_device(GlobalPlan.of(layouts), memory).values())
     intervals = [
         (v.devices[0], v.devices[-1] + 1, memory[s].persistent, memory[s].transient)
         for s, v in layouts.items()
