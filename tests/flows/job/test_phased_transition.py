@@ -43,7 +43,7 @@ def forced_controller(targets: Mapping[int, Mapping[str, Layout]]):
     return controller_step
 
 
-@pytest.mark.slow  # about 100 s: a full job with two live switches (the default suite keeps the phased job test)
+@pytest.mark.slow  # about 100 s: a full job with two live switches
 @pytest.mark.timeout(600)
 def test_colocated_to_phased_and_back_keeps_every_state_bitwise(tmp_path, monkeypatch) -> None:
     phased, colocated = layouts(PHASED_PLAN), layouts(COLOCATED_PLAN)
