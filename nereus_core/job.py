@@ -110,7 +110,8 @@ def start(config: NereusConfig, layouts: Mapping[str, Layout] | None = None) -> 
     controller = ControllerState.initial(
         config.models,
         get_profile(config.job.profile),
-        JOB_CONTROLLER,  # moves priced as the transition flow runs them
+        # moves priced as the transition flow runs them, engine rebuilds included
+        JOB_CONTROLLER.model_copy(update={"rollout_engine": config.rollout.engine}),
         stages=config.stages,
         plan=GlobalPlan.of(plan),
         devices=devices,

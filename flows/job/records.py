@@ -52,7 +52,10 @@ from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 
 HISTORY_TABLE = "metrics/history.parquet"
 LENGTH_STATS = ("response_len_mean", "response_len_max", "response_clip_frac")  # rollout.length_stats
-TERMS = ("wire", "ops", "durable")  # the order of TransitionEstimate.terms
+TERMS = ("wire", "ops", "durable", "engine")  # the order of TransitionEstimate.terms
+VERIFIED = ("verified_bitwise", "verified_max_diff")
+# actor/generate's vLLM engines rebuilt by a switch (flows/job/engine_switch.py)
+ENGINE_REBUILD = ("engine_rebuild_s", "engine_start_s", "engine_verified", "engine_probe_logp_diff_max")
 
 
 def past_transitions(rows: list[dict[str, Any]]) -> list[TransitionTiming]:
@@ -60,15 +63,16 @@ def past_transitions(rows: list[dict[str, Any]]) -> list[TransitionTiming]:
     them: the prediction's unscaled terms and the seconds it took (rows without terms are skipped)."""
     out = []
     for r in rows:
-        terms = [r.get(f"predicted_{k}_s") for k in TERMS]
+        terms = [r.get(f"predicted_{k}_s", 0.0 if k == "engine" else None) for k in TERMS]
         if r.get("status") != "committed" or None in terms or not r.get("actual_s") or not sum(terms):
             continue
-        wire, ops, durable = (float(t) for t in terms)
+        wire, ops, durable, engine = (float(t) for t in terms)
         estimate = TransitionEstimate(
             seconds=float(r["predicted_cost_s"]),
             wire_s=wire,
             ops_s=ops,
             durable_s=durable,
+            engine_s=engine,
             critical_bytes=0,
             transfers=0,
             analytic=False,
@@ -260,7 +264,7 @@ class JobRecords:
             # The prediction's unscaled terms: what calibration fits, read back on resume.
             **{
                 f"predicted_{k}_s": v
-                for k, v in zip(TERMS, predicted.terms if predicted else (0.0,) * 3, strict=True)
+                for k, v in zip(TERMS, predicted.terms if predicted else (0.0,) * len(TERMS), strict=True)
             },
             "bytes_moved": int(stats.get("bytes_moved", 0)),
             "status": status,
@@ -270,7 +274,7 @@ class JobRecords:
             "gtg_critical_path_s": stats.get("gtg_critical_path_s", 0.0),
             "devices": switch.devices,
             "recorded_at": time.time(),
-            **{k: stats[k] for k in ("verified_bitwise", "verified_max_diff") if k in stats},
+            **{k: stats[k] for k in (*VERIFIED, *ENGINE_REBUILD) if k in stats},
         }
         self.transitions.append(row)
         self.run.write_rows(TRANSITIONS_TABLE, self.transitions)
@@ -278,7 +282,7 @@ class JobRecords:
             self.run.write_plan(switch.plan_id, layouts_json(switch.layouts))
         self.trackers.log(transition_metrics(row), step)
         keys = ("transition_id", "status", "route", "reason", "predicted_cost_s", "actual_s", "bytes_moved")
-        keys += ("predicted_wire_s", "predicted_ops_s", "predicted_durable_s")
+        keys += tuple(f"predicted_{k}_s" for k in TERMS)
         create_table_artifact(
             key="nereus-transitions",
             table=[{k: rounded(t.get(k)) for k in keys} for t in self.transitions],

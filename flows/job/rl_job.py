@@ -24,7 +24,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows.job import generation, grpo_step, step_parts, tracking
+from flows.job import engine_switch, generation, grpo_step, step_parts, tracking
 from flows.job import growth as job_growth
 from flows.job import start as job_start
 from flows.job.data import job_data
@@ -33,6 +33,7 @@ from flows.job.transition import transition_flow
 from nereus_core import job
 from nereus_core.config import NereusConfig
 from nereus_core.controller.decide import TransitionTiming
+from nereus_core.cost.transition_cost import generation_changes
 from nereus_core.plan import ModelStage
 from nereus_core.prompt_source import PromptSource
 from nereus_core.rl import rollout
@@ -83,10 +84,18 @@ STEPS = {"ppo": run_step, "grpo": grpo_step.run_step}
 
 
 def decide_and_switch(
-    pool: DevicePool, state: job.JobState, records: JobRecords, step: int, *, why: str = "", **seen: Any
+    pool: DevicePool,
+    state: job.JobState,
+    records: JobRecords,
+    step: int,
+    *,
+    why: str = "",
+    engines: engine_switch.JobEngines | None = None,
+    **seen: Any,
 ) -> job.JobState:
     """Ask the controller after ``step`` (``seen``: the step's rows and measured lengths); carry out
-    the switch it admits or forces; return the state in force next."""
+    the switch it admits or forces (``engines``: actor/generate's vLLM engines, rebuilt when the
+    switch changes its layout); return the state in force next."""
     obs = job.observation(state, step=step, ready_devices=pool.ready_devices, **seen)
     outcome, decision, state = controller_step(state, obs)
     log_decision(decision, step)
@@ -107,6 +116,10 @@ def decide_and_switch(
         return job.commit(state, outcome, "aborted")
     verify = state.config.job.verify_transitions
     before = job_ops.probe(pool, state.config, state.layouts) if verify else None
+    rebuild = engines is not None and (
+        generation_changes(state.layouts, outcome.layouts) or outcome.devices != state.devices
+    )
+    engines_before = engines.probe() if rebuild and engines is not None else None
     status = "failed"
     try:
         stats.update(
@@ -136,6 +149,9 @@ def decide_and_switch(
                     probe_before=before,
                 )
             )
+        if status == "committed" and engines is not None and engines_before is not None:
+            stats.update(engines.rebuild(job.commit(state, outcome, "committed"), engines_before))
+            stats["seconds"] += stats["engine_rebuild_s"]  # what calibration compares with the prediction
     finally:
         records.transition(transition_id, step, state, outcome, stats, status)
     ran = status == "committed" and decision.transition is not None  # live and durable calibrate alike
@@ -195,10 +211,10 @@ def rl_job(
             state, started = job_start.bring_up(pool, run, state, point)
             cfg = state.config  # the job's settings from here; devices and lengths change in state.config
             records = JobRecords(run, first_step=point.step if point else 0, config=cfg)
-            engines_running = job_start.rollout_engines_of(pool, state)
+            engines_running = engine_switch.engines_of(pool, state)
             with job_start.quiet_task_logs(), records.tracking(), engines_running as engines:
                 if point is None and data.val is not None and cfg.validation and cfg.validation.before_train:
-                    started["val_before_train"] = generation.validate(pool, state, data.val, engines)
+                    started["val_before_train"] = generation.validate(pool, state, data.val, _on(engines))
                 for step in range(point.step if point else 0, cfg.job.steps):
                     events = [e for e in state.config.job.scenario if e.step == step]
                     event = events[0] if events else growing.event(pool, state, step)  # workers warm: grow
@@ -206,19 +222,23 @@ def rl_job(
                     if what:
                         source = "scenario" if events else "workers ready"
                         logger.info("%s before step %d: %s", source, step, ", ".join(what))
-                        state = decide_and_switch(pool, state, records, step - 1, why=f" ({', '.join(what)})")
+                        state = decide_and_switch(
+                            pool, state, records, step - 1, why=f" ({', '.join(what)})", engines=engines
+                        )
                     t = time.perf_counter()
                     run_one = STEPS[cfg.algorithm.name]
-                    stats, lengths = run_one(pool, state, records, step, data.train, engines=engines)
+                    stats, lengths = run_one(pool, state, records, step, data.train, engines=_on(engines))
                     wall = time.perf_counter() - t
                     if data.val is not None and generation.validation_due(
                         step, cfg.job.steps, cfg.validation
                     ):
-                        stats.update(generation.validate(pool, state, data.val, engines))  # not in the wall
+                        stats.update(generation.validate(pool, state, data.val, _on(engines)))  # not in wall
                     records.finish_step(stats, wall, cfg.job.steps)
                     if cfg.job.adapt and step + 1 < cfg.job.steps:
                         seen = {"rows": records.step_rows(step), "memory_peaks": job_ops.held_bytes(pool)}
-                        state = decide_and_switch(pool, state, records, step, lengths=lengths, **seen)
+                        state = decide_and_switch(
+                            pool, state, records, step, lengths=lengths, engines=engines, **seen
+                        )
                     every = cfg.job.snapshot_every
                     if every and (step + 1) % every == 0 and step + 1 < cfg.job.steps:
                         _try_checkpoint(pool, state, records, step + 1)
@@ -234,6 +254,11 @@ def rl_job(
         run.write_summary(summary)
     logger.info(done_line(summary))
     return summary
+
+
+def _on(engines: engine_switch.JobEngines | None) -> rollout_engines.Engines | None:
+    """The vLLM engines in force (None: Nereus's sampler)."""
+    return engines.current if engines is not None else None
 
 
 def _try_checkpoint(

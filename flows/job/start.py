@@ -8,7 +8,7 @@ driver, and the models on the pool (fitted and loaded, or rehydrated from the ne
              -> verify the live state against the live digests recorded with the checkpoint
 
 With ``rollout.engine: vllm`` the run also holds actor/generate's vLLM engines
-(``rollout_engines_of``), started once the models are resident.
+(flows/job/engine_switch.py), started once the models are resident.
 
 Boundary: start-up only; the steps are flows/job/rl_job.py's.
 """
@@ -36,7 +36,7 @@ from nereus_core.plan import ModelStage, layouts_json
 from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.lock import run_lock
 from storage.run_dir import TRANSITIONS_TABLE, RunDir
-from tasks import job_ops, model_ops, rollout_engines, stages
+from tasks import job_ops, model_ops, stages
 from tasks.runtime.device_pool import DevicePool
 
 
@@ -163,39 +163,6 @@ def _resume(pool: DevicePool, run: RunDir, state: job.JobState, point: job.Resum
         return False
     job_ops.verify_live_state(pool, state.config, state.layouts, expected, what=why)
     return True
-
-
-@contextmanager
-def rollout_engines_of(pool: DevicePool, state: job.JobState) -> Iterator[rollout_engines.Engines | None]:
-    """With ``rollout.engine: vllm``: actor/generate's vLLM engines, started on its layout and given
-    actor/train's weights, stopped when the run ends; else None (Nereus's sampler)."""
-    cfg = state.config
-    if not cfg.rollout.uses_vllm:
-        yield None
-        return
-    layout = state.layouts[ModelStage.ACTOR_GENERATE]
-    engines, seconds = rollout_engines.start(
-        pool,
-        layout,
-        name=str(ModelStage.ACTOR_GENERATE),
-        config=job.model_config(cfg, ModelStage.ACTOR_GENERATE),
-        settings=cfg.rollout,
-        max_model_len=cfg.job.prompt_len + cfg.job.response_len,
-        seed=cfg.job.seed,
-    )
-    try:
-        synced = rollout_engines.sync(
-            pool, engines, state.layouts[ModelStage.ACTOR_TRAIN], source="actor/train"
-        )
-        get_run_logger().info(
-            "vLLM engines of actor/generate on %s started in %s s, actor/train's weights in %.2f s",
-            layout.key,
-            ", ".join(f"{s:.1f}" for s in seconds),
-            synced["seconds"],
-        )
-        yield engines
-    finally:
-        rollout_engines.stop(pool, engines)
 
 
 @contextmanager

@@ -265,12 +265,6 @@ class NereusConfig(Frozen):
                 f"plan.actor/generate pp={generate.pp}: rollout.engine=vllm generates without pipeline "
                 "stages; use pp=1 (tp and dp as you like) or rollout.engine=nereus"
             )
-        moving = self.job.adapt or any(e.devices is not None for e in self.job.scenario)
-        if moving:
-            raise ValueError(
-                "rollout.engine=vllm keeps the plan it starts on (a plan switch does not rebuild the "
-                "engines yet); set job.adapt=false and no job.scenario devices, or rollout.engine=nereus"
-            )
         return self
 
     def _value_dirs(self) -> list[tuple[str, str, str]]:

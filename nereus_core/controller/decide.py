@@ -180,6 +180,7 @@ def _transition(
             resize=durable,
             cold=max(0, observation.devices - ready),
             scales=state.transition_scales,
+            engines=state.settings.rollout_engine == "vllm",
         )
     if durable:  # a new world: every stage rehydrates from the checkpoint, whether its layout changes or not
         old = dict(current.layouts) if current is not None else {}
@@ -206,6 +207,7 @@ def _candidates(
         disaggregated=s.disaggregated,
         overlap=s.overlap_disaggregated,
         buckets=s.memory_buckets,
+        pipelined_generation=s.rollout_engine != "vllm",  # vLLM engines generate with pp=1
     )
     wire = state.transition_scales.wire
     found = Searcher(

@@ -56,6 +56,7 @@ class SearchSpace:
     phased: bool = True  # phased splits: the forward passes, and the train stages, on pools of their own
     overlap: bool = True
     buckets: int = 64
+    pipelined_generation: bool = True  # False: generation on pp=1 only (vLLM engines)
 
 
 Chosen = tuple[dict[str, StageTable], dict[str, int], int, int]  # tables, index per stage, first slot, size
@@ -140,6 +141,8 @@ class Searcher:
             model = self.models[model_of(stage)]
             if stage not in self._bases:
                 tp, pp, dp, m = candidates(stage, model, self.profile, self.work, self.space.devices)
+                if stage == GENERATE and not self.space.pipelined_generation:
+                    tp, pp, dp, m = (a[pp == 1] for a in (tp, pp, dp, m))
                 self._bases[stage] = (tp, pp, dp, m, *split_arrays(model_stats(model), tp, pp))
             self._tables[key] = build_table(
                 stage,

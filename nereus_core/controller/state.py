@@ -82,6 +82,11 @@ class ControllerSettings(Frozen):
         description="How a move is priced: from the layouts alone (``transition_cost``; the simulator), "
         "or from the GTG schedule the transition flow runs (``transition_schedule``; the job).",
     )
+    rollout_engine: Literal["nereus", "vllm"] = Field(
+        default="nereus",
+        description="actor/generate's engine (``rollout.engine``): with vllm a change of its layout also "
+        "rebuilds its engines, priced as the transition's engine term.",
+    )
     max_alternatives: int = Field(default=5, ge=0, le=100, description="Rejected plans reported.")
     probe_every: int = Field(
         default=10,

@@ -2,7 +2,7 @@
 
     plan_moves(old, new, models, capacities, live) -> Planned: the GTG and the schedule of units
         the transition flow runs (flows/job/transition.py calls this very function)
-    executed_cost(old, new, ...) -> TransitionEstimate of that schedule, in three unscaled terms
+    executed_cost(old, new, ...) -> TransitionEstimate of that schedule, in four unscaled terms
         that the job's measured transitions calibrate (``TransitionScales``, controller.observe):
           wire     per byte: each wave's busiest port (the GTG's transfer list) over the link,
                    checkpoint reads over the store's bandwidth, copy syncs over the link
@@ -10,6 +10,7 @@
                    engines built, point-to-point messages
           durable  fixed costs of a new world: its rebuild, and workers started and warmed up
                    (only the workers not prepared ahead: ``DevicePool.prepare``)
+          engine   actor/generate's vLLM engines rebuilt on its new layout (rollout.engine: vllm)
 
 The controller priced a transition by its bytes alone and was off by 2-20x; on a small
 model nearly all of a switch is per-operation cost (a train stage's engine, a relink's groups).
@@ -31,7 +32,12 @@ from nereus_core.config import ModelConfig
 from nereus_core.controller.state import ControllerSettings
 from nereus_core.cost.calibration import CalibrationSettings
 from nereus_core.cost.hardware import HardwareProfile
-from nereus_core.cost.transition_cost import TransitionCosts, TransitionEstimate, TransitionScales
+from nereus_core.cost.transition_cost import (
+    TransitionCosts,
+    TransitionEstimate,
+    TransitionScales,
+    engine_rebuild_seconds,
+)
 from nereus_core.emu import bytes_per_device, plan_reshard, shard_map
 from nereus_core.gtg import TransitionGraph, TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule, stage_schedule
@@ -190,16 +196,19 @@ def executed_cost(
     cold: int = 0,
     costs: TransitionCosts | None = None,
     scales: TransitionScales | None = None,
+    engines: bool = False,
 ) -> TransitionEstimate:
     """The cost of switching from ``old`` to ``new`` (every model-stage's layout) as the transition
     flow runs it. ``resize``: the device set changes (a new world of ``devices`` slots); ``cold``:
-    how many of its workers were not started and warmed ahead. ``capacity``: bytes per slot."""
+    how many of its workers were not started and warmed ahead. ``capacity``: bytes per slot.
+    ``engines``: actor/generate runs on vLLM engines, rebuilt when its layout changes."""
     costs = costs or profile.transitions
     keys = (_key(old), _key(new), tuple(sorted(models.items())))
     terms = _terms(*keys, profile.intra_bw, capacity, devices, resize, cold, costs)
     wire, ops, durable, link_bytes, calls = terms
+    engine = engine_rebuild_seconds(old, new, costs) if engines else 0.0
     return TransitionEstimate.of(
-        wire, ops, scales, durable, critical_bytes=link_bytes, transfers=calls, analytic=False
+        wire, ops, scales, durable, engine, critical_bytes=link_bytes, transfers=calls, analytic=False
     )
 
 

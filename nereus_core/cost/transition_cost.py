@@ -12,7 +12,7 @@ are ``stage_cost.py``'s.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -42,14 +42,15 @@ class TransitionScales(Frozen):
     wire: float = Field(default=1.0, gt=0, description="Scale of the bytes-over-links time.")
     ops: float = Field(default=1.0, gt=0, description="Scale of the per-operation overhead.")
     durable: float = Field(default=1.0, gt=0, description="Scale of a durable switch's fixed cost.")
+    engine: float = Field(default=1.0, gt=0, description="Scale of the rollout engines' rebuild.")
 
     def as_array(self) -> np.ndarray:
-        return np.array([self.wire, self.ops, self.durable], dtype=float)
+        return np.array([self.wire, self.ops, self.durable, self.engine], dtype=float)
 
     @classmethod
     def from_array(cls, values: Sequence[float]) -> TransitionScales:
-        wire, ops, durable = (float(v) for v in values)
-        return cls(wire=wire, ops=ops, durable=durable)
+        wire, ops, durable, engine = (float(v) for v in values)
+        return cls(wire=wire, ops=ops, durable=durable, engine=engine)
 
 
 class TransitionEstimate(Frozen):
@@ -62,14 +63,19 @@ class TransitionEstimate(Frozen):
         default=0.0,
         description="Unscaled fixed cost of a durable switch (0 for a live one): ``durable_seconds``.",
     )
+    engine_s: float = Field(
+        default=0.0,
+        description="Unscaled rebuild of the rollout engines (0 unless generation runs on vLLM engines "
+        "and its layout changes): ``engine_rebuild_seconds``.",
+    )
     critical_bytes: int = Field(description="Bytes through the busiest port.")
     transfers: int = Field(description="Operations counted (transfers, or changed layouts when analytic).")
     analytic: bool = Field(description="True when estimated from layouts (no transfer list was given).")
 
     @property
-    def terms(self) -> tuple[float, float, float]:
+    def terms(self) -> tuple[float, float, float, float]:
         """The unscaled terms, in the order of ``TransitionScales.as_array`` (what calibration fits)."""
-        return (self.wire_s, self.ops_s, self.durable_s)
+        return (self.wire_s, self.ops_s, self.durable_s, self.engine_s)
 
     @classmethod
     def of(
@@ -78,11 +84,14 @@ class TransitionEstimate(Frozen):
         ops_s: float,
         scales: TransitionScales | None,
         durable_s: float = 0.0,
+        engine_s: float = 0.0,
         **rest: int | bool,
     ) -> TransitionEstimate:
         s = scales or TransitionScales()
-        seconds = s.wire * wire_s + s.ops * ops_s + s.durable * durable_s
-        return cls(seconds=seconds, wire_s=wire_s, ops_s=ops_s, durable_s=durable_s, **rest)
+        seconds = s.wire * wire_s + s.ops * ops_s + s.durable * durable_s + s.engine * engine_s
+        return cls(
+            seconds=seconds, wire_s=wire_s, ops_s=ops_s, durable_s=durable_s, engine_s=engine_s, **rest
+        )
 
 
 def transition_cost(
@@ -193,6 +202,25 @@ def setup_seconds(old: dict[str, Layout], new: dict[str, Layout], profile: Hardw
         profile.transitions.engine_rebuild_s if any(stage_kind(s) == "generate" for s in changed) else 0.0
     )
     return profile.transitions.group_setup_s + engine
+
+
+def generation_changes(old: Mapping[str, Layout], new: Mapping[str, Layout]) -> bool:
+    """Whether actor/generate's degrees or devices differ between ``old`` and ``new`` (its
+    micro-batches do not matter to an engine): what rebuilds its vLLM engines."""
+    stage = "actor/generate"
+    before, after = old.get(stage), new.get(stage)
+    if before is None or after is None:
+        return False
+    return before.model_copy(update={"micro_batches": 1}) != after.model_copy(update={"micro_batches": 1})
+
+
+def engine_rebuild_seconds(
+    old: Mapping[str, Layout], new: Mapping[str, Layout], costs: TransitionCosts
+) -> float:
+    """Unscaled rebuild of actor/generate's vLLM engines (``rollout.engine: vllm``) when its layout
+    changes (``generation_changes``): the new engines start at once (``vllm_engine_s``); otherwise 0
+    (the engines keep running, their weights synced in place as after every step)."""
+    return costs.vllm_engine_s if generation_changes(old, new) else 0.0
 
 
 def analytic_transition_cost(

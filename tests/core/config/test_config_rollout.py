@@ -59,8 +59,6 @@ def test_installed_check_imports_nothing() -> None:
     ("change", "words"),
     [
         ({"plan": {"actor/generate": {"tp": 1, "pp": 2, "dp": 1, "devices": [0, 1]}}}, "pp=2"),
-        ({"job": {"adapt": True}}, "job.adapt=false"),
-        ({"job": {"scenario": [{"step": 1, "devices": 4}]}}, "job.adapt=false"),
         ({"rollout": {"engine": "vllm", "gpu_memory_utilization": 1.5}}, "gpu_memory_utilization"),
         ({"rollout": {"engine": "vllm", "engine_kind": "x"}}, "engine_kind"),
     ],
@@ -70,6 +68,13 @@ def test_vllm_refusals_are_one_line(change: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigError, match=words) as err:
         parse_config(data)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.usefixtures("installed")
+def test_an_adaptive_vllm_job_is_accepted() -> None:
+    """A switch rebuilds the engines (flows/job/engine_switch.py), so adapting and scenarios are allowed."""
+    data = {**grpo(engine="vllm"), "job": {"adapt": True, "scenario": [{"step": 1, "devices": 4}]}}
+    assert parse_config(data).job.adapt
 
 
 def test_pipeline_generation_is_fine_on_nereus() -> None:

@@ -40,7 +40,7 @@ def cost(old: dict, new: dict, **kw: object) -> object:
 
 def test_nothing_to_move_costs_nothing() -> None:
     est = cost(plan(), plan())
-    assert est.seconds == 0 and est.terms == (0.0, 0.0, 0.0)
+    assert est.seconds == 0 and est.terms == (0.0, 0.0, 0.0, 0.0)
 
 
 def test_a_live_move_costs_its_calls_groups_engine_and_the_busiest_port_of_its_transfers() -> None:
@@ -129,3 +129,29 @@ def test_a_resumed_job_keeps_the_calibration_of_the_switches_it_made() -> None:
     )
     assert cost(old, new, scales=resumed.controller.transition_scales).seconds > 1.5 * first.seconds
     assert job.resumed(CFG, point).controller.transition_samples == ()
+
+
+def test_vllm_engines_are_priced_when_generations_layout_changes_and_calibrated_on_rebuilds() -> None:
+    """rollout.engine: vllm: a switch that changes actor/generate's degrees or devices also rebuilds its
+    engines (the engine term, ``vllm_engine_s``); a switch that leaves it alone, or a job on Nereus's
+    sampler, pays none; measured rebuilds scale the engine term and leave the others alone."""
+    old, new = plan(), plan(actor_generate=DP2)
+    assert cost(old, new).engine_s == 0.0  # Nereus's sampler: no engine to rebuild
+    vllm = cost(old, new, engines=True)
+    assert vllm.engine_s == COSTS.vllm_engine_s and vllm.seconds == pytest.approx(cost(old, new).seconds + 30)
+    assert cost(old, plan(actor_train=DP2), engines=True).engine_s == 0.0
+    assert (
+        cost(old, plan(actor_generate=PP2.model_copy(update={"micro_batches": 2})), engines=True).engine_s
+        == 0
+    )
+
+    state = job.start(CFG)
+    controller = state.controller.model_copy(
+        update={"settings": state.controller.settings.model_copy(update={"rollout_engine": "vllm"})}
+    )
+    ran = TransitionTiming(predicted=vllm, seconds=0.4 * vllm.seconds)  # engines started faster
+    settled = calibrated_on(controller, [ran] * 8).transition_scales
+    assert (
+        settled.engine < 0.6 and min(settled.wire, settled.ops, settled.durable) > 0.99
+    )  # the engine term took it
+    assert cost(old, new, engines=True, scales=settled).seconds < 0.6 * vllm.seconds

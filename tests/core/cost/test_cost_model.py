@@ -222,7 +222,7 @@ def test_a_durable_switch_costs_its_fixed_costs_even_when_no_layout_changes() ->
             plan, plan, models, profile, TransitionScales(durable=3.0), durable=True
         )
         assert slower.seconds == pytest.approx(3.0 * est.durable_s + est.ops_s)
-        assert slower.terms == est.terms == (0.0, est.ops_s, est.durable_s)  # what calibration fits
+        assert slower.terms == est.terms == (0.0, est.ops_s, est.durable_s, 0.0)  # what calibration fits
         small = analytic_transition_cost(plan, plan, dict.fromkeys(models, MID), profile, durable=True)
         assert fixed < small.durable_s < est.durable_s  # the reads grow with the model
     assert H100_SXM.transitions.world_rebuild_s > CPU_WORKERS.transitions.world_rebuild_s  # NCCL, not gloo

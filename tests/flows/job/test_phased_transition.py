@@ -3,13 +3,10 @@ switch equals, bit for bit, the checkpoint written just before it (``job.verify_
 actor's log-probs on a probe batch are unchanged, and the step on the phased plan runs its phases'
 pools at once (tests/support/phased_jobs.py: the plans).
 
-The controller is told which plan to switch to after steps 0 and 1 (``controller_step`` replaced
-by one that asks the real controller, then overrides its outcome), as the scenario events of the
-other switch tests force theirs."""
+The controller is told which plan to switch to after steps 0 and 1 (tests/support/forced_switches.py),
+as the scenario events of the other switch tests force theirs."""
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import pyarrow.parquet as pq
 import pytest
@@ -17,30 +14,12 @@ from prefect.testing.utilities import prefect_test_harness
 
 from flows.job import rl_job as rl_job_module
 from flows.job.rl_job import rl_job
-from nereus_core import job
 from nereus_core.config import parse_config
-from nereus_core.layout import Layout
-from nereus_core.plan import GlobalPlan, plan_id
+from nereus_core.plan import plan_id
 from storage.run_dir import RunDir
+from tests.support.forced_switches import forced_controller
 from tests.support.job_runs import plans_by_step
 from tests.support.phased_jobs import COLOCATED_PLAN, PHASED_PLAN, intervals, layouts, overlap, phased_job
-
-
-def forced_controller(targets: Mapping[int, Mapping[str, Layout]]):
-    """``controller_step`` that switches to ``targets[step]`` after those steps and keeps otherwise."""
-
-    def controller_step(state: job.JobState, obs):
-        outcome, decision, state = job.after_step(state, obs)
-        want = targets.get(obs.step)
-        if isinstance(outcome, job.Fail):
-            return outcome, decision, state
-        if want is None:
-            return job.Keep("kept by the test"), decision, state
-        pending = state.controller.model_copy(update={"plan": GlobalPlan.of(want), "steps_since_switch": 0})
-        reason = f"forced by the test to {plan_id(want)}"
-        return job.Switch(dict(want), state.devices, reason, decision, pending), decision, state
-
-    return controller_step
 
 
 @pytest.mark.slow  # about 100 s: a full job with two live switches
