@@ -108,17 +108,29 @@ def test_runs_on_dask_workers_match_runs_in_process(tmp_path: Path) -> None:
     assert remote.summary == run_job(job).summary
 
 
+def _is_worker(proc: psutil.Process) -> bool:
+    """Dask's worker process: a multiprocessing child, titled ``dask worker [...]`` where the
+    ``setproctitle`` package is installed (the vLLM extra brings it)."""
+    try:
+        line = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return "spawn_main" in line or line.startswith("dask worker")
+
+
 def test_a_run_whose_worker_dies_is_lost_in_one_line_naming_it(tmp_path: Path) -> None:
     cfg = parse_sim_config(sim_config(tmp_path, sweep={"mode": "dask", "workers": 1}))
     tr = parse_trace(write_trace(tmp_path / "long.csv", steps=400).read_text(), name="tiny-16")
     job = SimJob(cfg, tr, "nereus", 0)  # tens of seconds: still running when its worker is killed
     with SweepCluster(cfg.sweep, runs=1) as cluster, ThreadPoolExecutor(1) as pool:
         running = pool.submit(execute, job, cluster.address)
-        time.sleep(3)
-        workers = [
-            p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
-        ]
-        assert workers and not running.done()
+        workers: list[psutil.Process] = []
+        deadline = time.monotonic() + 30  # the worker process starts within seconds on a loaded machine
+        while not workers and time.monotonic() < deadline:
+            time.sleep(0.5)
+            workers = [p for p in psutil.Process().children(recursive=True) if _is_worker(p)]
+        children = [" ".join(p.cmdline())[:80] for p in psutil.Process().children(recursive=True)]
+        assert workers and not running.done(), children
         for proc in workers:
             proc.kill()
         with pytest.raises(RunLost) as err:

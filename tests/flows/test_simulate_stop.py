@@ -65,6 +65,7 @@ def _simulate(config: Path, out: Path, log: Path) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(600)  # two nereus starts (Prefect server, Dask) and the reference sweep
+@pytest.mark.slow  # about 80 s: two nereus starts and the reference sweep
 def test_a_stopped_sweep_finishes_where_it_stopped(tmp_path: Path, capsys) -> None:
     config, out, log = _config(tmp_path, [0, 1]), tmp_path / "out", tmp_path / "sim.log"
     driver = _simulate(config, out, log)

@@ -154,6 +154,7 @@ def _start_tiny_run(env: dict[str, str], tmp: Path, seconds: float) -> tuple[sub
     return proc, run_id
 
 
+@pytest.mark.slow  # about 100 s: a real Prefect server, a flow run killed
 def test_a_killed_flow_run_becomes_crashed_and_a_finished_one_stays_completed(
     server: dict[str, str], tmp_path: Path
 ) -> None:

@@ -81,6 +81,7 @@ def test_failing_snapshot_writer_keeps_plan_a_and_the_job_goes_on(tmp_path, monk
     assert_rollout_made_by_checkpoint(run_dir, 2, tmp_path)
 
 
+@pytest.mark.slow  # about 65 s: a worker killed during a resume
 def test_worker_killed_during_rehydration_is_replaced_and_the_job_completes(tmp_path, monkeypatch):
     config = _config(scenario=[{"step": 1, "devices": 4}], verify_transitions=True)
     config["cluster"]["devices"] = 2
@@ -105,6 +106,7 @@ def test_worker_killed_during_rehydration_is_replaced_and_the_job_completes(tmp_
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # about 95 s: a driver killed mid-switch and a resume
 def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_path):
     out, journal = killed_mid_move(tmp_path, _config(verify_transitions=True), timeout_s=240)
     # The driver died half way: units moved state (bytes transferred, their done lines written), while
@@ -132,6 +134,7 @@ def test_driver_killed_during_a_transfer_then_resume_finishes_the_switch(tmp_pat
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # about 70 s: a killed run resumed on fewer devices
 def test_resume_on_fewer_devices_replans_and_completes(tmp_path):
     """A run on 4 slots killed after its checkpoint at step 2 resumes on 2: the controller re-plans."""
     data = _config(steps=5, snapshot_every=2, scenario=[], verify_transitions=True)
@@ -185,6 +188,7 @@ def small_disk(tmp_path: Path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.slow  # about 40 s: a full tmpfs before a switch
 def test_a_really_full_disk_aborts_the_switch_and_the_job_goes_on(tmp_path, monkeypatch, small_disk, caplog):
     run_dir = _run(tmp_path, monkeypatch, _config(), "fill-disk:switch", out=small_disk / "run")
     summary = RunDir(run_dir).read_summary()
@@ -201,6 +205,7 @@ def test_a_really_full_disk_aborts_the_switch_and_the_job_goes_on(tmp_path, monk
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # about 85 s: a full tmpfs, a stopped run and a resume
 def test_a_really_full_disk_before_a_device_change_stops_the_run_and_resume_completes_it(
     tmp_path, small_disk
 ):
