@@ -1,7 +1,7 @@
 """actor/generate's vLLM engines in a running job (``rollout.engine: vllm``), across plan switches.
 
     start:   engines on actor/generate's layout (one per replica, tp = its tp) <- actor/train's weights
-    switch:  actor/generate's degrees or devices change (``transition_cost.generation_changes``)
+    switch:  actor/generate's degrees or devices change (``transition_cost.engines_rebuilt``)
              -> probe the engines in force (a fixed greedy batch) -> the transition moves the state
              -> the old engines stop, new ones start on the new layout and take actor/train's weights
              from its new layout -> the same probe; verified when every token both sets agree on has
@@ -15,7 +15,7 @@ the engines is tasks/rollout_engines.py's.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,6 +24,7 @@ from prefect import get_run_logger
 
 from nereus_core import job
 from nereus_core.engine.sampling import SamplingRequest
+from nereus_core.layout import Layout
 from nereus_core.plan import ModelStage
 from tasks import rollout_engines
 from tasks.runtime.device_pool import DevicePool
@@ -44,33 +45,33 @@ class JobEngines:
         self._settings = cfg.rollout
         self._max_len = cfg.job.prompt_len + cfg.job.response_len
         self._seed = cfg.job.seed
-        vocab = job.model_config(cfg, GENERATE).vocab_size
+        self._model = job.model_config(cfg, GENERATE)
+        vocab = self._model.vocab_size
         width = cfg.job.prompt_len
         self._probe = (torch.arange(PROBE_ROWS * width).view(PROBE_ROWS, width) * 7 + 1) % vocab
         self._request = SamplingRequest(max_new_tokens=min(PROBE_TOKENS, cfg.job.response_len))
 
-    def start(self, state: job.JobState) -> dict[str, float]:
-        """Engines on ``state``'s actor/generate layout, given actor/train's weights; their seconds."""
-        t = time.perf_counter()
-        layout = state.layouts[GENERATE]
+    def start(self, layouts: Mapping[str, Layout]) -> float:
+        """Engines on actor/generate's layout in ``layouts``, given actor/train's weights from its
+        layout there; the slowest engine's start seconds."""
+        layout = layouts[GENERATE]
         self.current, seconds = rollout_engines.start(
             self.pool,
             layout,
             name=str(GENERATE),
-            config=job.model_config(state.config, GENERATE),
+            config=self._model,
             settings=self._settings,
             max_model_len=self._max_len,
             seed=self._seed,
         )
-        synced = rollout_engines.sync(self.pool, self.current, state.layouts[TRAIN], source=str(TRAIN))
-        total = time.perf_counter() - t
+        synced = rollout_engines.sync(self.pool, self.current, layouts[TRAIN], source=str(TRAIN))
         get_run_logger().info(
             "vLLM engines of actor/generate on %s started in %s s, actor/train's weights in %.2f s",
             layout.key,
             ", ".join(f"{s:.1f}" for s in seconds),
             synced["seconds"],
         )
-        return {"start_s": max(seconds), "sync_s": synced["seconds"], "seconds": total}
+        return max(seconds)
 
     def stop(self) -> None:
         if self.current is not None:
@@ -82,18 +83,20 @@ class JobEngines:
         assert self.current is not None
         return rollout_engines.generate(self.pool, self.current, self._probe, request=self._request)
 
-    def rebuild(self, state: job.JobState, before: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
-        """Stop the engines in force, start them on ``state``'s actor/generate layout (the switch has
-        committed) and compare the probe with ``before`` (the old engines' answer)."""
+    def rebuild(
+        self, layouts: Mapping[str, Layout], before: tuple[torch.Tensor, torch.Tensor]
+    ) -> dict[str, Any]:
+        """Stop the engines in force, start them on the plan ``layouts`` (the switch has committed)
+        and compare the probe with ``before`` (the old engines' answer)."""
         t = time.perf_counter()
         try:
             self.stop()
         except Exception as err:  # a worker the switch retired took its engine process with it
             get_run_logger().warning("the old vLLM engines did not stop cleanly: %s", err)
             self.current = None
-        started = self.start(state)
+        started = self.start(layouts)
         after = self.probe()
-        stats = {"engine_rebuild_s": time.perf_counter() - t, "engine_start_s": started["start_s"]}
+        stats = {"engine_rebuild_s": time.perf_counter() - t, "engine_start_s": started}
         return {**stats, **probe_agreement(before, after)}
 
 
@@ -122,7 +125,7 @@ def engines_of(pool: DevicePool, state: job.JobState) -> Iterator[JobEngines | N
         return
     engines = JobEngines(pool, state)
     try:
-        engines.start(state)
+        engines.start(state.layouts)
         yield engines
     finally:
         engines.stop()

@@ -33,7 +33,7 @@ from flows.job.transition import transition_flow
 from nereus_core import job
 from nereus_core.config import NereusConfig
 from nereus_core.controller.decide import TransitionTiming
-from nereus_core.cost.transition_cost import generation_changes
+from nereus_core.cost.transition_cost import engines_rebuilt
 from nereus_core.plan import ModelStage
 from nereus_core.prompt_source import PromptSource
 from nereus_core.rl import rollout
@@ -116,8 +116,8 @@ def decide_and_switch(
         return job.commit(state, outcome, "aborted")
     verify = state.config.job.verify_transitions
     before = job_ops.probe(pool, state.config, state.layouts) if verify else None
-    rebuild = engines is not None and (
-        generation_changes(state.layouts, outcome.layouts) or outcome.devices != state.devices
+    rebuild = engines is not None and engines_rebuilt(
+        state.layouts, outcome.layouts, resize=outcome.devices != state.devices
     )
     engines_before = engines.probe() if rebuild and engines is not None else None
     status = "failed"
@@ -150,7 +150,7 @@ def decide_and_switch(
                 )
             )
         if status == "committed" and engines is not None and engines_before is not None:
-            stats.update(engines.rebuild(job.commit(state, outcome, "committed"), engines_before))
+            stats.update(engines.rebuild(outcome.layouts, engines_before))
             stats["seconds"] += stats["engine_rebuild_s"]  # what calibration compares with the prediction
     finally:
         records.transition(transition_id, step, state, outcome, stats, status)

@@ -206,7 +206,7 @@ def executed_cost(
     keys = (_key(old), _key(new), tuple(sorted(models.items())))
     terms = _terms(*keys, profile.intra_bw, capacity, devices, resize, cold, costs)
     wire, ops, durable, link_bytes, calls = terms
-    engine = engine_rebuild_seconds(old, new, costs) if engines else 0.0
+    engine = engine_rebuild_seconds(old, new, costs, resize=resize) if engines else 0.0
     return TransitionEstimate.of(
         wire, ops, scales, durable, engine, critical_bytes=link_bytes, transfers=calls, analytic=False
     )

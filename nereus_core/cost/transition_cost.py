@@ -204,23 +204,25 @@ def setup_seconds(old: dict[str, Layout], new: dict[str, Layout], profile: Hardw
     return profile.transitions.group_setup_s + engine
 
 
-def generation_changes(old: Mapping[str, Layout], new: Mapping[str, Layout]) -> bool:
-    """Whether actor/generate's degrees or devices differ between ``old`` and ``new`` (its
-    micro-batches do not matter to an engine): what rebuilds its vLLM engines."""
+def engines_rebuilt(old: Mapping[str, Layout], new: Mapping[str, Layout], *, resize: bool = False) -> bool:
+    """Whether a switch from ``old`` to ``new`` rebuilds actor/generate's vLLM engines: its degrees
+    or devices change (its micro-batches do not matter to an engine), or the device set does
+    (``resize``: a new world)."""
     stage = "actor/generate"
     before, after = old.get(stage), new.get(stage)
     if before is None or after is None:
         return False
-    return before.model_copy(update={"micro_batches": 1}) != after.model_copy(update={"micro_batches": 1})
+    bare = [v.model_copy(update={"micro_batches": 1}) for v in (before, after)]
+    return resize or bare[0] != bare[1]
 
 
 def engine_rebuild_seconds(
-    old: Mapping[str, Layout], new: Mapping[str, Layout], costs: TransitionCosts
+    old: Mapping[str, Layout], new: Mapping[str, Layout], costs: TransitionCosts, *, resize: bool = False
 ) -> float:
-    """Unscaled rebuild of actor/generate's vLLM engines (``rollout.engine: vllm``) when its layout
-    changes (``generation_changes``): the new engines start at once (``vllm_engine_s``); otherwise 0
-    (the engines keep running, their weights synced in place as after every step)."""
-    return costs.vllm_engine_s if generation_changes(old, new) else 0.0
+    """Unscaled rebuild of actor/generate's vLLM engines (``rollout.engine: vllm``) when the switch
+    rebuilds them (``engines_rebuilt``): the new engines start at once (``vllm_engine_s``); otherwise
+    0 (the engines keep running, their weights synced in place as after every step)."""
+    return costs.vllm_engine_s if engines_rebuilt(old, new, resize=resize) else 0.0
 
 
 def analytic_transition_cost(

@@ -140,6 +140,7 @@ def test_vllm_engines_are_priced_when_generations_layout_changes_and_calibrated_
     vllm = cost(old, new, engines=True)
     assert vllm.engine_s == COSTS.vllm_engine_s and vllm.seconds == pytest.approx(cost(old, new).seconds + 30)
     assert cost(old, plan(actor_train=DP2), engines=True).engine_s == 0.0
+    assert cost(old, old, engines=True, resize=True).engine_s == COSTS.vllm_engine_s  # a new world
     assert (
         cost(old, plan(actor_generate=PP2.model_copy(update={"micro_batches": 2})), engines=True).engine_s
         == 0
