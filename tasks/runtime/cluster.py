@@ -208,11 +208,19 @@ class DaskCluster:
 
     def worker_names(self) -> dict[str, Any]:
         """Name of every worker the scheduler knows, by address."""
-        return {a: w.get("name") for a, w in self.client.scheduler_info()["workers"].items()}
+        return {a: w.get("name") for a, w in self._workers_known().items()}
 
     def nannies(self) -> dict[str, str | None]:
         """The nanny of every worker the scheduler knows (None for a worker without one), by address."""
-        return {a: w.get("nanny") for a, w in self.client.scheduler_info()["workers"].items()}
+        return {a: w.get("nanny") for a, w in self._workers_known().items()}
+
+    def _workers_known(self) -> dict[str, dict[str, Any]]:
+        """Every worker the scheduler knows, asked afresh. Not ``Client.scheduler_info()``: it returns
+        the client's cached identity, which the client's own periodic refresh may overwrite at any
+        moment with one that lists no workers at all (it asks for none), so every worker would read
+        as lost. ``OSError``/``TimeoutError`` when the scheduler does not answer."""
+        identity = self.client.sync(self.client.scheduler.identity, n_workers=-1)
+        return dict(identity["workers"])
 
     def guard_imports(self, addresses: list[str], timeout_s: float) -> dict[str, int]:
         """Take each worker's local directory off its import path, check that Nereus's packages resolve

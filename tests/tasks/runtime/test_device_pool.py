@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import cloudpickle
+import dask
 import psutil
 import pytest
 import torch
@@ -176,6 +177,18 @@ def test_external_scheduler_uses_its_workers() -> None:
         with pytest.raises(DevicePoolError, match=r"has 3 workers .* need 4 devices"):
             DevicePool(4, scheduler_address=c.address, worker_timeout_s=0.5)
         assert len(c.worker_names()) == 3  # the pool did not stop workers it does not own
+
+
+def test_the_workers_read_as_present_while_the_client_refreshes_its_cached_identity() -> None:
+    """Dask's client refreshes its cached scheduler identity in the background with no workers in
+    it; a check for lost workers that read that cache would call every worker lost."""
+    with dask.config.set({"distributed.client.scheduler-info-interval": "5ms"}), DaskCluster(2) as c:
+        seen = set()
+        for _ in range(200):
+            seen.add(len(c.worker_names()))
+            time.sleep(0.002)
+        assert seen == {2}
+        assert len(c.nannies()) == 2
 
 
 def test_a_scheduler_s_other_workers_are_reported_and_a_prepared_grow_is_ready_once_warm() -> None:
