@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from nereus_core.config import ModelConfig, NereusConfig, ScenarioEvent
 from nereus_core.controller.decide import (
+    ControllerSettings,
     ControllerState,
     Decision,
     Observation,
@@ -103,6 +104,13 @@ class Fail:
 Outcome = Keep | Switch | Fail
 
 
+def controller_settings(config: NereusConfig) -> ControllerSettings:
+    """The controller's settings for a job of ``config`` (``nereus run`` and ``nereus plan`` alike):
+    moves priced as the transition flow runs them, generation's engine (vLLM: no pipelined
+    generation, a change of its layout rebuilds the engines)."""
+    return JOB_CONTROLLER.model_copy(update={"rollout_engine": config.rollout.engine})
+
+
 def start(config: NereusConfig, layouts: Mapping[str, Layout] | None = None) -> JobState:
     """The state of a job starting on ``layouts`` (default: the config's plan, completed)."""
     plan = default_plan(config.plan if layouts is None else layouts, config.stages)
@@ -110,8 +118,7 @@ def start(config: NereusConfig, layouts: Mapping[str, Layout] | None = None) -> 
     controller = ControllerState.initial(
         config.models,
         get_profile(config.job.profile),
-        # moves priced as the transition flow runs them, engine rebuilds included
-        JOB_CONTROLLER.model_copy(update={"rollout_engine": config.rollout.engine}),
+        controller_settings(config),
         stages=config.stages,
         plan=GlobalPlan.of(plan),
         devices=devices,

@@ -17,11 +17,13 @@ def print_plan(cfg: NereusConfig, *, profile: str) -> int:
     cost and the runners-up; the exit status (1 when no plan fits)."""
     from nereus_core.controller.decide import ControllerState, Observation, decide
     from nereus_core.cost.hardware import get_profile
+    from nereus_core.job import controller_settings
     from nereus_core.plan import GlobalPlan, default_plan
 
     hardware = get_profile(profile)
+    settings = controller_settings(cfg)  # as the job's own controller weighs plans
     obs = Observation.before_start(cfg)
-    fresh = ControllerState.initial(cfg.models, hardware, stages=cfg.stages)
+    fresh = ControllerState.initial(cfg.models, hardware, settings, stages=cfg.stages)
     decision = decide(obs, fresh)
     print(_plan_header(cfg, hardware.name, obs, fresh.settings.headroom))
     if decision.chosen is None:
@@ -31,7 +33,7 @@ def print_plan(cfg: NereusConfig, *, profile: str) -> int:
     initial = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))  # the plan `nereus run` starts on
     if decision.chosen is not None and initial != decision.chosen.plan:
         started = ControllerState.initial(
-            cfg.models, hardware, stages=cfg.stages, plan=initial, devices=obs.devices
+            cfg.models, hardware, settings, stages=cfg.stages, plan=initial, devices=obs.devices
         )
         from_config = decide(obs, started)
         current = from_config.current

@@ -38,9 +38,10 @@ Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
 Memory (bytes on the busiest device): weights, gradients, ZeRO-1 optimizer state
 sharded over dp, activations (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per
 layer in 16-bit, divided by t under TP+SP), KV cache for generation (2*L*kv*d*bytes
-per token). Time uses the mean response length and the longest one (generation's
-stragglers), memory the high quantile. Bytes per value: the profile's for an fp32 model, the
-model's own for ``model.dtype: bf16`` (``cost.geometry.value_bytes``).
+per token; a vLLM engine's instead is the fixed ``Workload.engine_kv_bytes`` it preallocates per
+device and holds between steps, ``engine_cache``). Time uses the mean response length and the
+longest one (generation's stragglers), memory the high quantile. Bytes per value: the profile's
+for an fp32 model, the model's own for ``model.dtype: bf16`` (``cost.geometry.value_bytes``).
 
 The formulas themselves, vectorized over candidate layouts, are in ``cost.terms``.
 """
@@ -99,6 +100,13 @@ class Workload(Frozen):
         ge=1,
         description="Optimizer steps per epoch of a train stage (batch split this many ways).",
     )
+    engine_kv_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="KV cache a rollout engine preallocates on each of its devices and holds for the whole "
+        "job (vLLM: rollout.kv_cache_memory_bytes); 0: Nereus's sampler, whose KV cache is sized by the "
+        "batch and held only while it generates.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
@@ -137,6 +145,7 @@ class Workload(Frozen):
             response_max=max(max(lengths), high) if len(lengths) else None,
             ppo_epochs=ppo.ppo_epochs,
             mini_batches=ppo.mini_batches,
+            engine_kv_bytes=engine_kv_bytes(config),
         )
 
     @classmethod
@@ -154,6 +163,18 @@ class Workload(Frozen):
             response_high=high,
             response_max=max(max(lengths), high),
         )
+
+
+def engine_kv_bytes(config: NereusConfig) -> int:
+    """The KV cache one vLLM engine holds on each of its devices (0 with Nereus's sampler): the
+    configured ``kv_cache_memory_bytes``, else vLLM's share of the device (``gpu_memory_utilization``;
+    it covers the engine's weights too, so this is an upper bound)."""
+    rollout = config.rollout
+    if not rollout.uses_vllm:
+        return 0
+    if rollout.kv_cache_memory_bytes is not None:
+        return int(rollout.kv_cache_memory_bytes)
+    return int(rollout.gpu_memory_utilization * int(config.cluster.memory_per_device))
 
 
 def _mean_and_high(lengths: Sequence[int], quantile: float) -> tuple[float, int]:
@@ -216,11 +237,12 @@ class MemoryEstimate(Frozen):
     optimizer: int = 0
     activations: int = 0
     kv_cache: int = 0
+    engine_cache: int = 0
 
     @property
     def persistent(self) -> int:
-        """Held between steps: weights and (ZeRO-sharded) optimizer state."""
-        return self.weights + self.optimizer
+        """Held between steps: weights, (ZeRO-sharded) optimizer state, a rollout engine's KV cache."""
+        return self.weights + self.optimizer + self.engine_cache
 
     @property
     def transient(self) -> int:

@@ -29,8 +29,16 @@ from nereus_core.cost.geometry import (  # re-exported: callers read the geometr
 from nereus_core.cost.hardware import COST_TERMS, HardwareProfile
 
 TERMS = COST_TERMS
-MEMORY_PARTS: tuple[str, ...] = ("weights", "gradients", "optimizer", "activations", "kv_cache")
-PERSISTENT = np.array([p in ("weights", "optimizer") for p in MEMORY_PARTS])  # the rest is transient
+MEMORY_PARTS: tuple[str, ...] = (
+    "weights",
+    "gradients",
+    "optimizer",
+    "activations",
+    "kv_cache",
+    "engine_cache",
+)
+# Held for the whole job: weights, optimizer state, and a rollout engine's preallocated KV cache.
+PERSISTENT = np.array([p in ("weights", "optimizer", "engine_cache") for p in MEMORY_PARTS])
 StageKind = Literal["generate", "infer", "train"]
 __all__ = [
     "MEMORY_PARTS",
@@ -72,6 +80,8 @@ class WorkloadLike(Protocol):
     def response_longest(self) -> int: ...
     @property
     def ppo_epochs(self) -> int: ...
+    @property
+    def engine_kv_bytes(self) -> int: ...
 
 
 def ring_bytes(nbytes: Num, n: Num) -> Num:
@@ -233,7 +243,8 @@ def _generate(
         mem,
         MEMORY_PARTS,
         activations=prefill_act + logits,
-        kv_cache=bw_ * seq_high * kv_token * share / tp_kv,
+        kv_cache=bw_ * seq_high * kv_token * share / tp_kv if not work.engine_kv_bytes else 0.0,
+        engine_cache=float(work.engine_kv_bytes),  # vLLM's: fixed per device, held between steps
     )
 
 
