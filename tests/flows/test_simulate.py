@@ -12,7 +12,6 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.cli.main import main
 from flows.simulate import run_simulation
@@ -20,6 +19,8 @@ from nereus_core.sim.config import parse_sim_config
 from nereus_core.sim.job import SimJob, run_job
 from nereus_core.sim.trace import parse_trace
 from tasks.sim_tasks import RunLost, SweepCluster, execute
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 HEADER = "step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"
 FIELDS = (
@@ -70,8 +71,7 @@ def out_dir(tmp_path_factory) -> Path:
     cfg = tmp / "sim.yaml"
     cfg.write_text(yaml.safe_dump(sim_config(tmp)))
     out = tmp / "out"
-    with prefect_test_harness(server_startup_timeout=300):
-        run_simulation(cfg, out)
+    run_simulation(cfg, out)
     return out
 
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.cli.main import main
 from flows.simulate import run_simulation
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 HEADER = "step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"
 STRATEGIES = {
@@ -44,8 +45,7 @@ def write_config(tmp_path: Path, group_size: int) -> Path:
 
 def test_the_flow_simulates_grpo_for_every_strategy(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    with prefect_test_harness(server_startup_timeout=300):
-        run_simulation(write_config(tmp_path, 8), out)
+    run_simulation(write_config(tmp_path, 8), out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["algorithm"] == "grpo" and summary["group_size"] == 8
     assert summary["stages"] == ["actor/generate", "actor/train"]

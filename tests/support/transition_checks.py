@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.transition import transition_flow
 from nereus_core import job
@@ -75,7 +74,7 @@ def train_then_move_to_plan_b(cfg: NereusConfig, run_dir: Path, transition_id: s
     actor once more on plan B."""
     ids = batch_ids()
     batch_critic = {"ids": ids, "score": torch.linspace(0, 1, 8)}
-    with prefect_test_harness(server_startup_timeout=300), DevicePool(4) as pool:
+    with DevicePool(4) as pool:
         plan_a = dict(load_job(pool, cfg).layouts)
         model_ops.train(pool, plan_a["actor/train"], {"ids": ids}, name="actor/train", loss_fn=lm_loss)
         model_ops.train(

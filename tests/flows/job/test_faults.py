@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core import faults
@@ -44,6 +43,8 @@ from tests.support.job_runs import (
     start_run,
 )
 
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
+
 
 def _config(**job: object) -> dict:
     data = copy.deepcopy(FAULT_JOB)
@@ -58,8 +59,7 @@ def _run(
     monkeypatch.setenv("NEREUS_CACHE_DIR", str(tmp_path / "cache"))
     faults.arm([fault])  # as the CLI does; the device pool arms it on the workers it starts
     try:
-        with prefect_test_harness(server_startup_timeout=300):
-            rl_job(config=parse_config(config), out_dir=str(out))
+        rl_job(config=parse_config(config), out_dir=str(out))
     finally:
         faults.arm(())
     return out

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from examples.rewards.digit_share import digit_share
 from flows.job.rl_job import rl_job
@@ -25,6 +24,8 @@ from storage.datasets import read_examples
 from storage.run_dir import RunDir
 from tests.support.hf_models import write_model, write_tokenizer
 from tests.support.job_runs import ROOT, gsm8k_files
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 GROUP, PROMPTS, MAX_PROMPT, SEED = 4, 2, 256, 3
 
@@ -54,8 +55,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
         "plan": {"actor/generate": {"tp": 2, "devices": [0, 1]}, "actor/train": {"dp": 2, "devices": [0, 1]}},
     }
     out = root / "run"
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(cfg), out_dir=str(out))
+    rl_job(config=parse_config(cfg), out_dir=str(out))
     return out, model, train
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from storage import read_full_state
 from storage.run_dir import RunDir
 from tests.support.job_configs import SMALL_MODEL
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 GROUP = 4
 SMALL_GRPO = {
@@ -38,8 +39,7 @@ STAGES = {"actor/generate", "actor/train", "reference/infer"}
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-run")
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(SMALL_GRPO), out_dir=str(out))
+    rl_job(config=parse_config(SMALL_GRPO), out_dir=str(out))
     return out
 
 
@@ -95,8 +95,7 @@ def test_the_grpo_demo_learns_the_count_task(tmp_path):
     from nereus_core.config.from_yaml import parse_yaml
 
     config = parse_yaml((Path(__file__).resolve().parents[3] / "examples" / "tiny_grpo.yaml").read_text())
-    with prefect_test_harness(server_startup_timeout=300):
-        summary = rl_job(config=parse_config(config), out_dir=str(tmp_path / "run"))
+    summary = rl_job(config=parse_config(config), out_dir=str(tmp_path / "run"))
     # mean rule score of the last five steps against the first five (a random policy scores ~0.1)
     assert summary["score_last"] > summary["score_first"] + 0.3, summary
     assert summary["transitions"] >= 1  # two slots join before step 15: at least that switch

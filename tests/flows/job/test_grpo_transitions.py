@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
@@ -26,6 +25,8 @@ from tests.support.job_runs import (
     plans_by_step,
     resume_from_checkpoint,
 )
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 STAGES = {"actor/generate", "actor/train", "reference/infer"}
 GRPO_MODELS = ("actor", "reference")
@@ -53,8 +54,7 @@ def _config(**job: object) -> dict:
 
 def _run(tmp_path: Path, data: dict) -> Path:
     out = tmp_path / "run"
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(data), out_dir=str(out))
+    rl_job(config=parse_config(data), out_dir=str(out))
     return out
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config, vllm_installed
 from storage.run_dir import RunDir
 
 pytestmark = [
+    pytest.mark.usefixtures("prefect_server"),  # the flows run against the suite's one Prefect server
     pytest.mark.skipif(
         not vllm_installed(), reason="vLLM is not installed (pip install -e '.[vllm]' or make install-vllm)"
     ),
@@ -47,8 +47,7 @@ TOLERANCE = 2e-4
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-vllm-run")
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(GRPO_VLLM), out_dir=str(out))
+    rl_job(config=parse_config(GRPO_VLLM), out_dir=str(out))
     return out
 
 

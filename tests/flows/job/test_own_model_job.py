@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core import rewards
@@ -34,6 +33,8 @@ from tests.support.job_configs import MAX_PROMPT
 from tests.support.job_configs import qwen2_gsm8k_config as config
 from tests.support.job_runs import gsm8k_files, kill_after_checkpoint, resume, start_run
 
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
+
 VAL_KEY = "val-core/openai/gsm8k/reward/mean@1"
 
 
@@ -47,8 +48,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def run(files: dict[str, Path], out: Path, **job: Any) -> Path:
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(config(files, **job)), out_dir=str(out))
+    rl_job(config=parse_config(config(files, **job)), out_dir=str(out))
     return out
 
 
@@ -140,7 +140,7 @@ def test_a_reward_function_that_raises_fails_the_step_and_keeps_the_checkpoint(
     cfg["reward"] = {"function": f"{tmp_path / 'my_reward.py'}:score"}
     cfg["validation"] = {"every": 0}
     out = tmp_path / "run"
-    with prefect_test_harness(server_startup_timeout=300), pytest.raises(rewards.RewardError) as err:
+    with pytest.raises(rewards.RewardError) as err:
         rl_job(config=parse_config(cfg), out_dir=str(out))
     assert str(err.value).startswith(
         f"reward function {tmp_path / 'my_reward.py'}:score raised KeyError: 'no answer field' (on data row "
@@ -171,8 +171,7 @@ def test_own_qwen2_on_gsm8k_through_a_live_and_a_durable_switch(
 ) -> None:
     cfg = config(files, **SWITCHES)
     cfg["cluster"]["memory_per_device"] = "44MiB"
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(cfg), out_dir=str(tmp_path / "run"))
+    rl_job(config=parse_config(cfg), out_dir=str(tmp_path / "run"))
     out = tmp_path / "run"
     summary = RunDir(out).read_summary()
     assert summary["status"] == "completed" and summary["transitions"] == 2

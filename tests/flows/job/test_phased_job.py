@@ -13,7 +13,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job import phases
 from flows.job.rl_job import rl_job
@@ -21,6 +20,8 @@ from nereus_core.config import parse_config
 from storage import read_full_state
 from storage.run_dir import RunDir
 from tests.support.phased_jobs import intervals, overlap, phased_job, shared
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 MODELS = ("actor", "critic", "reference", "reward")
 TRAIN = ("actor/train", "critic/train")
@@ -40,8 +41,8 @@ def _run(root: Path, *, at_once: bool) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("phased")
-    with prefect_test_harness(server_startup_timeout=300):  # one server for both runs
-        return {"phased": _run(root, at_once=True), "serial": _run(root, at_once=False)}
+    # one server for both runs
+    return {"phased": _run(root, at_once=True), "serial": _run(root, at_once=False)}
 
 
 def _rows(run_dir: Path) -> list[dict]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job import rl_job as rl_job_module
 from flows.job.rl_job import rl_job
@@ -21,6 +20,8 @@ from tests.support.forced_switches import forced_controller
 from tests.support.job_runs import plans_by_step
 from tests.support.phased_jobs import COLOCATED_PLAN, PHASED_PLAN, intervals, layouts, overlap, phased_job
 
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
+
 
 @pytest.mark.slow  # about 100 s: a full job with two live switches
 @pytest.mark.timeout(600)
@@ -30,8 +31,7 @@ def test_colocated_to_phased_and_back_keeps_every_state_bitwise(tmp_path, monkey
     monkeypatch.setattr(rl_job_module, "controller_step", forced_controller({0: phased, 1: colocated}))
     data = phased_job(COLOCATED_PLAN, steps=3, adapt=True, verify_transitions=True)
     out = tmp_path / "run"
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(data), out_dir=str(out))
+    rl_job(config=parse_config(data), out_dir=str(out))
     run = RunDir(out)
     assert run.read_summary()["status"] == "completed"
     rows = pq.read_table(out / "metrics" / "transitions.parquet").to_pylist()

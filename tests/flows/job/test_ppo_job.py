@@ -5,13 +5,14 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from storage import read_full_state
 from storage.run_dir import RunDir
 from tests.support.job_runs import assert_rollout_made_by_checkpoint
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 SMALL = {
     "name": "ppo-test",
@@ -41,8 +42,7 @@ SMALL = {
 def run_dir(tmp_path_factory, monkeypatch_module):
     out = tmp_path_factory.mktemp("run")
     monkeypatch_module.setenv("NEREUS_CACHE_DIR", str(out / "cache"))
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(SMALL), out_dir=str(out))
+    rl_job(config=parse_config(SMALL), out_dir=str(out))
     return out
 
 

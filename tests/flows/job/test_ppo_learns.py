@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from tests.support.job_configs import DEMO_MODEL
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 CONFIG = {
     "name": "ppo-learns",
@@ -28,8 +29,7 @@ CONFIG = {
 
 def test_rule_score_rises_within_ten_steps(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEREUS_CACHE_DIR", str(tmp_path / "cache"))
-    with prefect_test_harness(server_startup_timeout=300):
-        summary = rl_job(config=parse_config(CONFIG), out_dir=str(tmp_path / "run"))
+    summary = rl_job(config=parse_config(CONFIG), out_dir=str(tmp_path / "run"))
     scores = [h["rule_score"] for h in summary["history"]]
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     # A uniform policy over 32 tokens scores (1 + 9 * 0.25) / 32 = 0.10; measured here: about +0.15.

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config, vllm_installed
@@ -16,6 +15,7 @@ from storage.run_dir import RunDir
 from tests.flows.job.test_grpo_vllm_job import GRPO_VLLM, TOLERANCE
 
 pytestmark = [
+    pytest.mark.usefixtures("prefect_server"),  # the flows run against the suite's one Prefect server
     pytest.mark.skipif(
         not vllm_installed(), reason="vLLM is not installed (pip install -e '.[vllm]' or make install-vllm)"
     ),
@@ -38,8 +38,7 @@ PPO_VLLM["job"] = {**PPO_VLLM["job"], "steps": STEPS, "batch_size": 8}
 
 def test_a_ppo_job_on_vllm_completes_and_its_engine_follows_the_trained_actor(tmp_path) -> None:
     out = tmp_path / "run"
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(PPO_VLLM), out_dir=str(out))
+    rl_job(config=parse_config(PPO_VLLM), out_dir=str(out))
     run = RunDir(out)
     assert run.read_summary()["status"] == "completed"
     history = run.read_rows("metrics/history.parquet")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
@@ -24,6 +23,8 @@ from storage.run_dir import STEPS_TABLE, RunDir
 from tests.support.hf_models import SIZES, randomize, write_model, write_tokenizer
 from tests.support.job_configs import qwen2_gsm8k_config as config
 from tests.support.job_runs import gsm8k_files
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 SHAPES = {**SIZES, "vocab_size": 320, "max_position_embeddings": 512}
 
@@ -104,8 +105,7 @@ def test_the_reward_model_scores_each_rollout_as_transformers_does(
     assert cfg.models["reward"].hidden_size == (
         48 if reward == "reward-own-shapes" else SHAPES["hidden_size"]
     )
-    with prefect_test_harness(server_startup_timeout=300):
-        summary = rl_job(config=cfg, out_dir=str(tmp_path / "run"))
+    summary = rl_job(config=cfg, out_dir=str(tmp_path / "run"))
     assert summary["reward_fit"] == {"first_mse": None, "last_mse": None}  # loaded, not fitted
     run = RunDir(tmp_path / "run")
     for step in range(2):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.transition import transition_flow
 from nereus_core.config import parse_config
@@ -23,6 +23,8 @@ from tests.support.transition_checks import (
 )
 
 from .test_ppo_job import SMALL
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 
 def test_transition_moves_all_state_bitwise_and_training_goes_on(tmp_path) -> None:
@@ -51,10 +53,9 @@ def test_transition_that_cannot_fit_is_refused_before_any_move(tmp_path) -> None
     data = dict(SMALL, cluster={"devices": 4, "memory_per_device": "64KiB"})
     cfg = parse_config(data)
     plan_a = {k: Layout.model_validate(v) for k, v in SMALL["plan"].items()}
-    with prefect_test_harness(server_startup_timeout=300):
-        stats = transition_flow(
-            _NoDevices(), cfg, str(tmp_path), "t-tight", plan_a, PLAN_B, step=0, reason="test"
-        )
+    stats = transition_flow(
+        _NoDevices(), cfg, str(tmp_path), "t-tight", plan_a, PLAN_B, step=0, reason="test"
+    )
     assert stats["status"] == "refused" and stats["bytes_moved"] == 0
     assert Journal(tmp_path, "t-tight").status() == "aborted"
 
@@ -66,7 +67,7 @@ def test_a_shrink_moves_every_state_bitwise_and_retires_the_workers_once_the_swi
     leave the world in it and retire only after its commit (``retire_s``, not in ``seconds``)."""
     cfg = parse_config(SMALL)
     plan_2 = {stage: Layout(tp=1, pp=2, dp=1, devices=(0, 1)) for stage in PLAN_B}
-    with prefect_test_harness(server_startup_timeout=300), DevicePool(4) as pool:
+    with DevicePool(4) as pool:
         run = RunDir.create(str(tmp_path / "run"), cfg.model_dump(mode="json"))
         state = load_job(pool, cfg)
         plan_a = dict(state.layouts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from nereus_core.config import parse_config
@@ -12,6 +13,8 @@ from storage.journal import Journal
 from tests.support.transition_checks import assert_same_state, train_then_move_to_plan_b
 
 from .test_ppo_job import SMALL
+
+pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 BF16 = copy.deepcopy(SMALL)
 BF16["model"]["dtype"] = "bf16"

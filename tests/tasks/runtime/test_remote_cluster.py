@@ -24,7 +24,6 @@ import cloudpickle
 import pyarrow.parquet as pq
 import pytest
 from distributed import Client
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
@@ -35,7 +34,7 @@ from tests.support.job_configs import SMALL_MODEL
 # The helpers below travel to the workers by value: the workers cannot import this module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("prefect_server")]
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[3]
@@ -144,8 +143,7 @@ def test_ppo_steps_with_a_checkpoint_and_a_durable_switch_run_on_separate_dask_p
         data = {**CONFIG, "cluster": {**CONFIG["cluster"], "scheduler_address": address}}
         monkeypatch.setenv("NEREUS_CACHE_DIR", str(workdir / "cache"))
         start = time.monotonic()
-        with prefect_test_harness(server_startup_timeout=300):
-            rl_job(config=parse_config(data), out_dir=str(out))
+        rl_job(config=parse_config(data), out_dir=str(out))
         seconds = time.monotonic() - start
     summary = RunDir(out).read_summary()
     assert summary["status"] == "completed" and summary["steps"] == 3, summary
