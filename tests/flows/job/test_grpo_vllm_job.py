@@ -1,34 +1,48 @@
-"""A GRPO job with ``rollout.engine: vllm`` through the job flow: vLLM's engine generates every step,
-takes actor/train's weights in place after every step, and its log-prob of every sampled token equals
-the old log-prob the train layout recomputes on the same weights (Nereus's own decoder)."""
+"""A GRPO job with ``rollout.engine: vllm`` through the job flow, its generation switched live from tp1
+dp2 to tp2 dp1 after step 0 and back after step 1 (forced: tests/support/forced_switches.py):
+
+- it completes and learns: the rule score rises over the run;
+- vLLM's engines generate every step and take actor/train's weights in place after every step, and
+  their log-prob of every sampled token equals the old log-prob the train layout recomputes on the same
+  weights (Nereus's own decoder), on the engines of every layout;
+- each switch rebuilds the engines: the old engines' greedy answer to a probe batch equals the new
+  ones' (tokens and log-probs), every model's state is verified bitwise against the checkpoint before
+  the switch, and the rebuild's seconds are part of the switch's measured seconds (the engine term's
+  pricing: tests/core/controller/test_transition_schedule.py).
+"""
 
 from __future__ import annotations
+
+import copy
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+from flows.job import rl_job as rl_job_module
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config, vllm_installed
+from nereus_core.layout import Layout
 from storage.run_dir import RunDir
+from tests.support.forced_switches import forced_controller
 
 pytestmark = [
     pytest.mark.usefixtures("prefect_server"),  # the flows run against the suite's one Prefect server
     pytest.mark.skipif(
         not vllm_installed(), reason="vLLM is not installed (pip install -e '.[vllm]' or make install-vllm)"
     ),
-    pytest.mark.slow,  # an engine process start (vLLM's import) and a Prefect flow: about two minutes
+    pytest.mark.timeout(900),  # three engine sets started (one of tp 2): about two to three minutes
 ]
 
-GROUP, STEPS, T = 4, 3, 6
-# head_dim 64: the CPU attention kernel of vLLM needs at least 32
+GROUP, STEPS, T = 4, 5, 6
+# head_dim 64: the CPU attention kernel of vLLM needs at least 32; 2 KV heads: tp 2 splits them
 MODEL = {
     "vocab_size": 32,
     "hidden_size": 128,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
-    "num_key_value_heads": 1,
+    "num_key_value_heads": 2,
 }
 GRPO_VLLM = {
     "name": "grpo-vllm-test",
@@ -42,27 +56,38 @@ GRPO_VLLM = {
 }
 # fp32 on both sides: vLLM's CPU kernels and Nereus's decoder differ by rounding only
 TOLERANCE = 2e-4
+DP2 = Layout(tp=1, dp=2, devices=(0, 1))
+TP2 = Layout(tp=2, dp=1, devices=(0, 1))
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
+    data = copy.deepcopy(GRPO_VLLM)
+    data["plan"]["actor/generate"] = DP2.model_dump(mode="json")
+    data["job"] |= {"adapt": True, "verify_transitions": True}
     out = tmp_path_factory.mktemp("grpo-vllm-run")
-    rl_job(config=parse_config(GRPO_VLLM), out_dir=str(out))
+    with pytest.MonkeyPatch.context() as patch:
+        targets = {0: {"actor/generate": TP2}, 1: {"actor/generate": DP2}}
+        patch.setattr(rl_job_module, "controller_step", forced_controller(targets))
+        rl_job(config=parse_config(data), out_dir=str(out))
     return out
 
 
-def test_the_job_completes_on_vllm(run_dir):
+def test_the_job_completes_on_vllm_and_learns(run_dir):
     summary = RunDir(run_dir).read_summary()
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     rows = pq.read_table(run_dir / "metrics" / "steps.parquet").to_pylist()
     syncs = [r for r in rows if (r["model"], r["stage"]) == ("actor", "sync") and r["duration_s"] > 0]
     assert len(syncs) >= STEPS  # the engine took the new weights after every step
+    scores = [h["rule_score"] for h in RunDir(run_dir).read_rows("metrics/history.parquet")]
+    # a uniform policy over 32 tokens scores about 0.1; lr 1e-2 moves it within a few steps
+    assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.05, scores
 
 
 def test_vllm_logprobs_equal_the_train_layouts_after_every_sync(run_dir):
     history = RunDir(run_dir).read_rows("metrics/history.parquet")
     assert [h["step"] for h in history] == list(range(STEPS))
-    for h in history:
+    for h in history:  # steps 1 on tp 2, the others on two tp-1 engines
         assert h["rollout_logp_diff_max"] < TOLERANCE, h
     for step in range(STEPS):
         r = RunDir(run_dir).read_rollout(step)
@@ -71,3 +96,15 @@ def test_vllm_logprobs_equal_the_train_layouts_after_every_sync(run_dir):
         assert (engine - old).abs().max() < TOLERANCE
         responses = torch.tensor(r["responses"]).view(-1, GROUP, T)
         assert any(len({tuple(x.tolist()) for x in g}) > 1 for g in responses)  # n samples differ
+
+
+def test_each_switch_of_generations_tp_rebuilds_the_engines_verified(run_dir):
+    rows = pq.read_table(run_dir / "metrics" / "transitions.parquet").to_pylist()
+    assert [(r["step"], r["status"], r["route"]) for r in rows] == [
+        (0, "committed", "live"),
+        (1, "committed", "live"),
+    ]
+    for r in rows:
+        assert r["verified_bitwise"] is True, r
+        assert r["engine_verified"] is True and r["engine_probe_logp_diff_max"] <= TOLERANCE, r
+        assert 0 < r["engine_start_s"] < r["engine_rebuild_s"] <= r["actual_s"], r  # measured, in the switch
