@@ -4,7 +4,8 @@ dp2 to tp2 dp1 after step 0 and back after step 1 (forced: tests/support/forced_
 - it completes and learns: the rule score rises over the run;
 - vLLM's engines generate every step and take actor/train's weights in place after every step, and
   their log-prob of every sampled token equals the old log-prob the train layout recomputes on the same
-  weights (Nereus's own decoder), on the engines of every layout;
+  weights (Nereus's own decoder), on the engines of every layout, and transformers' on the actor
+  exported from the checkpoint each switch starts from;
 - each switch rebuilds the engines: the old engines' greedy answer to a probe batch equals the new
   ones' (tokens and log-probs), every model's state is verified bitwise against the checkpoint before
   the switch, and the rebuild's seconds are part of the switch's measured seconds (the engine term's
@@ -23,6 +24,7 @@ from flows.job import rl_job as rl_job_module
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config, vllm_installed
 from nereus_core.layout import Layout
+from storage.export import export_hf
 from storage.run_dir import RunDir
 from tests.support.forced_switches import forced_controller
 
@@ -96,6 +98,27 @@ def test_vllm_logprobs_equal_the_train_layouts_after_every_sync(run_dir):
         assert (engine - old).abs().max() < TOLERANCE
         responses = torch.tensor(r["responses"]).view(-1, GROUP, T)
         assert any(len({tuple(x.tolist()) for x in g}) > 1 for g in responses)  # n samples differ
+
+
+def test_vllm_logprobs_equal_transformers_on_the_actor_exported_at_each_switch(run_dir, tmp_path):
+    """Each switch starts from a checkpoint; the actor exported there generated the next step, on the
+    tp-2 engine (step 1) and on the rebuilt tp-1 engines (step 2)."""
+    from transformers import AutoModelForCausalLM
+
+    steps = [s for s in RunDir(run_dir).checkpoint_steps() if s < STEPS]
+    assert steps == [1, 2], steps
+    for step in steps:
+        out = export_hf(run_dir, model="actor", step=step, out=tmp_path / f"actor-{step}")
+        hf = AutoModelForCausalLM.from_pretrained(
+            out, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        r = RunDir(run_dir).read_rollout(step)
+        ids = torch.cat([torch.tensor(r["prompts"]), torch.tensor(r["responses"])], 1)
+        with torch.no_grad():
+            logits = hf(ids).logits
+        logp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0][:, -T:]
+        gap = ((logp - torch.tensor(r["rollout_logp"])) * torch.tensor(r["mask"]).float()).abs()
+        assert gap.max() < TOLERANCE, (step, gap.max())  # measured: 6e-7
 
 
 def test_each_switch_of_generations_tp_rebuilds_the_engines_verified(run_dir):
