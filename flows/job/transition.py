@@ -29,7 +29,8 @@ from prefect import flow, get_run_logger
 
 from nereus_core import faults
 from nereus_core.config import NereusConfig
-from nereus_core.controller.transition_schedule import plan_moves
+from nereus_core.controller.transition_schedule import move_capacities, plan_moves
+from nereus_core.cost.stage_cost import engine_kv_bytes
 from nereus_core.engine.shard import drop_all
 from nereus_core.gtg import TransitionGraph, TransitionInfeasible
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule
@@ -172,7 +173,13 @@ def transition_flow(
     resize = target != pool.size
     if resize and checkpoint_step is None:
         raise ValueError("changing the device set rebuilds the world: give checkpoint_step")
-    capacities = {d: int(cfg.cluster.memory_per_device) for d in range(max(pool.size, target))}
+    capacities = move_capacities(
+        old,
+        cfg.models,
+        capacity=int(cfg.cluster.memory_per_device),
+        devices=max(pool.size, target),
+        engine_kv_bytes=engine_kv_bytes(cfg),
+    )
     try:
         planned = plan_moves(old, new, cfg.models, capacities, live=not resize)
         graph, schedule, route_reason = planned.graph, planned.schedule, planned.reason

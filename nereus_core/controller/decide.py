@@ -181,6 +181,7 @@ def _transition(
             cold=max(0, observation.devices - ready),
             scales=state.transition_scales,
             engines=state.settings.rollout_engine == "vllm",
+            engine_kv_bytes=observation.workload.engine_kv_bytes,
         )
     if durable:  # a new world: every stage rehydrates from the checkpoint, whether its layout changes or not
         old = dict(current.layouts) if current is not None else {}

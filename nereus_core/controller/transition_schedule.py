@@ -1,5 +1,7 @@
 """A transition as the executor runs it, and what that costs: the prediction the controller trusts.
 
+    move_capacities(old, models, ...) -> bytes each slot can give the moves: its capacity less what
+        plan A's vLLM engines hold there (they stop only after the commit)
     plan_moves(old, new, models, capacities, live) -> Planned: the GTG and the schedule of units
         the transition flow runs (flows/job/transition.py calls this very function)
     executed_cost(old, new, ...) -> TransitionEstimate of that schedule, in four unscaled terms
@@ -42,7 +44,7 @@ from nereus_core.emu import bytes_per_device, plan_reshard, shard_map
 from nereus_core.gtg import TransitionGraph, TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule, stage_schedule
 from nereus_core.layout import Layout
-from nereus_core.plan import ModelStage, StageLayouts, copies, own_state
+from nereus_core.plan import GENERATE, ModelStage, StageLayouts, copies, own_state
 
 # The controller of a job on a device pool: moves priced as the transition flow runs them, and each
 # measured transition moving the transition scales halfway (in log) at first: a job makes few
@@ -59,6 +61,23 @@ class Planned:
     graph: TransitionGraph
     schedule: StageSchedule
     reason: str
+
+
+def move_capacities(
+    old: StageLayouts, models: Mapping[str, ModelConfig], *, capacity: int, devices: int, engine_kv_bytes: int
+) -> dict[int, int]:
+    """Bytes each of ``devices`` slots can give a switch's moves. With vLLM engines
+    (``engine_kv_bytes`` > 0: each engine's KV cache per device, ``stage_cost.engine_kv_bytes``), plan
+    A's engines keep their weights and KV cache on actor/generate's devices through the moves: the
+    flow stops them after the commit, once their probe answer is taken (flows/job/engine_switch.py)."""
+    caps = dict.fromkeys(range(devices), capacity)
+    gen = old.get(GENERATE)
+    if engine_kv_bytes and gen is not None:
+        weights = bytes_per_device(models[ModelStage(GENERATE).model], gen, train=False)
+        for d in gen.devices:
+            if d in caps:
+                caps[d] -= weights[d]["params"] + engine_kv_bytes
+    return caps
 
 
 def plan_moves(
@@ -197,14 +216,17 @@ def executed_cost(
     costs: TransitionCosts | None = None,
     scales: TransitionScales | None = None,
     engines: bool = False,
+    engine_kv_bytes: int = 0,
 ) -> TransitionEstimate:
     """The cost of switching from ``old`` to ``new`` (every model-stage's layout) as the transition
     flow runs it. ``resize``: the device set changes (a new world of ``devices`` slots); ``cold``:
     how many of its workers were not started and warmed ahead. ``capacity``: bytes per slot.
-    ``engines``: actor/generate runs on vLLM engines, rebuilt when its layout changes."""
+    ``engines``: actor/generate runs on vLLM engines, rebuilt when its layout changes, each holding
+    ``engine_kv_bytes`` of KV cache per device through the moves (``move_capacities``)."""
     costs = costs or profile.transitions
     keys = (_key(old), _key(new), tuple(sorted(models.items())))
-    terms = _terms(*keys, profile.intra_bw, capacity, devices, resize, cold, costs)
+    kv = engine_kv_bytes if engines else 0
+    terms = _terms(*keys, profile.intra_bw, capacity, devices, resize, cold, costs, kv)
     wire, ops, durable, link_bytes, calls = terms
     engine = engine_rebuild_seconds(old, new, costs, resize=resize) if engines else 0.0
     return TransitionEstimate.of(
@@ -227,6 +249,7 @@ def _terms(
     resize: bool,
     cold: int,
     costs: TransitionCosts,
+    engine_kv_bytes: int,
 ) -> tuple[float, float, float, int, int]:
     old = {ModelStage(k): v for k, v in old_key}
     new = {ModelStage(k): v for k, v in new_key}
@@ -238,7 +261,15 @@ def _terms(
         planned = (
             None
             if resize
-            else plan_moves(old, new, models, dict.fromkeys(range(devices), capacity), live=True)
+            else plan_moves(
+                old,
+                new,
+                models,
+                move_capacities(
+                    old, models, capacity=capacity, devices=devices, engine_kv_bytes=engine_kv_bytes
+                ),
+                live=True,
+            )
         )
     except TransitionInfeasible:  # the flow refuses it before anything moves; priced as a new world
         planned = None

@@ -11,10 +11,11 @@ import yaml
 from nereus_core import job
 from nereus_core.config import parse_config
 from nereus_core.controller.decide import TransitionTiming, calibrated_on
-from nereus_core.controller.transition_schedule import executed_cost, plan_moves
+from nereus_core.controller.transition_schedule import executed_cost, move_capacities, plan_moves
 from nereus_core.cost.hardware import CPU_WORKERS
 from nereus_core.cost.transition_cost import TransitionCosts
-from nereus_core.emu import plan_reshard, shard_map
+from nereus_core.emu import bytes_per_device, plan_reshard, shard_map
+from nereus_core.gtg import TransitionInfeasible
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, models_for
 
@@ -156,3 +157,36 @@ def test_vllm_engines_are_priced_when_generations_layout_changes_and_calibrated_
         settled.engine < 0.6 and min(settled.wire, settled.ops, settled.durable) > 0.99
     )  # the engine term took it
     assert cost(old, new, engines=True, scales=settled).seconds < 0.6 * vllm.seconds
+
+
+def test_plan_a_s_engines_hold_generations_devices_through_the_moves() -> None:
+    """Plan A's vLLM engines stop only after the commit, so their weights and KV cache stay on
+    actor/generate's devices while the states move (``move_capacities``); the GTG plans around them:
+    a switch that moves live with that memory free goes partly durable, then is refused."""
+    old, new = plan(), plan(actor_train=DP2, critic_train=DP2)
+    cap = 8 * MIB
+    assert move_capacities(old, MODELS, capacity=cap, devices=2, engine_kv_bytes=0) == {0: cap, 1: cap}
+    weights = bytes_per_device(MODELS["actor"], old["actor/generate"], train=False)
+    held = move_capacities(old, MODELS, capacity=cap, devices=2, engine_kv_bytes=MIB)
+    assert held == {d: cap - weights[d]["params"] - MIB for d in (0, 1)}
+
+    def route(kv: int) -> str:
+        caps = move_capacities(old, MODELS, capacity=cap, devices=2, engine_kv_bytes=kv)
+        return plan_moves(old, new, MODELS, caps, live=True).graph.route
+
+    assert route(0) == "live" and route(3 * MIB) == "mixed"  # some stages wait for a checkpoint read
+    with pytest.raises(TransitionInfeasible, match="cannot hold plan B"):
+        route(4 * MIB)
+    free = executed_cost(old, new, MODELS, CPU_WORKERS, capacity=cap, devices=2, costs=COSTS, engines=True)
+    held_cost = executed_cost(
+        old,
+        new,
+        MODELS,
+        CPU_WORKERS,
+        capacity=cap,
+        devices=2,
+        costs=COSTS,
+        engines=True,
+        engine_kv_bytes=3 * MIB,
+    )
+    assert held_cost.seconds > free.seconds  # the controller prices the route the flow will take
