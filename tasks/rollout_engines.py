@@ -7,7 +7,10 @@
               neither the driver nor the RPC, and no engine restarts
     generate: the batch split by replica as the nereus engine splits it -> ids, lengths, log-probs
 
-Boundary: the driver side; the engine process is tasks/runtime/vllm_engine.py's.
+Boundary: the driver side; the engine process is tasks/runtime/vllm_engine.py's. The hand-over is
+a directory on one machine: engines and actor/train's devices whose workers run on another machine
+than the driver are refused in one line (``on_this_machine``); a weight-update process group across
+machines is not built.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from nereus_core.engine import dispatch
 from nereus_core.engine.sampling import SamplingRequest
 from nereus_core.layout import Layout
 from tasks.runtime import vllm_engine
+from tasks.runtime.cluster import get_address_host, interface_of
 from tasks.runtime.device_pool import DevicePool
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -47,6 +51,23 @@ class Engines:
     def devices(self) -> list[int]:
         """The device each replica's engine is held by: its first slot."""
         return [self.layout.device(d, 0, 0) for d in range(self.layout.dp)]
+
+
+def on_this_machine(pool: DevicePool, devices: list[int] | tuple[int, ...], what: str) -> None:
+    """``ValueError`` in one line unless every one of ``devices``' workers runs on the driver's machine:
+    the engines' work directory and the weights' hand-over live in its shared memory."""
+    away = {
+        d: get_address_host(pool.workers[d])
+        for d in devices
+        if interface_of(get_address_host(pool.workers[d])) is None
+    }
+    if away:
+        where = ", ".join(f"slot {d} on {h}" for d, h in sorted(away.items()))
+        raise ValueError(
+            f"rollout.engine=vllm: {what} has {where}, not on the driver's machine; vLLM engines take "
+            "their weights through this machine's shared memory, so run actor/generate and actor/train "
+            "on workers of the driver's machine, or use rollout.engine: nereus"
+        )
 
 
 def _work_dir() -> str:
@@ -75,6 +96,7 @@ def start(
     them and each engine's start seconds."""
     if layout.pp > 1:
         raise ValueError(f"{name} on {layout.key}: vLLM engines generate without pipeline stages (pp=1)")
+    on_this_machine(pool, layout.devices, name)
     engines = Engines(name, layout, config, _work_dir())
     common = {
         "model_dir": config.path,
@@ -112,6 +134,7 @@ def sync(pool: DevicePool, engines: Engines, train_layout: Layout, *, source: st
         devices=train_layout.replica_groups()[0],
         micro_batches=train_layout.micro_batches,
     )
+    on_this_machine(pool, replica0.devices, source)
     directory = str(Path(engines.work_dir) / "weights")
     files = pool.run_on(replica0.devices, vllm_engine.write_slices, name=source, directory=directory)
     written = time.perf_counter()
