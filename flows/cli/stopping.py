@@ -94,6 +94,8 @@ def _watch(sock: socket.socket) -> None:
             data = sock.recv(64)
         except OSError:
             return
+        if not data:  # the writer closed (a later install replaced it): recv returns b"" at once, forever
+            return
         got = [n for n in data if n in SIGNALS]
         if got:
             if _State.signum is None:
