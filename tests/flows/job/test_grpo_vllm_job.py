@@ -5,7 +5,7 @@ dp2 to tp2 dp1 after step 0 and back after step 1 (forced: tests/support/forced_
 - vLLM's engines generate every step and take actor/train's weights in place after every step, and
   their log-prob of every sampled token equals the old log-prob the train layout recomputes on the same
   weights (Nereus's own decoder), on the engines of every layout, and transformers' on the actor
-  exported from the checkpoint each switch starts from;
+  exported after every step (a checkpoint each step);
 - each switch rebuilds the engines: the old engines' greedy answer to a probe batch equals the new
   ones' (tokens and log-probs), every model's state is verified bitwise against the checkpoint before
   the switch, and the rebuild's seconds are part of the switch's measured seconds (the engine term's
@@ -66,7 +66,7 @@ TP2 = Layout(tp=2, dp=1, devices=(0, 1))
 def run_dir(tmp_path_factory):
     data = copy.deepcopy(GRPO_VLLM)
     data["plan"]["actor/generate"] = DP2.model_dump(mode="json")
-    data["job"] |= {"adapt": True, "verify_transitions": True}
+    data["job"] |= {"adapt": True, "verify_transitions": True, "snapshot_every": 1}
     out = tmp_path_factory.mktemp("grpo-vllm-run")
     with pytest.MonkeyPatch.context() as patch:
         targets = {0: {"actor/generate": TP2}, 1: {"actor/generate": DP2}}
@@ -100,13 +100,14 @@ def test_vllm_logprobs_equal_the_train_layouts_after_every_sync(run_dir):
         assert any(len({tuple(x.tolist()) for x in g}) > 1 for g in responses)  # n samples differ
 
 
-def test_vllm_logprobs_equal_transformers_on_the_actor_exported_at_each_switch(run_dir, tmp_path):
-    """Each switch starts from a checkpoint; the actor exported there generated the next step, on the
-    tp-2 engine (step 1) and on the rebuilt tp-1 engines (step 2)."""
+def test_vllm_logprobs_equal_transformers_on_the_actor_exported_after_every_sync(run_dir, tmp_path):
+    """A checkpoint after every step: the actor exported at step N is the one every engine was synced
+    to before generating step N, on the tp-2 engine (step 1), the rebuilt tp-1 engines (step 2) and
+    the synced ones after (steps 3, 4)."""
     from transformers import AutoModelForCausalLM
 
     steps = [s for s in RunDir(run_dir).checkpoint_steps() if s < STEPS]
-    assert steps == [1, 2], steps
+    assert steps == list(range(1, STEPS)), steps
     for step in steps:
         out = export_hf(run_dir, model="actor", step=step, out=tmp_path / f"actor-{step}")
         hf = AutoModelForCausalLM.from_pretrained(
