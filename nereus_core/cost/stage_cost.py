@@ -58,6 +58,7 @@ from nereus_core.config import ModelConfig, NereusConfig
 from nereus_core.cost.hardware import HardwareProfile, split_legacy_terms
 from nereus_core.cost.terms import (
     MEMORY_PARTS,
+    PERSISTENT_PARTS,
     TERMS,
     Geometry,
     StageKind,
@@ -241,14 +242,15 @@ class MemoryEstimate(Frozen):
 
     @property
     def persistent(self) -> int:
-        """Held between steps: weights, (ZeRO-sharded) optimizer state, a rollout engine's KV cache."""
-        return self.weights + self.optimizer + self.engine_cache
+        """Held between steps (``terms.PERSISTENT_PARTS``): weights, (ZeRO-sharded) optimizer state,
+        a rollout engine's KV cache."""
+        return sum(getattr(self, p) for p in PERSISTENT_PARTS)
 
     @property
     def transient(self) -> int:
         """Held only while the stage runs: gradients (DeepSpeed ZeRO-1 frees them after the step,
-        as measured by benchmarks/bench_calibration.py), activations, KV cache."""
-        return self.gradients + self.activations + self.kv_cache
+        as measured by benchmarks/bench_calibration.py), activations, the sampler's KV cache."""
+        return sum(getattr(self, p) for p in MEMORY_PARTS if p not in PERSISTENT_PARTS)
 
     @property
     def total(self) -> int:

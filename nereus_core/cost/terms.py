@@ -37,12 +37,15 @@ MEMORY_PARTS: tuple[str, ...] = (
     "kv_cache",
     "engine_cache",
 )
-# Held for the whole job: weights, optimizer state, and a rollout engine's preallocated KV cache.
-PERSISTENT = np.array([p in ("weights", "optimizer", "engine_cache") for p in MEMORY_PARTS])
+# Held for the whole job: weights, optimizer state, and a rollout engine's preallocated KV cache;
+# the rest only while the stage runs.
+PERSISTENT_PARTS: tuple[str, ...] = ("weights", "optimizer", "engine_cache")
+PERSISTENT = np.array([p in PERSISTENT_PARTS for p in MEMORY_PARTS])
 StageKind = Literal["generate", "infer", "train"]
 __all__ = [
     "MEMORY_PARTS",
     "PERSISTENT",
+    "PERSISTENT_PARTS",
     "TERMS",
     "Geometry",
     "ModelStats",
