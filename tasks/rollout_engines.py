@@ -15,6 +15,7 @@ machines is not built.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -56,11 +57,8 @@ class Engines:
 def on_this_machine(pool: DevicePool, devices: list[int] | tuple[int, ...], what: str) -> None:
     """``ValueError`` in one line unless every one of ``devices``' workers runs on the driver's machine:
     the engines' work directory and the weights' hand-over live in its shared memory."""
-    away = {
-        d: get_address_host(pool.workers[d])
-        for d in devices
-        if interface_of(get_address_host(pool.workers[d])) is None
-    }
+    hosts = {d: get_address_host(pool.workers[d]) for d in devices}
+    away = {d: h for d, h in hosts.items() if not _on_this_machine(h)}
     if away:
         where = ", ".join(f"slot {d} on {h}" for d, h in sorted(away.items()))
         raise ValueError(
@@ -68,6 +66,11 @@ def on_this_machine(pool: DevicePool, devices: list[int] | tuple[int, ...], what
             "their weights through this machine's shared memory, so run actor/generate and actor/train "
             "on workers of the driver's machine, or use rollout.engine: nereus"
         )
+
+
+@functools.lru_cache(maxsize=64)  # asked at every sync; where an address lives does not change
+def _on_this_machine(host: str) -> bool:
+    return interface_of(host) is not None
 
 
 def _work_dir() -> str:
