@@ -193,11 +193,12 @@ def _generate(
     each wave holding its own KV cache. Pipeline stages run one after another for
     every token, so compute and weight reads cover the whole model, split over tp only.
     Stragglers: a replica decodes until its longest sequence ends, and the
-    stage ends with the slowest replica, the one holding the step's longest response;
-    with continuous batching the waves before the last refill at the mean pace, so a
-    replica runs (m - 1) * mean + longest iterations. Each iteration reads the weights
-    and pays ``decode_step_s`` (scheduler, sampling, launches); the KV read and the
-    FLOPs follow the tokens actually generated (b * mean), whatever the schedule.
+    stage ends with the slowest replica, the one holding the step's longest response.
+    A wave is one round of the engine (its KV budget, not its sequences, sets m): the next
+    starts when its longest sequence ends, and a wave of many sequences reaches the high
+    quantile of the lengths, so a replica runs (m - 1) * high + longest iterations. Each
+    iteration reads the weights and pays ``decode_step_s`` (scheduler, sampling, launches);
+    the KV read and the FLOPs follow the tokens actually generated (b * mean), whatever the schedule.
     TP collectives go to ``tp_comm_generate`` (decode-sized and latency-bound, unlike the passes');
     the engine's fixed cost per call (``generate_call_s``) to ``dispatch_generate`` (``stage_tables``).
     """
@@ -218,7 +219,7 @@ def _generate(
     tp_kv = np.minimum(tp, stats.kv_heads)
     # Decode is memory-bound: (weight bytes / tp + KV bytes read) / HBM bandwidth.
     weight_read, kv_read = stats.total_params * sizes.weight / tp, ctx * kv_token / tp_kv
-    iters = (waves - 1.0) * resp + work.response_longest  # decode iterations of the slowest replica
+    iters = (waves - 1.0) * work.response_high + work.response_longest  # the slowest replica's decode steps
     passes = waves + iters  # one prefill per wave and the decode iterations
     alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
     act = sizes.activation
