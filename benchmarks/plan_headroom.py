@@ -72,10 +72,9 @@ def true_step_s(world: World, plan: GlobalPlan, k: int, usable: float, *, per_te
     return step_seconds(tuned.layouts, seconds, sync, overlap=False) if fits else float("inf")
 
 
-def ceiling(world: World, k: int, config: SimConfig) -> tuple[float, GlobalPlan]:
+def ceiling(world: World, k: int, config: SimConfig, usable: float) -> tuple[float, GlobalPlan]:
     """The fastest plan in truth at step ``k`` among the search's best plan per split and its variants."""
     s, tr = config.controller, world.trace
-    usable = usable_bytes(tr.memory_bytes(k), s.headroom)
     space = SearchSpace(
         devices=int(tr.devices[k]),
         budget=usable,
@@ -88,8 +87,9 @@ def ceiling(world: World, k: int, config: SimConfig) -> tuple[float, GlobalPlan]
     )
     found = search.run()
     plans = [f.plan for f in found.feasible] + [f.plan for f in found.variants]
-    timed = [(true_step_s(world, p, k, usable, per_tensor=False), p) for p in plans]
-    return min(timed, key=lambda t: t[0]) if timed else (float("inf"), GlobalPlan.model_construct())
+    if not plans:
+        raise ValueError(f"trace {tr.name}, step {k}: no plan of the search fits {usable:.3g} bytes a device")
+    return min(((true_step_s(world, p, k, usable, per_tensor=False), p) for p in plans), key=lambda t: t[0])
 
 
 def evaluate(
@@ -110,7 +110,7 @@ def evaluate(
     for k in steps:
         world.begin_step(k)
         usable = usable_bytes(trace.memory_bytes(k), config.controller.headroom)
-        best, plan = ceiling(world, k, config)
+        best, plan = ceiling(world, k, config, usable)
         totals["ceiling"] += best
         picks[plan.placement] = picks.get(plan.placement, 0) + 1
         for name, (base, per_tensor) in fixed.items():
