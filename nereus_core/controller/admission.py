@@ -15,20 +15,29 @@ prediction's own relative gain, and a measurement only scales it.
 
 Unforced: switch iff, with ``g = T_now - T_new``,
 
-- ``g >= need * T_now``, ``need = max(min_gain, noise_z * spread)``: ``spread`` is the
+- ``g >= need * T_now``, ``need = max(floor, noise_z * spread)``: ``spread`` is the
   relative standard deviation of the plan in force's measured/predicted ratios, its
   step-to-step noise; a smaller gain could not be told from that noise by the steps
-  that judge the new plan after the move (and send it back if it measures slower);
+  that judge the new plan after the move (and send it back if it measures slower).
+  The floor is ``min_gain`` for a plan that never ran here (the cost model's error
+  between plans of different shapes reaches a few percent), ``min_measured_gain`` for one
+  that ran here on this workload: a move chosen on a prediction that measures slower than
+  the plan it left goes back on the measurement, not only once it is ``min_gain`` worse;
 - ``g * H >= (1 + margin) * C``: the saving over H, the remaining steps capped by
   ``horizon``, pays the predicted move with margin;
 - at least ``dwell`` steps since the last switch.
 
-Among the fastest ``top_k`` plans the one with the largest net gain
+Among the fastest ``top_k`` plans that pass, the one with the largest net gain
 ``g * H - (1 + margin) * C`` is taken, so a slightly slower plan much cheaper to
 reach can win. A plan left for one that measured faster is not a candidate while
 the workload and devices stay as they were. Forced (no dwell, no margin): when there
 is no plan yet, the devices changed, or the plan in force no longer fits; then the
-plan minimising ``T_new * H + C`` is taken.
+plan minimising ``T_new * H + C`` is taken. A forced move also weighs the plans that fit
+the forecast workload but not with the choosing margin (``tight``), when one is at least
+``min_gain`` faster than every plan that fits with it, charged a second move (it will be
+forced out sooner): the margin must not buy a plan far slower than one that lasts the
+forecast (waves of generation that halve its speed, for one), nor a move every few steps
+for a small gain.
 """
 
 from __future__ import annotations
@@ -59,6 +68,12 @@ class Option(NamedTuple):
     move: TransitionEstimate
     ratio: float | None  # its measured/predicted step time on this workload if it ran here
     left_for: str | None  # set: it was left for that plan, which measured faster (not a candidate)
+    tight: bool = False  # fits the forecast workload, but not with the choosing margin
+
+    @property
+    def forced_cost(self) -> float:
+        """What a forced move to it costs: its move, and, if tight, one more (it will not last)."""
+        return self.move.seconds * (2.0 if self.tight else 1.0)
 
     @property
     def measured(self) -> bool:
@@ -79,10 +94,13 @@ class Basis(NamedTuple):
         """``T_now - T_new`` per step, both on this basis."""
         return current.step_s * self.ratio - o.step_s(self.ratio)
 
-    def need(self, settings: ControllerSettings) -> float:
-        """The smallest relative gain admitted: the fixed floor, or the noise, whichever is larger."""
+    def need(self, settings: ControllerSettings, measured: bool = False) -> float:
+        """The smallest relative gain admitted: the noise, or a floor if larger: ``min_gain``, which
+        stands for the cost model's error, for a plan that never ran here; ``min_measured_gain`` for
+        one weighed by its own measurement here (only the noise stands between the two then)."""
         noise = settings.noise_z * self.spread if self.spread is not None else 0.0
-        return max(settings.min_gain, noise)
+        floor = settings.min_measured_gain if measured and self.spread is not None else settings.min_gain
+        return max(floor, noise)
 
 
 class Verdict(NamedTuple):
@@ -176,23 +194,29 @@ def forced(
     basis: Basis,
     horizon: int,
     usable: int,
+    min_gain: float = 0.0,
 ) -> Verdict:
-    """The plan minimising ``T * H + C`` (plans left for being slower only if nothing else fits)."""
+    """The plan minimising ``T * H + C`` (plans left for being slower only if nothing else fits;
+    a tight plan only if ``min_gain`` faster than every plan that lasts, module docstring)."""
     if not options:
         alts = memory_rejections(rejected, float("inf"), usable)
         return Verdict("none", f"{reason}; no plan fits in memory", None, alts, True)
     h, r = max(horizon, 1), basis.ratio
     allowed = [o for o in options if o.left_for is None] or list(options)
-    best = min(allowed, key=lambda o: o.step_s(r) * h + o.move.seconds)
+    lasting = [o for o in allowed if not o.tight]
+    if lasting:  # a tight plan only when it is faster than every lasting one by min_gain
+        floor = min(o.step_s(r) for o in lasting) * (1.0 - min_gain)
+        allowed = lasting + [o for o in allowed if o.tight and o.step_s(r) <= floor]
+    best = min(allowed, key=lambda o: o.step_s(r) * h + o.forced_cost)
     alts = memory_rejections(rejected, best.est.step_s, usable)
-    mine = best.step_s(r) * h + best.move.seconds
+    mine = best.step_s(r) * h + best.forced_cost
     for o in options:
         if o.est.plan == best.est.plan or (current is not None and o.est.plan == current.plan):
             continue
         if o.left_for is not None and o not in allowed:
             alts.append(_left(o, r))
             continue
-        total = o.step_s(r) * h + o.move.seconds
+        total = o.step_s(r) * h + o.forced_cost
         alts.append(alternative(o.est, "slower", f"{total:.3g} s over {h} steps incl. move vs {mine:.3g} s"))
     if current is not None and best.est.plan == current.plan:
         return Verdict("keep", f"{reason}; the current plan is still the best", best, alts, True)
@@ -221,16 +245,21 @@ def admit(
     """Keep, or switch to the option with the largest net gain if it pays (module docstring)."""
     h, usable, r = horizon, current.usable, basis.ratio
     now = current.step_s * r
-    factor, need = 1.0 + settings.margin, basis.need(settings)
+    factor = 1.0 + settings.margin
     others = [o for o in options if o.est.plan != current.plan]
     alts = [_left(o, r) for o in others if o.left_for is not None]
     others = [o for o in others if o.left_for is None]
     if not others:
         alts += memory_rejections(rejected, current.step_s, usable)
         return Verdict("keep", "the current plan is the fastest that fits", None, alts, False)
-    best = max(others, key=lambda o: basis.gain(current, o) * h - factor * o.move.seconds)
-    gain = basis.gain(current, best)
-    pays = gain > 0 and gain >= need * now and gain * h >= factor * best.move.seconds
+
+    def pays_for(o: Option) -> bool:
+        g = basis.gain(current, o)
+        return g > 0 and g >= basis.need(settings, o.measured) * now and g * h >= factor * o.move.seconds
+
+    admissible = [o for o in others if pays_for(o)]
+    best = max(admissible or others, key=lambda o: basis.gain(current, o) * h - factor * o.move.seconds)
+    gain, need, pays = basis.gain(current, best), basis.need(settings, best.measured), bool(admissible)
     alts += memory_rejections(rejected, min(current.step_s, best.est.step_s), usable)
     for o in others:
         g = basis.gain(current, o)
@@ -239,7 +268,8 @@ def admit(
                 alternative(o.est, "slower", f"{-g:+.3g} s per step vs the current plan ({_basis(o)})")
             )
         elif o is not best or not pays:
-            alts.append(alternative(o.est, "not_worth_it", _refusal(o, g, h, need, now, factor)))
+            need_o = basis.need(settings, o.measured)
+            alts.append(alternative(o.est, "not_worth_it", _refusal(o, g, h, need_o, now, factor)))
     if pays and steps_since_switch < settings.dwell:
         alts.append(alternative(best.est, "dwell", f"{steps_since_switch} steps since the last switch"))
         msg = f"dwell: {steps_since_switch} < {settings.dwell} steps since the last switch"

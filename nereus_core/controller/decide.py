@@ -279,16 +279,34 @@ def decide(
     exact, rejected, variants = _candidates(
         observation.devices, choosing, state, budget, usable, cache_choose
     )
-    if forced and not exact and (budget < usable or choosing != observation.workload):
+    tight: list[PlanEstimate] = []
+    if forced and budget < usable:
+        # Plans that fit the forecast but not with the margin: a forced move weighs them too (``admission``).
+        loose, loose_rejected, loose_variants = _candidates(
+            observation.devices, choosing, state, usable, usable, cache_choose
+        )
+        have = {e.plan.plan_id for e in exact}
+        tight = [e for e in loose if e.plan.plan_id not in have]
+        if not exact:
+            rejected, variants = loose_rejected, loose_variants
+    if forced and not exact and not tight and (budget < usable or choosing != observation.workload):
         # Nothing fits with the margin: a plan that fits today beats stopping the job.
         exact, rejected, variants = _candidates(
             observation.devices, observation.workload, state, usable, usable, cache
         )
     horizon = min(observation.remaining_steps, s.horizon)
     options = [_option(e, observation, state, transfers) for e in exact]
+    options += [_option(e, observation, state, transfers)._replace(tight=True) for e in tight]
     if forced:
         verdict = admission.forced(
-            forced, options, rejected, current=current, basis=basis, horizon=horizon, usable=usable
+            forced,
+            options,
+            rejected,
+            current=current,
+            basis=basis,
+            horizon=horizon,
+            usable=usable,
+            min_gain=s.min_gain,
         )
     else:
         assert current is not None

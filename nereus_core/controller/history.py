@@ -11,8 +11,8 @@ controller asks them and stores their answers in its state. Two memories:
   what admission uses: it carries a measurement to the next workload without mixing
   in the length drift between steps or the calibration's drift since, and its spread
   is the plan's step-to-step noise. A record holds while the workload stays within
-  ``workload_margin`` of the mean response length it was first measured at, on the
-  same devices; a plan left for one that measured faster is not chosen again there
+  ``workload_margin`` of the mean prompt and response lengths it was first measured at, on
+  the same devices and batch; a plan left for one that measured faster is not chosen again there
   (no A -> B -> A -> B).
 - **A forecast of the high response length**: a least-squares line through the recent
   highs, ``forecast_steps`` ahead, never below the latest; a newly chosen plan must fit
@@ -38,11 +38,12 @@ KEPT_RECORDS = 64  # plans remembered; the oldest measured is forgotten first
 
 
 def similar(record: PlanRecord, workload: Workload, devices: int, margin: float) -> bool:
-    """Whether ``record`` was measured under this workload (mean response within ``margin``) and devices."""
+    """Whether ``record`` was measured under this workload (the mean prompt and response lengths each
+    within ``margin``; prompts vary by a few tokens from step to step) and devices."""
     return (
         record.devices == devices
         and record.batch == workload.batch
-        and record.prompt_len == workload.prompt_len
+        and abs(workload.prompt_len - record.prompt_len) <= margin * record.prompt_len
         and abs(workload.response_mean - record.response_mean) <= margin * record.response_mean
     )
 

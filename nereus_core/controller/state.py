@@ -36,6 +36,13 @@ class ControllerSettings(Frozen):
         description="Smallest unforced gain per step, as a share of the current plan's step time, "
         "whatever the noise (gains of 1e-4 s on 20 s steps were admitted).",
     )
+    min_measured_gain: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="Smallest unforced gain per step toward a plan that ran here on this workload "
+        "(weighed by its own measurement, not the cost model's prediction), as a share of the step.",
+    )
     noise_z: float = Field(
         default=2.0,
         ge=0,
@@ -67,8 +74,8 @@ class ControllerSettings(Frozen):
         default=0.2,
         ge=0,
         le=10,
-        description="Relative change of the mean response length within which a plan's measured step "
-        "time (and the verdict that it was slower) still holds.",
+        description="Relative change of the mean prompt and response lengths within which a plan's "
+        "measured step time (and the verdict that it was slower) still holds.",
     )
     top_k: int = Field(default=8, ge=1, le=256, description="Fastest plans weighed against their cost.")
     disaggregated: bool = Field(default=True, description="Also consider generation on its own slots.")
