@@ -38,9 +38,15 @@ import numpy as np
 from nereus_core.sim import stage_world as sw
 
 # config.json shapes: params from the layer sizes (embeddings untied), bf16 KV bytes per token.
-DEEPSEEK_7B = sw.ModelSize(params=6.91e9, layers=30, kv_bytes_per_token=2 * 30 * 4096 * 2, hidden=4096)
-QWEN2_7B = sw.ModelSize(params=7.62e9, layers=28, kv_bytes_per_token=2 * 28 * 512 * 2, hidden=3584)
-LLAMA2_7B = sw.ModelSize(params=6.74e9, layers=32, kv_bytes_per_token=2 * 32 * 4096 * 2, hidden=4096)
+DEEPSEEK_7B = sw.ModelSize(
+    6.91e9, 30, kv_bytes_per_token=2 * 30 * 4096 * 2, hidden=4096, head_params=102400 * 4096
+)
+QWEN2_7B = sw.ModelSize(
+    7.62e9, 28, kv_bytes_per_token=2 * 28 * 512 * 2, hidden=3584, head_params=152064 * 3584
+)
+LLAMA2_7B = sw.ModelSize(
+    6.74e9, 32, kv_bytes_per_token=2 * 32 * 4096 * 2, hidden=4096, head_params=32000 * 4096
+)
 # NVIDIA A800 SXM: A100 figures with NVLink cut to 400 GB/s both ways (200 one way).
 A800_80GB = sw.Gpu("a800-80gb", 312e12, 2.039e12, 80e9, 200e9)
 H100 = sw.H100_80GB

@@ -40,7 +40,7 @@ from typing import Literal, NamedTuple
 from nereus_core.box import Box, flat_range_boxes, shift
 from nereus_core.config import ModelConfig
 from nereus_core.layout import Coord, Layout
-from nereus_core.model.weights import param_dtype, param_shapes, shard_dim, stage_param_names
+from nereus_core.model.weights import param_dtype, param_shapes, shard_dim, stage_layers, stage_param_names
 
 Kind = Literal["param", "master", "exp_avg", "exp_avg_sq", "step"]
 MOMENTS: tuple[Kind, ...] = ("exp_avg", "exp_avg_sq")
@@ -184,7 +184,7 @@ def _zero1_pieces(device: int, coord: Coord, shard: Box, dp: int) -> list[Piece]
 def _param_stages(config: ModelConfig, layout: Layout) -> dict[str, int]:
     stage_of: dict[str, int] = {}
     for p in range(layout.pp):
-        layers = layout.stage_layers(config.num_hidden_layers, p)
+        layers = stage_layers(config, layout, p)
         for name in stage_param_names(config, layers, first=p == 0, last=p == layout.pp - 1):
             stage_of[name] = p
     return stage_of

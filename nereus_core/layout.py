@@ -130,8 +130,38 @@ class Layout(BaseModel):
         n = self.tp * self.pp
         return [self.devices[d * n : (d + 1) * n] for d in range(self.dp)]
 
-    def stage_layers(self, num_layers: int, pp_rank: int) -> range:
-        """The contiguous decoder layers held by pipeline stage ``pp_rank`` (earlier stages get the extra)."""
-        base, extra = divmod(num_layers, self.pp)
-        start = pp_rank * base + min(pp_rank, extra)
-        return range(start, start + base + (1 if pp_rank < extra else 0))
+    def stage_layers(self, num_layers: int, pp_rank: int, *, head_layers: float) -> range:
+        """The contiguous decoder layers held by pipeline stage ``pp_rank``.
+
+        The last stage also runs the head, worth ``head_layers`` decoder layers of compute (a 152k-token
+        lm head is about two layers of a 7B model; a value head, none). The layers are split as
+        ``num_layers + k`` over the stages with the last stage giving ``k`` of its share to the head
+        (keeping at least one layer) and earlier stages taking the extra; ``k`` is the whole number
+        next to ``head_layers`` that makes the busiest stage lightest (Megatron-LM's
+        ``account_for_loss_in_pipeline_split`` gives the head one layer's slot). ``head_layers=0``
+        is the even split."""
+        counts = stage_layer_counts(num_layers, self.pp, head_layers)
+        start = sum(counts[:pp_rank])
+        return range(start, start + counts[pp_rank])
+
+
+def stage_layer_counts(num_layers: int, pp: int, head_layers: float) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage, first stage first (the rule ``Layout.stage_layers`` states)."""
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"pp={pp} needs 1 <= pp <= layers={num_layers}")
+    if head_layers < 0:
+        raise ValueError(f"head_layers={head_layers} is negative")
+
+    def split(k: int) -> tuple[int, ...]:
+        if pp == 1:
+            return (num_layers,)
+        last = max(1, (num_layers + k) // pp - k)  # the last stage's share of num_layers + k, less k
+        base, extra = divmod(num_layers - last, pp - 1)
+        return (*(base + (1 if rank < extra else 0) for rank in range(pp - 1)), last)
+
+    def busiest(counts: tuple[int, ...]) -> float:
+        return max(max(counts[:-1], default=0), counts[-1] + head_layers)
+
+    floor = int(head_layers)
+    ks = (floor, floor + 1) if head_layers > floor else (floor,)
+    return min((split(k) for k in ks), key=busiest)  # ties: the smaller k

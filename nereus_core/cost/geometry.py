@@ -24,8 +24,8 @@ import numpy as np
 from nereus_core.config import ModelConfig
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.emu import MASTER, OPTIMIZER_BYTES, partitioned_kinds
-from nereus_core.layout import Layout
-from nereus_core.model.weights import param_dtype, param_shapes
+from nereus_core.layout import Layout, stage_layer_counts
+from nereus_core.model.weights import head_layers, param_dtype, param_shapes
 
 Num = np.ndarray | float  # a scalar, or one value per candidate layout
 
@@ -54,6 +54,7 @@ class ModelStats:
     layer_params: int
     embed_params: int
     head_params: int  # lm_head (or the tied embedding's reuse) / value head
+    head_layers: float  # the head's compute in decoder layers (``weights.head_layers``; the split's input)
     norm_params: int
     total_params: int
     precision: ValueBytes | None = None  # the model's own sizes; None: fp32, the profile's sizes
@@ -85,6 +86,7 @@ def model_stats(model: ModelConfig) -> ModelStats:
         layer_params=per_layer,
         embed_params=model.vocab_size * model.hidden_size,
         head_params=head,
+        head_layers=head_layers(model),
         norm_params=model.hidden_size * (2 * model.num_hidden_layers + 1),
         total_params=sum(numel.values()),
         precision=_model_precision(model),
@@ -112,15 +114,15 @@ def value_bytes(stats: ModelStats, profile: HardwareProfile) -> ValueBytes:
 def pipeline_split(stats: ModelStats, pp: int, tp: int) -> tuple[int, int, float]:
     """(layers, matmul params, weight params per device) of the busiest pipeline stage.
 
-    Earlier stages get the extra layers (``Layout.stage_layers``); the first holds the
+    The layers per stage are the runtime's (``Layout.stage_layers``); the first stage holds the
     embedding, the last the final norm and head. Norms are replicated under TP.
     """
-    base, extra = divmod(stats.layers, pp)
+    counts = stage_layer_counts(stats.layers, pp, stats.head_layers)
     norm_layer = 2 * stats.hidden
     tied = stats.total_params < stats.layers * stats.layer_params + stats.embed_params + stats.head_params
     best = (0, 0, 0.0)
     for rank in range(pp):
-        n = base + (1 if rank < extra else 0)
+        n = counts[rank]
         flops = n * stats.layer_params + (stats.head_params if rank == pp - 1 else 0)
         sharded = n * (stats.layer_params - norm_layer)
         replicated = n * norm_layer

@@ -19,7 +19,7 @@ from nereus_core.engine.device import DeviceContext, RankGroups
 from nereus_core.engine.optimizer import OptimizerSettings, make_engine
 from nereus_core.layout import Layout
 from nereus_core.model.llama import LlamaStage
-from nereus_core.model.weights import init_full_state, param_dtype
+from nereus_core.model.weights import init_full_state, param_dtype, stage_layers
 
 
 @dataclass
@@ -56,7 +56,7 @@ def new_stage(config: ModelConfig, groups: RankGroups, device: torch.device) -> 
     layout, coord = groups.layout, groups.coord
     stage = LlamaStage(
         config,
-        layers=layout.stage_layers(config.num_hidden_layers, coord.pp),
+        layers=stage_layers(config, layout, coord.pp),
         first=groups.is_first_stage,
         last=groups.is_last_stage,
         tp_rank=coord.tp,

@@ -14,6 +14,7 @@ Nothing here knows about processes: these are pure functions of the config.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,8 @@ from nereus_core.config import ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from nereus_core.layout import Layout
 
 _COLUMN = (
     "q_proj.weight",
@@ -120,6 +123,19 @@ def shard_dim(name: str) -> int | None:
     raise KeyError(
         f"{name!r} is not a parameter name of LlamaForCausalLM or Qwen2ForCausalLM (Hugging Face names)"
     )
+
+
+def head_layers(config: ModelConfig) -> float:
+    """The head's matmul parameters in decoder layers' worth (its compute weight in a pipeline split)."""
+    head = config.hidden_size if config.head == "value" else config.vocab_size * config.hidden_size
+    layer = sum(math.prod(shape) for shape in layer_param_shapes(config, 0).values())
+    return head / layer
+
+
+def stage_layers(config: ModelConfig, layout: Layout, pp_rank: int) -> range:
+    """The decoder layers pipeline stage ``pp_rank`` of ``layout`` holds (``Layout.stage_layers`` with
+    this model's head weight)."""
+    return layout.stage_layers(config.num_hidden_layers, pp_rank, head_layers=head_layers(config))
 
 
 def stage_param_names(config: ModelConfig, layers: range, first: bool, last: bool) -> list[str]:

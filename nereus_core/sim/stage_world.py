@@ -24,8 +24,9 @@ replica, the KV read and the FLOPs do not depend on the schedule, only the numbe
 iterations does (FCFS list scheduling onto the slots).
 Infer and train passes: a fixed cost per call plus FLOPs (2 x params per token forward,
 6 x train, plus attention 4 (12) x layers x hidden x seq; Narayanan et al. 2021)
-at ``mfu`` of the peak on the slowest DP replica, the pipeline bubble (m + p - 1) / m
-(Narayanan et al., 2021), TP all-reduces over the link, and the Adam step's memory traffic.
+at ``mfu`` of the peak on the slowest DP replica's busiest pipeline stage (whole layers per stage,
+the head on the last), the pipeline bubble (m + p - 1) / m (Narayanan et al., 2021), TP
+all-reduces over the link, and the Adam step's memory traffic.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -63,12 +65,32 @@ ALL_REDUCE_LATENCY_S = 10e-6
 
 @dataclass(frozen=True)
 class ModelSize:
-    """What the world needs of a model: parameters, layers, KV bytes per token (bf16) and width."""
+    """What the world needs of a model: parameters, layers, KV bytes per token (bf16), width, and the
+    parameters of the head (which a pipeline's last stage runs)."""
 
     params: float
     layers: int
     kv_bytes_per_token: float
     hidden: int = 0
+    head_params: float = 0.0
+
+
+@lru_cache(maxsize=256)
+def pipeline_stages(model: ModelSize, pp: int) -> tuple[tuple[float, int], ...]:
+    """(parameters, layers) of the two stages that can be a pipeline's busiest when whole layers are
+    spread over ``pp`` stages (at least one each) and the last stage also runs the head: the best such
+    split (the one whose busiest stage holds the fewest parameters), as a tuned Megatron-LM or
+    torch.distributed.pipelining job sets it. One stage when ``pp`` is 1."""
+    if pp == 1:
+        return ((model.params, model.layers),)
+    layer = (model.params - model.head_params) / model.layers
+
+    def stages(last: int) -> tuple[tuple[float, int], tuple[float, int]]:
+        widest = -(-(model.layers - last) // (pp - 1))
+        return (widest * layer, widest), (last * layer + model.head_params, last)
+
+    best = min(range(1, model.layers - pp + 2), key=lambda last: max(p for p, _ in stages(last)))
+    return stages(best)
 
 
 @dataclass(frozen=True)
@@ -130,7 +152,7 @@ FITTED = WorldConstants(
 # ~21 s per call and 16.5 ms per decode iteration; no per-sequence decode cost is supported (the FSDP2
 # run decodes twice the sequences per engine of the Qwen Megatron run in the same time).
 FITTED_7B = WorldConstants(
-    generate_fixed_s=21.46, decode_step_s=0.016514, infer_fixed_s=3.02, train_fixed_s=0.0, mfu=0.289
+    generate_fixed_s=21.46, decode_step_s=0.016514, infer_fixed_s=3.11, train_fixed_s=0.0, mfu=0.291
 )
 FITTED_BY_PARAMS = ((2e9, FITTED), (float("inf"), FITTED_7B))  # up to 2B: the 0.5B fit; above: 7B's
 
@@ -228,14 +250,21 @@ def pass_parts(
     all-reduces, the Adam step)."""
     mult, n_ar = (6.0, 4) if train else (2.0, 2)
     seq = prompt + lengths[: len(lengths) - len(lengths) % shape.dp].astype(float).reshape(shape.dp, -1)
-    flops = mult * (model.params * seq + 2.0 * model.layers * model.hidden * seq**2).sum(axis=1)
+    stages = pipeline_stages(model, shape.pp)
+    flops = np.max(  # the busiest stage's, per replica
+        [
+            mult * (params * seq + 2.0 * layers * model.hidden * seq**2).sum(axis=1)
+            for params, layers in stages
+        ],
+        axis=0,
+    )
     bubble = (shape.micro_batches + shape.pp - 1) / shape.micro_batches
-    peak_s = float(flops.max()) / (gpu.peak_flops * shape.tp * shape.pp) * bubble
+    peak_s = float(flops.max()) / (gpu.peak_flops * shape.tp) * bubble
     other = 0.0
     if shape.tp > 1:
         tokens = float(seq.sum(axis=1).max())
         ring = 2.0 * (shape.tp - 1) / shape.tp
-        volume = tokens * model.layers / shape.pp * n_ar * model.hidden * 2.0 * ring
+        volume = tokens * max(layers for _, layers in stages) * n_ar * model.hidden * 2.0 * ring
         other += volume / tp_link(shape, gpu)
         other += shape.micro_batches * model.layers * n_ar * ALL_REDUCE_LATENCY_S
     if train:  # Adam reads and writes ~16 bytes/param of state, sharded over the devices (ZeRO/FSDP)

@@ -65,6 +65,7 @@ def model_size(m: ModelConfig) -> stage_world.ModelSize:
         layers=m.num_hidden_layers,
         kv_bytes_per_token=2.0 * m.num_hidden_layers * kv * 2,
         hidden=h,
+        head_params=float(head),
     )
 
 

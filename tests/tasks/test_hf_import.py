@@ -20,7 +20,7 @@ from nereus_core.engine.shard import shard_state
 from nereus_core.hf.tokenizer import chat_prompt_ids, load_tokenizer, stop_token_ids
 from nereus_core.layout import Layout
 from nereus_core.model.hf_dir import read_hf_config
-from nereus_core.model.weights import param_shapes, shard_tensor, stage_param_names
+from nereus_core.model.weights import param_shapes, shard_tensor, stage_layers, stage_param_names
 from storage.export import export_hf
 from storage.run_dir import RunDir
 from tasks import job_ops, model_ops
@@ -91,7 +91,7 @@ def test_each_device_reads_only_its_shards(
             coord = layout.coord_of_device(device)
             names = stage_param_names(
                 config,
-                layout.stage_layers(config.num_hidden_layers, coord.pp),
+                stage_layers(config, layout, coord.pp),
                 coord.pp == 0,
                 coord.pp == pp - 1,
             )

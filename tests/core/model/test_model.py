@@ -28,7 +28,7 @@ from nereus_core.model import (
 )
 from nereus_core.model.llama import rope_inv_freq
 from nereus_core.model.tensor_parallel import vocab_parallel_entropy
-from nereus_core.model.weights import param_shapes
+from nereus_core.model.weights import param_shapes, stage_layers
 from tests.support.dist_utils import WorldError, run_world
 
 TINY = ModelConfig(
@@ -146,10 +146,7 @@ def test_stage_param_names_partition_the_model(pp: int) -> None:
     from nereus_core.layout import Layout
 
     layout = Layout.contiguous(pp=pp)
-    held = [
-        stage_param_names(TINY, layout.stage_layers(TINY.num_hidden_layers, p), p == 0, p == pp - 1)
-        for p in range(pp)
-    ]
+    held = [stage_param_names(TINY, stage_layers(TINY, layout, p), p == 0, p == pp - 1) for p in range(pp)]
     flat = [name for names in held for name in names]
     assert sorted(flat) == sorted(param_shapes(TINY)) and len(flat) == len(set(flat))
     assert stage_param_names(TINY_TIED, range(4), True, True) == list(param_shapes(TINY_TIED))
