@@ -93,8 +93,9 @@ def forward(
 ) -> torch.Tensor:
     """Per-token outputs of ``name`` on ``ids_bs`` (padded where ``attention_mask`` is 0): log-probs
     ``[b, s-1]`` (lm head) or values ``[b, s]``."""
-    args = dispatch.per_device_args(layout, ids_bs, attention_mask)
-    return dispatch.collect(layout, pool.run(layout, forward_outputs, args, name=name))
+    rows = None if attention_mask is None else dispatch.balanced_rows(layout, attention_mask.sum(dim=1))
+    args = dispatch.per_device_args(layout, ids_bs, attention_mask, rows=rows)
+    return dispatch.collect(layout, pool.run(layout, forward_outputs, args, name=name), rows)
 
 
 def sample(
@@ -149,7 +150,9 @@ def train_stats(
 ) -> dict[str, float]:
     """One optimizer step of ``name`` on ``batch``; the loss, the loss function's statistics and
     ``grad_norm`` (``engine.train.train_step``), each the mean over replicas."""
-    parts = dispatch.per_device_batch(layout, batch)
+    mask = batch.get("attention_mask")
+    rows = None if mask is None else dispatch.balanced_rows(layout, mask.sum(dim=1))
+    parts = dispatch.per_device_batch(layout, batch, rows)
     results = pool.run(
         layout, train_step, [(p,) for p in parts], name=name, loss_fn=loss_fn, with_entropy=with_entropy
     )

@@ -24,9 +24,10 @@ replica, the KV read and the FLOPs do not depend on the schedule, only the numbe
 iterations does (FCFS list scheduling onto the slots).
 Infer and train passes: a fixed cost per call plus FLOPs (2 x params per token forward,
 6 x train, plus attention 4 (12) x layers x hidden x seq; Narayanan et al. 2021)
-at ``mfu`` of the peak on the slowest DP replica's busiest pipeline stage (whole layers per stage,
-the head on the last), the pipeline bubble (m + p - 1) / m (Narayanan et al., 2021), TP
-all-reduces over the link, and the Adam step's memory traffic.
+at ``mfu`` of the peak on the slowest DP replica (the batch's tokens balanced over the replicas)
+and its busiest pipeline stage (whole layers per stage, the head on the last), the pipeline
+bubble (m + p - 1) / m (Narayanan et al., 2021), TP all-reduces over the link, and the Adam
+step's memory traffic.
 """
 
 from __future__ import annotations
@@ -242,6 +243,17 @@ def generation_s(
     return c.generate_fixed_s + prefill + float(replica.max())
 
 
+def balanced_replicas(lengths: np.ndarray, dp: int) -> np.ndarray:
+    """Response lengths per data-parallel replica of a pass, ``[dp, n]``: sorted longest first and
+    dealt out in a snake (replica 1 to dp, then dp to 1), so each replica holds about the mean. The
+    systems this world stands for balance the passes' ranks by tokens (verl's ``trainer.balance_batch``,
+    on by default; Nereus's dispatch); generation cannot, its lengths are not known before it runs."""
+    usable = len(lengths) - len(lengths) % dp
+    ranked = np.sort(lengths[:usable])[::-1].reshape(-1, dp)
+    ranked[1::2] = ranked[1::2, ::-1]
+    return ranked.T
+
+
 def pass_parts(
     lengths: np.ndarray, prompt: float, model: ModelSize, gpu: Gpu, shape: Shape, *, train: bool
 ) -> tuple[float, float]:
@@ -249,7 +261,7 @@ def pass_parts(
     FLOP/s on the slowest replica, bubble included, and the seconds that do not scale with MFU (TP
     all-reduces, the Adam step)."""
     mult, n_ar = (6.0, 4) if train else (2.0, 2)
-    seq = prompt + lengths[: len(lengths) - len(lengths) % shape.dp].astype(float).reshape(shape.dp, -1)
+    seq = prompt + balanced_replicas(lengths, shape.dp).astype(float)
     stages = pipeline_stages(model, shape.pp)
     flops = np.max(  # the busiest stage's, per replica
         [
