@@ -19,8 +19,8 @@ Unforced: switch iff, with ``g = T_now - T_new``,
   relative standard deviation of the plan in force's measured/predicted ratios, its
   step-to-step noise; a smaller gain could not be told from that noise by the steps
   that judge the new plan after the move (and send it back if it measures slower).
-  The floor is ``min_gain`` for a plan that never ran here (the cost model's error
-  between plans of different shapes reaches a few percent), ``min_measured_gain`` for one
+  The floor is ``min_gain`` for a plan that never ran here (it stands for the cost model's
+  error between plans of different shapes), ``min_measured_gain`` for one
   that ran here on this workload: a move chosen on a prediction that measures slower than
   the plan it left goes back on the measurement, not only once it is ``min_gain`` worse;
 - ``g * H >= (1 + margin) * C``: the saving over H, the remaining steps capped by
@@ -34,7 +34,7 @@ the workload and devices stay as they were. Forced (no dwell, no margin): when t
 is no plan yet, the devices changed, or the plan in force no longer fits; then the
 plan minimising ``T_new * H + C`` is taken. A forced move also weighs the plans that fit
 the forecast workload but not with the choosing margin (``tight``), when one is at least
-``min_gain`` faster than every plan that fits with it, charged a second move (it will be
+``min_tight_gain`` faster than every plan that fits with it, charged a second move (it will be
 forced out sooner): the margin must not buy a plan far slower than one that lasts the
 forecast (waves of generation that halve its speed, for one), nor a move every few steps
 for a small gain.
@@ -194,18 +194,18 @@ def forced(
     basis: Basis,
     horizon: int,
     usable: int,
-    min_gain: float = 0.0,
+    tight_gain: float = 0.0,
 ) -> Verdict:
     """The plan minimising ``T * H + C`` (plans left for being slower only if nothing else fits;
-    a tight plan only if ``min_gain`` faster than every plan that lasts, module docstring)."""
+    a tight plan only if ``tight_gain`` faster than every plan that lasts, module docstring)."""
     if not options:
         alts = memory_rejections(rejected, float("inf"), usable)
         return Verdict("none", f"{reason}; no plan fits in memory", None, alts, True)
     h, r = max(horizon, 1), basis.ratio
     allowed = [o for o in options if o.left_for is None] or list(options)
     lasting = [o for o in allowed if not o.tight]
-    if lasting:  # a tight plan only when it is faster than every lasting one by min_gain
-        floor = min(o.step_s(r) for o in lasting) * (1.0 - min_gain)
+    if lasting:  # a tight plan only when it is faster than every lasting one by tight_gain
+        floor = min(o.step_s(r) for o in lasting) * (1.0 - tight_gain)
         allowed = lasting + [o for o in allowed if o.tight and o.step_s(r) <= floor]
     best = min(allowed, key=lambda o: o.step_s(r) * h + o.forced_cost)
     alts = memory_rejections(rejected, best.est.step_s, usable)

@@ -306,7 +306,7 @@ def decide(
             basis=basis,
             horizon=horizon,
             usable=usable,
-            min_gain=s.min_gain,
+            tight_gain=s.min_tight_gain,
         )
     else:
         assert current is not None

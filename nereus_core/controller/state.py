@@ -30,11 +30,18 @@ class ControllerSettings(Frozen):
 
     margin: float = Field(default=0.2, ge=0, le=100, description="Gain must beat (1 + margin) x cost.")
     min_gain: float = Field(
-        default=0.03,
+        default=0.015,
         ge=0,
         le=1,
         description="Smallest unforced gain per step, as a share of the current plan's step time, "
         "whatever the noise (gains of 1e-4 s on 20 s steps were admitted).",
+    )
+    min_tight_gain: float = Field(
+        default=0.03,
+        ge=0,
+        le=1,
+        description="Smallest gain per step for which a forced move takes a plan that fits the forecast "
+        "only without choose_headroom, over the fastest plan that fits with it (a share of its step).",
     )
     min_measured_gain: float = Field(
         default=0.01,
