@@ -16,7 +16,9 @@ A controller that does not thrash:
   step-to-step noise, as well as pay for the move over the horizon;
 - a new plan must fit the forecast high response length with ``choose_headroom`` of
   the usable memory to spare; the plan in force is checked against today's workload
-  and the plain headroom, so small growth does not force a move every few steps.
+  and the plain headroom, so small growth does not force a move every few steps. A plan
+  that fits only without that margin is weighed too, charged a second move, when it is
+  ``min_tight_gain`` faster (``admission``).
 
 The data types live in ``controller.state`` and are re-exported here.
 """
@@ -225,6 +227,14 @@ def _candidates(
     return exact, found.rejected, found.variants
 
 
+def _tight_may_pay(exact: Sequence[PlanEstimate], rejected: Sequence, gain: float) -> bool:
+    """Whether a plan the choosing margin ruled out may be ``gain`` faster than the best kept one
+    (the search's memory rejections bound what a looser budget could find)."""
+    if not exact:
+        return bool(rejected)
+    return any(f.seconds < exact[0].step_s * (1.0 - gain) for f in rejected)
+
+
 def _option(
     e: PlanEstimate,
     observation: Observation,
@@ -280,8 +290,9 @@ def decide(
         observation.devices, choosing, state, budget, usable, cache_choose
     )
     tight: list[PlanEstimate] = []
-    if forced and budget < usable:
-        # Plans that fit the forecast but not with the margin: a forced move weighs them too (``admission``).
+    if budget < usable and (forced or _tight_may_pay(exact, rejected, s.min_tight_gain)):
+        # Plans that fit the forecast but not with the margin: admission weighs them too, charged a
+        # second move; unforced only when the search saw a plan that much faster than the best it kept.
         loose, loose_rejected, loose_variants = _candidates(
             observation.devices, choosing, state, usable, usable, cache_choose
         )

@@ -1,7 +1,7 @@
 """What a move must beat (nereus_core/controller/admission.py, history.py): a plan that ran here
-needs only the noise and ``min_measured_gain``, a plan that never ran ``min_gain``; a forced move
-takes a plan that fits the forecast without the choosing margin only when it is much faster; a
-record holds while the prompts vary by a few tokens."""
+needs only the noise and ``min_measured_gain``, a plan that never ran ``min_gain``; a move, forced
+or not, takes a plan that fits the forecast without the choosing margin only when it is much
+faster; a record holds while the prompts vary by a few tokens."""
 
 from __future__ import annotations
 
@@ -58,9 +58,34 @@ def test_a_forced_move_takes_a_tight_plan_only_when_it_is_much_faster() -> None:
     kw = dict(current=current, basis=Basis(), horizon=50, usable=72 * GB, tight_gain=0.03)
     assert forced("memory", [lasting, tight], [], **kw).chosen is tight
     assert forced("memory", [lasting, slightly], [], **kw).chosen is lasting
-    assert tight.forced_cost == 2 * MOVE.seconds and lasting.forced_cost == MOVE.seconds
+    assert tight.charged_s == 2 * MOVE.seconds and lasting.charged_s == MOVE.seconds
     # Only tight plans fit: one of them, rather than none.
     assert forced("memory", [slightly, tight], [], **kw).chosen is tight
+
+
+def test_an_unforced_move_takes_a_tight_plan_when_much_faster_and_worth_two_moves() -> None:
+    """A plan forced into more generation waves by a peak of the lengths must come back to fewer
+    when they fall, though the plan of fewer waves fits them only without the choosing margin; a
+    tight plan needs ``min_tight_gain`` and is charged the move out as well."""
+    current, other = _plans()  # the plan in force: 20 s a step
+    kw = dict(
+        current=current, basis=Basis(), horizon=50, steps_since_switch=10, settings=ControllerSettings()
+    )
+    tight = Option(
+        est=other.model_copy(update={"step_s": 15.0}), move=MOVE, ratio=None, left_for=None, tight=True
+    )
+    took = admit([tight], [], **kw)
+    assert took.action == "switch" and took.chosen is tight and "2 moves 2 s (tight)" in took.reason
+    # 2 % faster: enough for a lasting plan (min_gain 1.5 %), not for a tight one (min_tight_gain 3 %).
+    small = tight._replace(est=other.model_copy(update={"step_s": 19.6}))
+    assert admit([small], [], **kw).action == "keep"
+    assert admit([small._replace(tight=False)], [], **kw).action == "switch"
+    # The second move is charged: a gain that pays for one move over the horizon but not for two.
+    dear = TransitionEstimate.of(100.0, 0.0, None, critical_bytes=1, transfers=1, analytic=True)
+    pricey = tight._replace(est=other.model_copy(update={"step_s": 17.0}), move=dear)  # 3 s x 50 = 150 s
+    assert admit([pricey._replace(tight=False)], [], **kw).action == "switch"  # >= 1.2 x 100 s
+    refused = admit([pricey], [], **kw)  # < 1.2 x 200 s
+    assert refused.action == "keep" and "1.2 x move 200 s" in refused.alternatives[0].detail
 
 
 def test_a_record_holds_while_prompts_vary_by_a_few_tokens() -> None:
