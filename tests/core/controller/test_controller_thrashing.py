@@ -47,6 +47,37 @@ def test_a_slowly_growing_workload_does_not_force_repeated_moves() -> None:
     assert sum(forced for _, forced in old) >= 4  # the scenario does press on memory
 
 
+def _rise_and_fall(capacity: int, **kw) -> list[tuple[int, bool, float, float]]:
+    """Decisions on 8 slots while the responses grow 2% a step for 60 steps, then fall as fast;
+    the switches made: (step, forced, chosen plan's predicted step, its memory peak)."""
+    state, moves = fresh(**kw), []
+    for k in range(120):
+        mean = 512 * 1.02 ** (k if k < 60 else 120 - k)
+        w = work(batch=64, prompt=256, mean=mean, high=int(2 * mean))
+        d = decide(observe(8, capacity, w, remaining=1000 - k).model_copy(update={"step": k}), state)
+        if d.action == "switch" and k > 0:
+            moves.append((k, d.forced, d.chosen.step_s, d.chosen.memory_peak))
+        state = d.state
+    return moves
+
+
+def test_a_plan_forced_out_by_a_peak_comes_back_when_the_lengths_fall() -> None:
+    """The peak forces a plan that holds the forecast with the choosing margin; when the lengths fall,
+    a faster plan that fits them only without the margin is taken unforced (charged the move out
+    too); with no tight plan admitted (min_tight_gain 100 %, unforced moves as they were before) the
+    controller took a slower one, and moved once more."""
+    capacity = 12 * GB
+    budget = capacity * 0.9 * (1 - ControllerSettings().choose_headroom)
+    new, old = _rise_and_fall(capacity), _rise_and_fall(capacity, min_tight_gain=1.0)
+    assert [forced for _, forced, *_ in new if forced] == [True]  # the peak's move, and no other forced
+    back = [(k, step, mem) for k, forced, step, mem in new if not forced]
+    assert back and back[0][2] > budget, new  # the move back is to a tight plan
+    k, step, _ = back[0]
+    old_then = [(j, s) for j, forced, s, mem in old if not forced and j >= k]
+    assert old_then and old_then[0][1] > step * 1.01, old  # without tight plans: a slower one
+    assert len(new) < len(old)
+
+
 def _flip_world(steps: int, slow_after: int) -> list[str]:
     """Start on colocated dp=8; every other plan truly runs 1.6x its prediction; the start plan runs
     at its prediction, then measures 1.5x slower from ``slow_after`` (a noisy, shared machine). The
