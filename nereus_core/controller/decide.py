@@ -282,7 +282,7 @@ def decide(
     forced = admission.forced_reason(observation, state.plan, state.devices, current)
     here = _record_here(observation, state)
     pricing = _pricing(state)
-    basis = admission.Basis(history.ratio(here, pricing) or 1.0, history.spread(here, pricing))
+    basis = admission.Basis(history.ratio(here, pricing) or 1.0, history.spread(here, pricing, state.records))
     choosing = history.forecast(observation.workload, state.highs, s.forecast_steps)
     cache_choose = cache if choosing == observation.workload else {}
     budget = int(usable * (1.0 - s.choose_headroom))

@@ -95,11 +95,23 @@ def ratio(record: PlanRecord | None, pricing: Pricing) -> float | None:
     return statistics.median(r) if r else None
 
 
-def spread(record: PlanRecord | None, pricing: Pricing) -> float | None:
+def spread(record: PlanRecord | None, pricing: Pricing, records: Sequence[PlanRecord] = ()) -> float | None:
     """The relative standard deviation of the plan's measured/predicted ratios (its step-to-step
-    noise once the workload's drift is divided out), or None below two measurements."""
+    noise once the workload's drift is divided out), at least the job's pooled over ``records``;
+    None below two measurements of the plan. Three or five steps of one plan can show a tenth
+    of the noise the job has, which let one noisy run of steps send a plan away that was faster."""
     r = ratios(record, pricing)
-    return statistics.stdev(r) / statistics.fmean(r) if len(r) >= 2 else None
+    if len(r) < 2:
+        return None
+    own = statistics.stdev(r) / statistics.fmean(r)
+    squares, dof = 0.0, 0
+    for other in records:
+        rs = ratios(other, pricing)
+        if len(rs) >= 2:
+            mean = statistics.fmean(rs)
+            squares += sum((x / mean - 1.0) ** 2 for x in rs)
+            dof += len(rs) - 1
+    return max(own, math.sqrt(squares / dof)) if dof else own
 
 
 def measured_workload(plan: GlobalPlan, timings: Sequence[StageTiming]) -> Workload | None:

@@ -55,7 +55,8 @@ class ControllerSettings(Frozen):
         ge=0,
         le=100,
         description="An unforced gain must also be at least this many times the relative standard "
-        "deviation of the current plan's measured/predicted step times (its step-to-step noise).",
+        "deviation of the current plan's measured/predicted step times (its step-to-step noise), "
+        "at least the noise pooled over every plan the job measured.",
     )
     horizon: int = Field(default=50, ge=1, le=1_000_000, description="Most future steps a gain is credited.")
     dwell: int = Field(default=3, ge=0, le=1_000_000, description="Fewest steps between unforced switches.")

@@ -36,3 +36,26 @@ def test_a_measurement_is_re_priced_with_the_scales_of_the_day(then, now, wire) 
     )
     expected = evaluate_plan(PLAN, WORK, wired, 72 * GB).step_s
     assert abs(history.Pricing(wired.scales, wire, False).seconds(PLAN, kept) - expected) <= 1e-9 * expected
+
+
+def test_the_noise_floor_is_at_least_the_job_s_pooled_noise() -> None:
+    """Three steps of a plan that happened to measure alike must not set the noise floor: the
+    spread admission reads is at least the noise pooled over every plan's measurements."""
+    state = ControllerState.initial(models_for(MID), H100, ControllerSettings(), stages=PPO_STAGES)
+    pricing = history.Pricing(state.scales, 1.0, False)
+    other = GlobalPlan(placement="colocated", layouts=dict.fromkeys(MODEL_STAGES, Layout.contiguous(tp=1, dp=8)))
+    records: tuple = ()
+    for plan, noise in ((other, (0.94, 1.06, 0.97, 1.05, 0.98)), (PLAN, (1.0, 1.001, 0.999))):
+        terms = pricing.terms(evaluate_plan(plan, WORK, state, 72 * GB))
+        for step, n in enumerate(noise):
+            seconds = pricing.seconds(plan, terms) * n
+            records = history.remember(
+                records, plan, seconds=seconds, predicted=terms, workload=WORK, devices=8, step=step, margin=0.2
+            )
+    here = history.find(records, PLAN.plan_id, WORK, 8, 0.2)
+    own = history.spread(here, pricing)
+    pooled = history.spread(here, pricing, records)
+    assert own is not None and own < 0.002
+    # (0.94 .. 1.06 over 4 degrees of freedom, 3 steps at 1e-3 over 2): about 4 %.
+    assert pooled is not None and 0.03 < pooled < 0.05
+    assert history.spread(None, pricing, records) is None  # no floor of its own below two steps
