@@ -22,24 +22,7 @@ simulator, then, at the last step, with the scales calibrated on everything the 
 
 Targets (the issue): Spearman >= 0.7 and regret <= 3%.
 
-Measured (2026-12-02, full 708-step trace, seeds 0 / 1), before -> after generation's and the
-passes' TP collectives and each kind's fixed cost got scales of their own, and the probes:
-
-| | 64 GPUs | 1,024 GPUs |
-|---|---|---|
-| plans: Spearman | 0.61 / 0.68 -> 0.72 / 0.72 | 0.70 / 0.75 -> 0.78 / 0.81 |
-| plans: regret of the model's pick | 2.2% / 1.0% -> 1.7% / 1.6% | 1.2% / 1.0% -> 1.1% / 1.1% |
-| actor/generate layouts: Spearman | 0.79 / 0.61 -> 0.91 / 0.90 | 0.54 / 0.43 -> 0.81 / 0.73 |
-| infer/train layouts: Spearman | -0.87 .. -0.20 -> -0.89 .. 0.00 | -0.85 .. -0.46 -> -0.90 .. -0.20 |
-| compute scale | 0.57 / 0.66 -> 0.45 / 0.50 | 2.03 / 2.14 -> 0.96 / 1.13 |
-| generation TP first changed (step) | 436 / 423 -> 133 / 133 | never (tp8 throughout) |
-| mean true step (s) | 134.9 / 134.7 -> 131.1 / 131.2 | 75.2 / 75.1 -> 75.1 / 75.1 |
-
-The infer/train layouts stay mis-ranked: among the competing ones (true times within ~8% of
-each other) the world and the cost model disagree on structure no scale can absorb: the cost
-model puts the LM head on the last pipeline stage (pp 16-32 priced up to 2x the world's,
-which splits the FLOPs evenly) and prices a pass at the mean length, where the world waits
-for its slowest data-parallel replica (fewer, larger replicas win there).
+Figures, dated and with their commands, are in docs/results/ (the index there names the latest).
 
     python -m benchmarks.rank_cost_model [--devices 64 1024] [--steps N] [--seed 0]
 """
