@@ -18,8 +18,9 @@ Unforced: switch iff, with ``g = T_now - T_new``,
 - ``g >= need * T_now``, ``need = max(floor, noise_z * spread)``: ``spread`` is the
   relative standard deviation of the plan in force's measured/predicted ratios, its
   step-to-step noise, at least the noise pooled over every plan the job measured (a few
-  steps that happened to measure alike must not lower it); a smaller gain could not be told from that noise by the steps
-  that judge the new plan after the move (and send it back if it measures slower).
+  steps that happened to measure alike must not lower it); a smaller gain could not be
+  told from that noise by the steps that judge the new plan after the move (and send it
+  back if it measures slower).
   The floor is ``min_gain`` for a plan that never ran here (it stands for the cost model's
   error between plans of different shapes), ``min_measured_gain`` for one
   that ran here on this workload: a move chosen on a prediction that measures slower than

@@ -43,14 +43,23 @@ def test_the_noise_floor_is_at_least_the_job_s_pooled_noise() -> None:
     spread admission reads is at least the noise pooled over every plan's measurements."""
     state = ControllerState.initial(models_for(MID), H100, ControllerSettings(), stages=PPO_STAGES)
     pricing = history.Pricing(state.scales, 1.0, False)
-    other = GlobalPlan(placement="colocated", layouts=dict.fromkeys(MODEL_STAGES, Layout.contiguous(tp=1, dp=8)))
+    other = GlobalPlan(
+        placement="colocated", layouts=dict.fromkeys(MODEL_STAGES, Layout.contiguous(tp=1, dp=8))
+    )
     records: tuple = ()
     for plan, noise in ((other, (0.94, 1.06, 0.97, 1.05, 0.98)), (PLAN, (1.0, 1.001, 0.999))):
         terms = pricing.terms(evaluate_plan(plan, WORK, state, 72 * GB))
         for step, n in enumerate(noise):
             seconds = pricing.seconds(plan, terms) * n
             records = history.remember(
-                records, plan, seconds=seconds, predicted=terms, workload=WORK, devices=8, step=step, margin=0.2
+                records,
+                plan,
+                seconds=seconds,
+                predicted=terms,
+                workload=WORK,
+                devices=8,
+                step=step,
+                margin=0.2,
             )
     here = history.find(records, PLAN.plan_id, WORK, 8, 0.2)
     own = history.spread(here, pricing)
