@@ -100,18 +100,21 @@ def spread(record: PlanRecord | None, pricing: Pricing, records: Sequence[PlanRe
     noise once the workload's drift is divided out), at least the job's pooled over ``records``;
     None below two measurements of the plan. Three or five steps of one plan can show a tenth
     of the noise the job has, which let one noisy run of steps send a plan away that was faster."""
-    r = ratios(record, pricing)
-    if len(r) < 2:
+    own = ratios(record, pricing)
+    if len(own) < 2:
         return None
-    own = statistics.stdev(r) / statistics.fmean(r)
+    return max(_pooled_noise([own]), _pooled_noise([ratios(r, pricing) for r in records]))
+
+
+def _pooled_noise(samples: Sequence[Sequence[float]]) -> float:
+    """The relative standard deviation pooled over samples of two or more (each about its own
+    mean, one degree of freedom lost per sample); 0 when none has two."""
     squares, dof = 0.0, 0
-    for other in records:
-        rs = ratios(other, pricing)
-        if len(rs) >= 2:
-            mean = statistics.fmean(rs)
-            squares += sum((x / mean - 1.0) ** 2 for x in rs)
-            dof += len(rs) - 1
-    return max(own, math.sqrt(squares / dof)) if dof else own
+    for rs in (r for r in samples if len(r) >= 2):
+        mean = statistics.fmean(rs)
+        squares += sum((x / mean - 1.0) ** 2 for x in rs)
+        dof += len(rs) - 1
+    return math.sqrt(squares / dof) if dof else 0.0
 
 
 def measured_workload(plan: GlobalPlan, timings: Sequence[StageTiming]) -> Workload | None:
