@@ -8,8 +8,14 @@ space can beat it; a switch only costs more. Beside it, on the same steps, each 
 of the trace as the sweep runs it (its oracle-picked or documented plan, DP rescaled when the
 devices change, micro-batches re-picked in truth, OpenRLHF's weight sync one tensor at a time).
 
-Reported per trace: each strategy's sampled mean true step and ``ceiling``, the strategy's
-total over the ceiling's (above 1: the best plan per step is that much faster). Step times are
+Below the ceiling, the floor of any plan of any shape (``World.floor_s``: one generation call and
+the longest response's decode iterations, each pass phase's fixed cost once and its FLOPs spread
+over every device with no bubble, TP traffic, imbalance, sync or memory limit): what no system in
+this world can beat, in or out of this plan space.
+
+Reported per trace: each strategy's sampled mean true step, ``ceiling`` and ``floor``; the
+strategy's total over the ceiling's (above 1: the best plan per step is that much faster); each
+one's total over the floor's (``over_floor``: no plan can be more than that factor faster). Step times are
 the world's ``step_seconds`` with pools taking turns (``overlap_disaggregated`` off, as the job
 runs). The search's tables are the cost model's candidates; the ceiling is over those layouts,
 so it bounds what this controller's search can reach, not every conceivable plan.
@@ -103,7 +109,7 @@ def evaluate(
             plan = strategy.initial_plan(world)
             fixed[name] = (plan, world.per_tensor_sync)
             world.per_tensor_sync = False
-    totals = {name: 0.0 for name in fixed} | {"ceiling": 0.0}
+    totals = {name: 0.0 for name in fixed} | {"ceiling": 0.0, "floor": 0.0}
     unfit = {name: 0 for name in fixed}
     picks: dict[str, int] = {}
     steps = sample_steps(trace.steps, samples)
@@ -112,6 +118,7 @@ def evaluate(
         usable = usable_bytes(trace.memory_bytes(k), config.controller.headroom)
         best, plan = ceiling(world, k, config, usable)
         totals["ceiling"] += best
+        totals["floor"] += sum(world.floor_s(k).values())
         picks[plan.placement] = picks.get(plan.placement, 0) + 1
         for name, (base, per_tensor) in fixed.items():
             start, now = int(trace.devices[0]), int(trace.devices[k])
@@ -121,13 +128,16 @@ def evaluate(
             totals[name] += seconds
     # A plan that does not fit a sampled step has no step time there (the sweep charges it a failed
     # attempt and a restart instead); its ratio is left out.
-    fits = {n for n in fixed if not unfit[n]} | {"ceiling"}
+    fits = {n for n in fixed if not unfit[n]} | {"ceiling", "floor"}
     return {
         "trace": trace.name,
         "seed": seed,
         "sampled_steps": len(steps),
         "mean_true_step_s": {n: round(totals[n] / len(steps), 2) for n in sorted(fits)},
-        "over_ceiling": {n: round(totals[n] / totals["ceiling"], 4) for n in sorted(fits - {"ceiling"})},
+        "over_ceiling": {
+            n: round(totals[n] / totals["ceiling"], 4) for n in sorted(fits - {"ceiling", "floor"})
+        },
+        "over_floor": {n: round(totals[n] / totals["floor"], 4) for n in sorted(fits - {"floor"})},
         "does_not_fit_steps": {n: c for n, c in unfit.items() if c},
         "ceiling_placements": picks,
     }

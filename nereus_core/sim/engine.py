@@ -141,6 +141,7 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
                 "restart_s": restart,
                 "step_s": stage_s + decide_s + restart,
                 "true_step_s": true_s,
+                "floor_step_s": sum(world.floor_s(k).values()),
                 "predicted_step_s": math.nan if predicted is None else predicted,
                 "move": move.kind,
                 "transition_s": move.transition_s,

@@ -17,6 +17,9 @@ Per run (one trace, strategy and seed):
   that only change micro-batch counts.
   ``transition_s_total`` counts both; ``transition_overhead_frac`` = it / total_s.
 - ``controller_s_total`` and ``controller_overhead_frac``: decision time charged.
+- ``floor_step_s``: the mean of what no plan of any shape can beat at each step in this world
+  (``World.floor_s``); ``step_over_floor`` = ``mean_step_s`` / it: no strategy can take a mean step
+  more than that factor below this one's.
 - ``prediction_error_*``: |calibrated predicted step - true step| / true step, mean over
   steps [0, 5) and [45, 55) (adaptive strategy only).
 """
@@ -49,6 +52,8 @@ FIELDS = (
     "tokens",
     "prediction_error_first5",
     "prediction_error_45_55",
+    "floor_step_s",
+    "step_over_floor",
 )
 
 
@@ -79,6 +84,8 @@ def summarize_run(records: Sequence[dict]) -> dict[str, float | int | None]:
     total = steps + transition_s
     tokens = sum(r["tokens"] for r in records)
     controller = sum(r["decide_s"] for r in records)
+    # Runs kept by a sweep before the floor was recorded have none.
+    floor = None if any("floor_step_s" not in r for r in records) else sum(r["floor_step_s"] for r in records)
     return {
         "steps": len(records),
         "mean_step_s": steps / len(records),
@@ -101,6 +108,8 @@ def summarize_run(records: Sequence[dict]) -> dict[str, float | int | None]:
         "tokens": tokens,
         "prediction_error_first5": _mean_error(records, 0, 5),
         "prediction_error_45_55": _mean_error(records, 45, 55),
+        "floor_step_s": None if floor is None else floor / len(records),
+        "step_over_floor": None if floor is None else steps / floor,
     }
 
 

@@ -189,6 +189,29 @@ class World:
             )
         return found
 
+    def floor_s(self, k: int) -> dict[str, float]:
+        """Seconds per phase of step ``k`` that no plan of any shape can beat in this world: generation
+        pays its call and at least the longest response's decode iterations (that sequence's replica
+        decodes them one after another); each pass phase pays one call and its FLOPs spread over every
+        device at ``mfu`` with no bubble, imbalance or TP traffic (for disjoint pools, the slowest pool
+        is at least the phase's total work over all devices); no weight sync, no memory limit. On-policy
+        PPO runs the phases one after another."""
+        size_of, c, p = self.sizes, self.constants, self.profile
+        n = int(self.trace.devices[k])
+        gpu = stage_world.Gpu(p.name, p.peak_flops, p.memory_bandwidth, float(self.trace.memory_bytes(k)))
+        lengths, prompt, epochs = self.lengths(k), float(self.trace.prompt_len[k]), self.trace.ppo_epochs
+        out = {"generate": c.generate_fixed_s + c.decode_step_s * float(lengths.max())}
+        for kind in ("infer", "train"):
+            work = 0.0  # device-seconds of the phase: one device running the whole batch
+            for stage in (s for s in self.stages if stage_kind(s) == kind):
+                peak_s, other = stage_world.pass_parts(
+                    lengths, prompt, size_of[model_of(stage)], gpu, stage_world.Shape(), train=kind == "train"
+                )
+                work += (peak_s / c.mfu + other) * (epochs if kind == "train" else 1)
+            fixed = c.train_fixed_s if kind == "train" else c.infer_fixed_s
+            out[kind] = fixed + work / n if work else 0.0
+        return out
+
     def begin_step(self, k: int = 0) -> None:
         """Start step ``k``: forget the evaluations of earlier steps (each step has its own workload)."""
         self.k = k

@@ -1,4 +1,5 @@
-"""benchmarks/plan_headroom.py: the ceiling is the fastest plan in truth, so no fixed plan beats it."""
+"""benchmarks/plan_headroom.py: the ceiling is the fastest plan in truth, so no fixed plan beats it, and
+the floor of any plan shape is below them all."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def test_no_fixed_strategy_is_faster_than_the_ceiling() -> None:
     # The search's knapsack works on memory buckets: a hair of slack against a plan it did not build.
     assert all(ratio >= 0.995 for ratio in out["over_ceiling"].values()), out
     assert out["mean_true_step_s"]["ceiling"] > 0
+    # The floor of any plan shape lies below the ceiling of the search's plans, and so below them all.
+    assert set(out["over_floor"]) == {"verl", "static", "openrlhf", "ceiling"}
+    assert all(ratio > 1 for ratio in out["over_floor"].values()), out
 
 
 def test_the_ceiling_searches_in_truth_not_by_the_cost_models_seconds() -> None:

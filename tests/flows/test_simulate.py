@@ -29,6 +29,8 @@ FIELDS = (
     "transitions",
     "transition_s_total",
     "transition_overhead_frac",
+    "floor_step_s",
+    "step_over_floor",
 )
 
 
@@ -84,6 +86,10 @@ def test_the_flow_writes_summary_steps_and_plots(out_dir: Path) -> None:
         per = tiny["strategies"][name]
         assert all(isinstance(per[f], int | float) and not math.isnan(per[f]) for f in FIELDS), name
         assert per["throughput_tokens_per_s"] > 0 and 0 <= per["transition_overhead_frac"] < 1
+        # One floor per (trace, seed), below every strategy's mean step.
+        assert (
+            per["floor_step_s"] == tiny["strategies"]["nereus"]["floor_step_s"] and per["step_over_floor"] > 1
+        )
     assert set(tiny["compare"]) == {"static", "verl"}
     assert set(summary["traces"]["tiny-8"]["strategies"]) == {"nereus", "static"}
     steps = pq.read_table(out_dir / "steps.parquet").to_pylist()

@@ -190,3 +190,34 @@ def test_pass_replicas_hold_balanced_tokens() -> None:
     assert tokens.max() / tokens.mean() < 1.01
     contiguous = (84.0 + lengths.reshape(64, -1)).sum(axis=1)
     assert contiguous.max() / contiguous.mean() > 1.1
+
+
+# ---------------------------------------------------------------- the floor no plan can beat
+
+
+def test_the_floor_is_below_every_layout_s_truth_phase_by_phase() -> None:
+    world, _ = small_world(devices=16)
+    world.begin_step(1)
+    work = world.trace.workloads[1]
+    floor = world.floor_s(1)
+    c, lengths = world.constants, world.lengths(1)
+    assert floor["generate"] == pytest.approx(c.generate_fixed_s + c.decode_step_s * lengths.max())
+    degrees = [(tp, pp, 16 // (tp * pp)) for tp in (1, 2, 4, 8) for pp in (1, 2, 4) if tp * pp <= 16]
+    by_kind: dict[str, list[float]] = {"generate": [], "infer": [], "train": []}
+    for tp, pp, dp in degrees:
+        for m in (1, 2, 4):
+            layout = Layout.contiguous(tp=tp, pp=pp, dp=dp, micro_batches=m)
+            for kind, stages in (("generate", [GENERATE]), ("infer", INFER), ("train", TRAIN)):
+                # The stages of a pass phase one after another on all 16 devices (colocated), and the
+                # slowest of them alone on a quarter of the devices (a phased pool).
+                if kind == "generate":
+                    by_kind[kind].append(world.truth_s(GENERATE, layout, work))
+                    continue
+                by_kind[kind].append(sum(world.truth_s(s, layout, work) for s in stages))
+                if dp % 4 == 0:
+                    quarter = Layout.contiguous(tp=tp, pp=pp, dp=dp // 4, micro_batches=m)
+                    by_kind[kind].append(max(world.truth_s(s, quarter, work) for s in stages))
+    for kind, seconds in by_kind.items():
+        # Below every one, and within reach of the best (the floor is not vacuous).
+        assert floor[kind] <= min(seconds), (kind, floor[kind], min(seconds))
+        assert min(seconds) <= 1.5 * floor[kind], (kind, floor[kind], min(seconds))
