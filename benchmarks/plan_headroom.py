@@ -20,7 +20,14 @@ the world's ``step_seconds`` with pools taking turns (``overlap_disaggregated`` 
 runs). The search's tables are the cost model's candidates; the ceiling is over those layouts,
 so it bounds what this controller's search can reach, not every conceivable plan.
 
+With ``--sharded-weights`` every strategy and the ceiling run in a what-if world whose train and
+forward stages hold their weights sharded over their data-parallel ranks (FSDP full shard /
+ZeRO-3, verl's default trainer; the cost model and the runtime know ZeRO-1 only, so no strategy
+gets this in the sweep). Only the weights' bytes change: the gather traffic is not charged
+(optimistic) and the gradients stay whole (pessimistic).
+
     python -m benchmarks.plan_headroom [--samples 24] [--seed 0] [--traces fixed-64 grow-1024]
+                                       [--sharded-weights]
 """
 
 from __future__ import annotations
@@ -36,16 +43,18 @@ import numpy as np
 import yaml
 
 from nereus_core.controller.search import Searcher, SearchSpace
+from nereus_core.cost.geometry import model_stats, value_bytes
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import step_seconds
-from nereus_core.cost.stage_cost import Scales
-from nereus_core.plan import GlobalPlan
+from nereus_core.cost.stage_cost import Scales, Workload, stage_kind
+from nereus_core.layout import Layout
+from nereus_core.plan import GlobalPlan, model_of
 from nereus_core.sim.baselines import sample_steps
 from nereus_core.sim.config import SimConfig, parse_sim_config
 from nereus_core.sim.job import make_strategy
 from nereus_core.sim.strategies import FixedStrategy, rescale
 from nereus_core.sim.trace import Trace
-from nereus_core.sim.world import World, usable_bytes
+from nereus_core.sim.world import StageEval, World, usable_bytes
 from tasks.sim_tasks import load_traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +76,20 @@ class TruthSearcher(Searcher):
             true = [self.world.truth_s(stage, t.layout(i, first), self.work) for i in range(len(t.seconds))]
             self._true[key] = replace(t, seconds=np.where(np.isfinite(t.seconds), true, np.inf))
         return self._true[key]
+
+
+class ShardedWeightsWorld(World):
+    """The world with every train and forward stage's weights sharded over its data-parallel ranks."""
+
+    def stage(self, stage: str, layout: Layout, work: Workload) -> StageEval:
+        found = super().stage(stage, layout, work)
+        if stage_kind(stage) == "generate" or layout.dp == 1:
+            return found
+        stats = model_stats(self.models[model_of(stage)])
+        weights = (
+            float(self._geometry(stage, layout).device_params[0]) * value_bytes(stats, self.profile).weight
+        )
+        return found._replace(persistent=found.persistent - weights + weights / layout.dp)
 
 
 def true_step_s(world: World, plan: GlobalPlan, k: int, usable: float, *, per_tensor: bool) -> float:
@@ -99,9 +122,16 @@ def ceiling(world: World, k: int, config: SimConfig, usable: float) -> tuple[flo
 
 
 def evaluate(
-    config: SimConfig, trace: Trace, strategies: list[str], samples: int, seed: int
+    config: SimConfig,
+    trace: Trace,
+    strategies: list[str],
+    samples: int,
+    seed: int,
+    *,
+    world_type: type[World] = World,
 ) -> dict[str, Any]:
-    world = World(trace, config.model, get_profile(config.profile), config.noise, seed, stages=config.stages)
+    profile = get_profile(config.profile)
+    world = world_type(trace, config.model, profile, config.noise, seed, stages=config.stages)
     fixed: dict[str, tuple[GlobalPlan, bool]] = {}
     for name in strategies:
         strategy = make_strategy(config, name)
@@ -148,6 +178,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=24, help="Steps sampled evenly per trace.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--traces", nargs="+", default=None, help="Trace names (default: all of the config).")
+    parser.add_argument(
+        "--sharded-weights",
+        action="store_true",
+        help="The what-if world of train/forward weights sharded over dp.",
+    )
     args = parser.parse_args()
     config = parse_sim_config(yaml.safe_load(CONFIG.read_text()))
     traces = load_traces.fn(config, str(CONFIG.parent))  # the parsing alone, no Prefect run
@@ -157,9 +192,10 @@ def main() -> None:
             continue
         started = time.perf_counter()
         names = list(config.strategies_for(spec))
-        out = evaluate(
-            config, replace(traces[spec.name], ppo_epochs=config.ppo_epochs), names, args.samples, args.seed
-        )
+        trace = replace(traces[spec.name], ppo_epochs=config.ppo_epochs)
+        world_type = ShardedWeightsWorld if args.sharded_weights else World
+        out = evaluate(config, trace, names, args.samples, args.seed, world_type=world_type)
+        out["sharded_weights"] = args.sharded_weights
         out["wall_s"] = round(time.perf_counter() - started, 1)
         results.append(out)
         print(json.dumps(out), flush=True)

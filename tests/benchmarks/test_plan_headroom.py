@@ -11,6 +11,7 @@ from benchmarks import plan_headroom as ph
 from nereus_core.controller.search import Searcher, SearchSpace
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.stage_cost import Scales
+from nereus_core.layout import Layout
 from nereus_core.sim.config import parse_sim_config
 from nereus_core.sim.trace import parse_trace
 from nereus_core.sim.world import World, usable_bytes
@@ -52,3 +53,18 @@ def test_the_ceiling_searches_in_truth_not_by_the_cost_models_seconds() -> None:
         best, _ = ph.ceiling(world, k, CONFIG, usable)
         gaps.append(by_model / best)
     assert min(gaps) >= 0.995 and max(gaps) > 1.005, gaps  # 1.002, 1.010, 1.008 when written
+
+
+def test_the_sharded_weights_world_shards_only_the_weights_of_train_and_forward_stages() -> None:
+    args = (TRACE, CONFIG.model, get_profile(CONFIG.profile), CONFIG.noise, 0)
+    whole, sharded = World(*args, stages=CONFIG.stages), ph.ShardedWeightsWorld(*args, stages=CONFIG.stages)
+    work = TRACE.workloads[0]
+    layout = Layout.contiguous(tp=2, pp=2, dp=4)
+    for stage in ("actor/train", "reference/infer"):
+        a, b = whole.stage(stage, layout, work), sharded.stage(stage, layout, work)
+        # bf16 weights of a quarter of Llama-3-8B's per device (tp2 x pp2), three of four shards gone.
+        assert 0.75 * 3.5e9 < a.persistent - b.persistent < 0.75 * 4.5e9, stage
+        assert (a.seconds, a.transient) == (b.seconds, b.transient)
+    gen = Layout.contiguous(tp=2, dp=8)
+    a, b = whole.stage("actor/generate", gen, work), sharded.stage("actor/generate", gen, work)
+    assert (a.persistent, a.transient, a.seconds) == (b.persistent, b.transient, b.seconds)
