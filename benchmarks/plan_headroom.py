@@ -20,11 +20,11 @@ the world's ``step_seconds`` with pools taking turns (``overlap_disaggregated`` 
 runs). The search's tables are the cost model's candidates; the ceiling is over those layouts,
 so it bounds what this controller's search can reach, not every conceivable plan.
 
-With ``--sharded-weights`` every strategy and the ceiling run in a what-if world whose train and
-forward stages hold their weights sharded over their data-parallel ranks (FSDP full shard /
-ZeRO-3, verl's default trainer; the cost model and the runtime know ZeRO-1 only, so no strategy
-gets this in the sweep). Only the weights' bytes change: the gather traffic is not charged
-(optimistic) and the gradients stay whole (pessimistic).
+verl and OpenRLHF hold their train and forward weights sharded over their data-parallel ranks,
+as their strategies set the world (``World.sharded_weights``: verl's FSDP, OpenRLHF's ZeRO-3).
+With ``--sharded-weights`` Nereus's side (static and the ceiling) is held that way too: a what-if,
+since Nereus's cost model, search and runtime know ZeRO-1 only (the ceiling's candidates are still
+the search's, pruned by ZeRO-1 memory).
 
     python -m benchmarks.plan_headroom [--samples 24] [--seed 0] [--traces fixed-64 grow-1024]
                                        [--sharded-weights]
@@ -43,18 +43,16 @@ import numpy as np
 import yaml
 
 from nereus_core.controller.search import Searcher, SearchSpace
-from nereus_core.cost.geometry import model_stats, value_bytes
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import step_seconds
-from nereus_core.cost.stage_cost import Scales, Workload, stage_kind
-from nereus_core.layout import Layout
-from nereus_core.plan import GlobalPlan, model_of
+from nereus_core.cost.stage_cost import Scales
+from nereus_core.plan import GlobalPlan
 from nereus_core.sim.baselines import sample_steps
 from nereus_core.sim.config import SimConfig, parse_sim_config
 from nereus_core.sim.job import make_strategy
 from nereus_core.sim.strategies import FixedStrategy, rescale
 from nereus_core.sim.trace import Trace
-from nereus_core.sim.world import StageEval, World, usable_bytes
+from nereus_core.sim.world import World, usable_bytes
 from tasks.sim_tasks import load_traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,30 +76,20 @@ class TruthSearcher(Searcher):
         return self._true[key]
 
 
-class ShardedWeightsWorld(World):
-    """The world with every train and forward stage's weights sharded over its data-parallel ranks."""
-
-    def stage(self, stage: str, layout: Layout, work: Workload) -> StageEval:
-        found = super().stage(stage, layout, work)
-        if stage_kind(stage) == "generate" or layout.dp == 1:
-            return found
-        stats = model_stats(self.models[model_of(stage)])
-        weights = (
-            float(self._geometry(stage, layout).device_params[0]) * value_bytes(stats, self.profile).weight
-        )
-        return found._replace(persistent=found.persistent - weights + weights / layout.dp)
-
-
-def true_step_s(world: World, plan: GlobalPlan, k: int, usable: float, *, per_tensor: bool) -> float:
+def true_step_s(
+    world: World, plan: GlobalPlan, k: int, usable: float, *, per_tensor: bool, sharded: bool
+) -> float:
     """The world's step time of ``plan`` at step ``k`` with micro-batches re-picked in truth (inf: no fit)."""
-    world.per_tensor_sync = per_tensor
+    world.per_tensor_sync, world.sharded_weights = per_tensor, sharded
     tuned, fits, seconds = world.tune(plan, world.trace.workloads[k], usable)
     sync = world.true_sync_s(tuned)
-    world.per_tensor_sync = False
+    world.per_tensor_sync = world.sharded_weights = False
     return step_seconds(tuned.layouts, seconds, sync, overlap=False) if fits else float("inf")
 
 
-def ceiling(world: World, k: int, config: SimConfig, usable: float) -> tuple[float, GlobalPlan]:
+def ceiling(
+    world: World, k: int, config: SimConfig, usable: float, *, sharded: bool = False
+) -> tuple[float, GlobalPlan]:
     """The fastest plan in truth at step ``k`` among the search's best plan per split and its variants."""
     s, tr = config.controller, world.trace
     space = SearchSpace(
@@ -118,7 +106,10 @@ def ceiling(world: World, k: int, config: SimConfig, usable: float) -> tuple[flo
     plans = [f.plan for f in found.feasible] + [f.plan for f in found.variants]
     if not plans:
         raise ValueError(f"trace {tr.name}, step {k}: no plan of the search fits {usable:.3g} bytes a device")
-    return min(((true_step_s(world, p, k, usable, per_tensor=False), p) for p in plans), key=lambda t: t[0])
+    return min(
+        ((true_step_s(world, p, k, usable, per_tensor=False, sharded=sharded), p) for p in plans),
+        key=lambda t: t[0],
+    )
 
 
 def evaluate(
@@ -128,17 +119,19 @@ def evaluate(
     samples: int,
     seed: int,
     *,
-    world_type: type[World] = World,
+    nereus_sharded: bool = False,
 ) -> dict[str, Any]:
-    profile = get_profile(config.profile)
-    world = world_type(trace, config.model, profile, config.noise, seed, stages=config.stages)
+    world = World(trace, config.model, get_profile(config.profile), config.noise, seed, stages=config.stages)
     fixed: dict[str, tuple[GlobalPlan, bool]] = {}
     for name in strategies:
         strategy = make_strategy(config, name)
         if isinstance(strategy, FixedStrategy):
             plan = strategy.initial_plan(world)
-            fixed[name] = (plan, world.per_tensor_sync)
-            world.per_tensor_sync = False
+            # As its strategy set the world for it (a baseline's broadcast, its sharded weights); the
+            # strategies of Nereus's plan space (static) shard only in the what-if.
+            sharded = world.sharded_weights or nereus_sharded
+            fixed[name] = (plan, world.per_tensor_sync, sharded)
+            world.per_tensor_sync = world.sharded_weights = False
     totals = {name: 0.0 for name in fixed} | {"ceiling": 0.0, "floor": 0.0}
     unfit = {name: 0 for name in fixed}
     picks: dict[str, int] = {}
@@ -146,14 +139,14 @@ def evaluate(
     for k in steps:
         world.begin_step(k)
         usable = usable_bytes(trace.memory_bytes(k), config.controller.headroom)
-        best, plan = ceiling(world, k, config, usable)
+        best, plan = ceiling(world, k, config, usable, sharded=nereus_sharded)
         totals["ceiling"] += best
         totals["floor"] += sum(world.floor_s(k).values())
         picks[plan.placement] = picks.get(plan.placement, 0) + 1
-        for name, (base, per_tensor) in fixed.items():
+        for name, (base, per_tensor, sharded) in fixed.items():
             start, now = int(trace.devices[0]), int(trace.devices[k])
             run = base if now == start else rescale(base, start, now, int(trace.batch[k]))
-            seconds = true_step_s(world, run, k, usable, per_tensor=per_tensor)
+            seconds = true_step_s(world, run, k, usable, per_tensor=per_tensor, sharded=sharded)
             unfit[name] += not np.isfinite(seconds)
             totals[name] += seconds
     # A plan that does not fit a sampled step has no step time there (the sweep charges it a failed
@@ -193,8 +186,7 @@ def main() -> None:
         started = time.perf_counter()
         names = list(config.strategies_for(spec))
         trace = replace(traces[spec.name], ppo_epochs=config.ppo_epochs)
-        world_type = ShardedWeightsWorld if args.sharded_weights else World
-        out = evaluate(config, trace, names, args.samples, args.seed, world_type=world_type)
+        out = evaluate(config, trace, names, args.samples, args.seed, nereus_sharded=args.sharded_weights)
         out["sharded_weights"] = args.sharded_weights
         out["wall_s"] = round(time.perf_counter() - started, 1)
         results.append(out)

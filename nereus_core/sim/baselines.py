@@ -29,10 +29,14 @@ waves, verl's dynamic batch size) are re-picked every step at the true cost.
 ``config: default`` replaces the oracle by each one's documented example for an 8B model
 (``DEFAULTS``): verl's ``ppo_trainer.yaml`` (one colocated pool, FSDP, vLLM
 ``tensor_model_parallel_size: 2``) and OpenRLHF's README PPO command for Llama-3-8B
-(``--colocate_all_models``, ``--vllm_tensor_parallel_size 2``, ZeRO-3). The cost model's memory
-knows ZeRO-1 only, so the train and forward layouts take the smallest TP of 1, 2, 4, 8 whose plan
-fits every sampled step (FSDP/ZeRO-3 without TP where that fits; verl's Megatron examples for 7B
-use TP4), the one choice left open, in their favour.
+(``--colocate_all_models``, ``--vllm_tensor_parallel_size 2``, ZeRO-3); the train and forward
+layouts take the smallest TP of 1, 2, 4, 8 whose plan fits every sampled step (FSDP/ZeRO-3 without
+TP where that fits; verl's Megatron examples for 7B use TP4), the one choice left open.
+
+Both hold their train and forward weights sharded over the data-parallel ranks (verl's FSDP,
+OpenRLHF's ZeRO-3; ``World.sharded_weights``), in memory only: the gathers' traffic is not
+charged, in their favour. Their candidate layouts still come from the cost model's search, whose
+memory knows ZeRO-1 (as Nereus's runtime does), and are then fitted in the sharded memory.
 
 OpenRLHF's weight sync is priced one tensor at a time where it broadcasts over NCCL (its
 ``_broadcast_to_vllm``; ``World.per_tensor_sync``, ``transitions.sync_s``), by CUDA IPC when
@@ -155,6 +159,7 @@ class VerlStrategy(FixedStrategy):
         n = int(tr.devices[0])
         usable = usable_bytes(tr.memory_bytes(0), self.headroom)
         works = [tr.workloads[i] for i in sample_steps(tr.steps, self.spec.tune_steps)]
+        world.sharded_weights = True  # FSDP full shard: ppo_trainer.yaml's actor, critic and ref strategy
         if self.spec.config == "default":
             return default_plan(world, "verl", works, usable, self.combine)
         by_length = sorted(works, key=lambda w: w.response_mean)
@@ -214,6 +219,7 @@ class OpenRLHFStrategy(FixedStrategy):
         usable = usable_bytes(tr.memory_bytes(0), self.headroom)
         works = [tr.workloads[i] for i in sample_steps(tr.steps, self.spec.tune_steps)]
         world.per_tensor_sync = True  # _broadcast_to_vllm: one NCCL broadcast per parameter
+        world.sharded_weights = True  # ZeRO-3: its README's 8B PPO command (--zero_stage 3)
         if self.spec.config == "default":
             return default_plan(world, "openrlhf", works, usable, self.combine)
         best: tuple[float, GlobalPlan] | None = None

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nereus_core.config import ModelConfig
+from nereus_core.cost.geometry import value_bytes
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.stage_cost import Workload, stage_kind
 from nereus_core.cost.terms import PERSISTENT, Geometry, layout_geometry, model_stats, stage_tables
@@ -96,6 +97,9 @@ class World:
         self.sizes = {name: model_size(m) for name, m in self.models.items()}
         self.constants = stage_world.constants_for(self.sizes["actor"].params)
         self.per_tensor_sync = False  # the framework broadcasts weights one tensor at a time (OpenRLHF)
+        # The framework shards train and forward weights over the data-parallel ranks (verl's FSDP,
+        # OpenRLHF's ZeRO-3), set by its strategy; the cost model, and Nereus's runtime, know ZeRO-1.
+        self.sharded_weights = False
         # One noise column per model-stage there is (and the sync), whichever the job has: a stage meets
         # the same noise in a PPO and a GRPO run of one (trace, seed).
         rng = np.random.default_rng([seed, 20_260_117])
@@ -187,6 +191,14 @@ class World:
             found = self._evals[key] = StageEval(
                 raw[:, 0], seconds, float(persistent[0]), float(transient[0])
             )
+        if self.sharded_weights and stage_kind(stage) != "generate" and layout.dp > 1:
+            # Only the weights' bytes: the gathers' traffic is not charged, the gradients stay whole.
+            stats = model_stats(self.models[model_of(stage)])
+            weights = (
+                float(self._geometry(stage, layout).device_params[0])
+                * value_bytes(stats, self.profile).weight
+            )
+            return found._replace(persistent=found.persistent - weights * (1.0 - 1.0 / layout.dp))
         return found
 
     def floor_s(self, k: int) -> dict[str, float]:

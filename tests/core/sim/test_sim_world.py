@@ -163,12 +163,14 @@ def test_default_baselines_are_built_as_documented() -> None:
     assert plan.placement == "colocated" and (gen.tp, gen.pp, gen.dp) == (2, 1, 8)  # ppo_trainer.yaml: TP2
     assert all(set(v.devices) == set(range(16)) for v in plan.layouts.values())  # one pool, every stage
     assert len({(v.tp, v.pp) for s, v in plan.layouts.items() if s != GENERATE}) == 1
+    assert world.sharded_weights  # FSDP full shard
     world2, _ = small_world()
     spec = StrategySpec(kind="openrlhf", config="default", tune_steps=2)
     plan2 = OpenRLHFStrategy("o", spec=spec, settings=cfg.controller).begin(world2).plan
     gen2 = plan2.layouts[GENERATE]
     assert plan2.placement == "colocated" and (gen2.tp, gen2.dp) == (2, 8)  # README: colocate_all, TP2
     assert all(v.pp == 1 for v in plan2.layouts.values()) and world2.per_tensor_sync
+    assert world2.sharded_weights  # ZeRO-3
     paper = parse_sim_config(
         {
             "traces": [{"name": "t", "file": "x.csv"}],
