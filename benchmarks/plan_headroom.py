@@ -15,9 +15,9 @@ this world can beat, in or out of this plan space.
 
 Reported per trace: each strategy's sampled mean true step, ``ceiling`` and ``floor``; the
 strategy's total over the ceiling's (above 1: the best plan per step is that much faster); each
-one's total over the floor's (``over_floor``: no plan can be more than that factor faster). Step times are
-the world's ``step_seconds`` with pools taking turns (``overlap_disaggregated`` off, as the job
-runs). The search's tables are the cost model's candidates; the ceiling is over those layouts,
+one's total over the floor's (``over_floor``: no plan can be more than that factor faster).
+Step times are the world's ``step_seconds`` with pools taking turns (``overlap_disaggregated``
+off, as the job runs). The search's tables are the cost model's candidates; the ceiling is over those layouts,
 so it bounds what this controller's search can reach, not every conceivable plan.
 
 verl and OpenRLHF hold their train and forward weights sharded over their data-parallel ranks,
@@ -122,7 +122,7 @@ def evaluate(
     nereus_sharded: bool = False,
 ) -> dict[str, Any]:
     world = World(trace, config.model, get_profile(config.profile), config.noise, seed, stages=config.stages)
-    fixed: dict[str, tuple[GlobalPlan, bool]] = {}
+    fixed: dict[str, tuple[GlobalPlan, bool, bool]] = {}  # plan, per-tensor sync, sharded weights
     for name in strategies:
         strategy = make_strategy(config, name)
         if isinstance(strategy, FixedStrategy):
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument(
         "--sharded-weights",
         action="store_true",
-        help="The what-if world of train/forward weights sharded over dp.",
+        help="Shard Nereus's side (static, the ceiling) too, as the peers shard (a what-if).",
     )
     args = parser.parse_args()
     config = parse_sim_config(yaml.safe_load(CONFIG.read_text()))

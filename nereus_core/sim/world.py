@@ -143,11 +143,9 @@ class World:
         key = (stage, layout.tp, layout.pp, layout.dp, layout.micro_batches, k, recompute)
         found = self._truth.get(key)
         if found is None:
-            size, c = self.sizes[model_of(stage)], self.constants
-            p = self.profile
-            gpu = stage_world.Gpu(p.name, p.peak_flops, p.memory_bandwidth, float(self.trace.memory_bytes(k)))
+            size, c, gpu = self.sizes[model_of(stage)], self.constants, self._gpu(k)
             shape = stage_world.Shape(
-                layout.tp, layout.pp, layout.dp, layout.micro_batches, p.devices_per_node
+                layout.tp, layout.pp, layout.dp, layout.micro_batches, self.profile.devices_per_node
             )
             lengths, prompt = self.lengths(k), float(work.prompt_len)
             kind = stage_kind(stage)
@@ -208,21 +206,23 @@ class World:
         device at ``mfu`` with no bubble, imbalance or TP traffic (for disjoint pools, the slowest pool
         is at least the phase's total work over all devices); no weight sync, no memory limit. On-policy
         PPO runs the phases one after another."""
-        size_of, c, p = self.sizes, self.constants, self.profile
-        n = int(self.trace.devices[k])
-        gpu = stage_world.Gpu(p.name, p.peak_flops, p.memory_bandwidth, float(self.trace.memory_bytes(k)))
+        c, gpu, n = self.constants, self._gpu(k), int(self.trace.devices[k])
         lengths, prompt, epochs = self.lengths(k), float(self.trace.prompt_len[k]), self.trace.ppo_epochs
         out = {"generate": c.generate_fixed_s + c.decode_step_s * float(lengths.max())}
         for kind in ("infer", "train"):
+            train, fixed = kind == "train", c.train_fixed_s if kind == "train" else c.infer_fixed_s
             work = 0.0  # device-seconds of the phase: one device running the whole batch
             for stage in (s for s in self.stages if stage_kind(s) == kind):
-                peak_s, other = stage_world.pass_parts(
-                    lengths, prompt, size_of[model_of(stage)], gpu, stage_world.Shape(), train=kind == "train"
-                )
-                work += (peak_s / c.mfu + other) * (epochs if kind == "train" else 1)
-            fixed = c.train_fixed_s if kind == "train" else c.infer_fixed_s
+                size = self.sizes[model_of(stage)]
+                one = stage_world.pass_time_s(lengths, prompt, size, gpu, c, stage_world.Shape(), train=train)
+                work += (one - fixed) * (epochs if train else 1)
             out[kind] = fixed + work / n if work else 0.0
         return out
+
+    def _gpu(self, k: int) -> stage_world.Gpu:
+        """The profile's device as the world model reads it, with step ``k``'s memory."""
+        p = self.profile
+        return stage_world.Gpu(p.name, p.peak_flops, p.memory_bandwidth, float(self.trace.memory_bytes(k)))
 
     def begin_step(self, k: int = 0) -> None:
         """Start step ``k``: forget the evaluations of earlier steps (each step has its own workload)."""
