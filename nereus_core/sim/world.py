@@ -23,10 +23,16 @@ from typing import NamedTuple
 import numpy as np
 
 from nereus_core.config import ModelConfig
-from nereus_core.cost.geometry import value_bytes
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.stage_cost import Workload, stage_kind
-from nereus_core.cost.terms import PERSISTENT, Geometry, layout_geometry, model_stats, stage_tables
+from nereus_core.cost.terms import (
+    MEMORY_PARTS,
+    PERSISTENT,
+    Geometry,
+    layout_geometry,
+    model_stats,
+    stage_tables,
+)
 from nereus_core.cost.transition_cost import TransitionEstimate, weight_sync_s
 from nereus_core.layout import Layout
 from nereus_core.plan import (
@@ -174,14 +180,19 @@ class World:
     def tables(
         self, stage: str, geo: Geometry, work: Workload, profile: HardwareProfile | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Cost-model terms ``[terms, n]``, persistent and transient bytes per candidate."""
+        """Cost-model terms ``[terms, n]``, persistent and transient bytes per candidate; with
+        ``sharded_weights`` a train or forward stage holds 1/dp of the cost model's weight bytes (the
+        gathers' traffic is not charged, the gradients stay whole)."""
         stats = model_stats(self.models[model_of(stage)])
         raw, mem = stage_tables(stage_kind(stage), geo, work, stats, profile or self.profile)
-        return raw, mem[PERSISTENT].sum(axis=0), mem[~PERSISTENT].sum(axis=0)
+        persistent = mem[PERSISTENT].sum(axis=0)
+        if self.sharded_weights and stage_kind(stage) != "generate":
+            persistent = persistent - mem[MEMORY_PARTS.index("weights")] * (1.0 - 1.0 / geo.dp)
+        return raw, persistent, mem[~PERSISTENT].sum(axis=0)
 
     def stage(self, stage: str, layout: Layout, work: Workload) -> StageEval:
         """One model-stage on one layout for one workload (kept for the step, as strategies ask twice)."""
-        key = (stage, layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.devices, work)
+        key = self._eval_key(stage, layout, work)
         found = self._evals.get(key)
         if found is None:
             raw, persistent, transient = self.tables(stage, self._geometry(stage, layout), work)
@@ -189,15 +200,12 @@ class World:
             found = self._evals[key] = StageEval(
                 raw[:, 0], seconds, float(persistent[0]), float(transient[0])
             )
-        if self.sharded_weights and stage_kind(stage) != "generate" and layout.dp > 1:
-            # Only the weights' bytes: the gathers' traffic is not charged, the gradients stay whole.
-            stats = model_stats(self.models[model_of(stage)])
-            weights = (
-                float(self._geometry(stage, layout).device_params[0])
-                * value_bytes(stats, self.profile).weight
-            )
-            return found._replace(persistent=found.persistent - weights * (1.0 - 1.0 / layout.dp))
         return found
+
+    def _eval_key(self, stage: str, layout: Layout, work: Workload) -> tuple:
+        """What a kept evaluation depends on (the weights' sharding too: strategies set it)."""
+        shape = (layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.devices)
+        return (stage, *shape, work, self.sharded_weights)
 
     def floor_s(self, k: int) -> dict[str, float]:
         """Seconds per phase of step ``k`` that no plan of any shape can beat in this world: generation
@@ -308,8 +316,9 @@ class World:
         if not by_time:
             secs[i] = self.truth_s(stage, options[i], work, recompute=recompute)
         chosen = options[i]
-        key = (stage, chosen.tp, chosen.pp, chosen.dp, chosen.micro_batches, chosen.devices, work)
-        self._evals[key] = StageEval(raw[:, i], float(secs[i]), float(persistent[i]), float(transient[i]))
+        self._evals[self._eval_key(stage, chosen, work)] = StageEval(
+            raw[:, i], float(secs[i]), float(persistent[i]), float(transient[i])
+        )
         return chosen, bool(ok.any())
 
     def tune(
