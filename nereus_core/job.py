@@ -334,9 +334,10 @@ def model_config(config: NereusConfig, stage: str) -> ModelConfig:
 
 
 def optimizer_settings(config: NereusConfig, stage: str) -> OptimizerSettings | None:
-    """AdamW settings of a train model-stage (None for an inference stage)."""
+    """AdamW settings of a train model-stage (None for an inference stage); ``ppo.grad_clip``
+    clips actor and critic alike."""
     stage = ModelStage(stage)
     if not stage.trains:
         return None
     lr = config.ppo.actor_lr if stage.model == "actor" else config.ppo.critic_lr
-    return OptimizerSettings(lr=lr, weight_decay=config.job.weight_decay)
+    return OptimizerSettings(lr=lr, weight_decay=config.job.weight_decay, grad_clip=config.ppo.grad_clip)

@@ -4,17 +4,29 @@ Boundary: this module turns a built pipeline stage and its layout's groups into 
 DeepSpeed engine (``make_engine``); it knows nothing about forward passes, losses or
 pipeline schedules (``engine.train`` drives the engine it returns). The layout's TP
 group reaches DeepSpeed as ``mpu``, the interface DeepSpeed asks of Megatron.
-Gradient clipping is off unless asked for: DeepSpeed's default would silently
-change the update.
+
+Gradient clipping (``grad_clip``, DeepSpeed's ``gradient_clipping``) scales the step's
+gradients by ``min(1, grad_clip / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``,
+with ``norm`` the global norm over the whole model: DeepSpeed sums squared norms over the
+DP group and over the mpu's model-parallel group, which ``LayoutMpu`` answers with the
+replica's tp x pp devices, so every pipeline stage clips by the same norm. It is off (0)
+unless asked for; the job asks for ``ppo.grad_clip``.
 
 Mixed precision (``model.dtype: bf16``) is DeepSpeed's bf16 mode under ZeRO-1/2
 (``deepspeed/runtime/zero/stage_1_and_2.py``): the parameters and their gradients are
 bf16, and each DP rank keeps its partition of the weights in fp32
 (``single_partition_of_fp32_groups``, the master weights) with AdamW's moments beside
 it; the step updates the fp32 partition and copies it, rounded, into the bf16
-parameters. Gradients accumulate over micro-batches in bf16 (``grad_accum_dtype`` left
-at the model's dtype): asking for fp32 accumulation would make DeepSpeed switch to its
-``BF16_Optimizer``, whose state layout ``engine.state`` does not convert.
+parameters. Each micro-batch's gradient is bf16; how they add up over micro-batches
+depends on the ZeRO stage (DeepSpeed 0.19's ``grad_accum_dtype``):
+
+- ZeRO-2: in fp32 (``grad_accum_dtype: fp32``). DeepSpeed adds each micro-batch's reduced
+  bf16 gradient into an fp32 partition buffer, so the step sees the exact fp32 sum, not
+  one rounded to bf16 after every micro-batch.
+- ZeRO-1 (the job's stage): in bf16, in ``param.grad``. For ZeRO-1 DeepSpeed answers
+  ``grad_accum_dtype: fp32`` with its ``BF16_Optimizer`` instead of the ZeRO optimizer,
+  whose state layout (flat groups, masters) ``engine.state`` does not convert, so a
+  transition or checkpoint could not carry it.
 """
 
 from __future__ import annotations
@@ -41,10 +53,24 @@ class OptimizerSettings(BaseModel):
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay.")
     zero_stage: int = Field(default=1, ge=0, le=2, description="DeepSpeed ZeRO stage over the DP group.")
+    grad_clip: float = Field(
+        default=0.0,
+        ge=0,
+        description="Clip the global gradient norm to this before the step (DeepSpeed's gradient_clipping); "
+        "0: no clipping.",
+    )
 
 
 class LayoutMpu:
-    """The ``mpu`` interface DeepSpeed asks of Megatron, answered from a layout's groups."""
+    """The ``mpu`` interface DeepSpeed asks of Megatron, answered from a layout's groups.
+
+    As Megatron's, the model-parallel group is the replica's tp x pp devices (one dp index), and
+    the tensor-model-parallel group its tp devices: DeepSpeed sums the squared gradient norm over
+    the model-parallel group, so pipeline stages (disjoint layers) add up. The model-parallel rank
+    is the tp rank, the convention DeepSpeed's norms read it by (``bwc_tensor_model_parallel_rank``
+    and ``clip_grad_norm_`` both count a tp-replicated weight only where it is 0), so a weight
+    replicated over tp (a norm, the value head) counts once per pipeline stage.
+    """
 
     def __init__(self, groups: RankGroups) -> None:
         self.groups = groups
@@ -59,32 +85,40 @@ class LayoutMpu:
         return self.groups.coord.dp
 
     def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.tp_group
+        return self.groups.replica_group
 
     def get_model_parallel_world_size(self) -> int:
-        return self.groups.layout.tp
+        return self.groups.layout.tp * self.groups.layout.pp
 
     def get_model_parallel_rank(self) -> int:
         return self.groups.coord.tp
 
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.tp_group
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.groups.layout.tp
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.groups.coord.tp
 
 
 def deepspeed_config(
     settings: OptimizerSettings, micro_batch: int, micro_batches: int, *, bf16: bool = False
 ) -> dict[str, Any]:
-    return {
+    config: dict[str, Any] = {
         "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": micro_batches,
         "zero_optimization": {"stage": settings.zero_stage},
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": settings.grad_clip,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if bf16 and settings.zero_stage == 2:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
 
 
 def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettings, backend: str) -> Any:

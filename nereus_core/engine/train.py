@@ -114,8 +114,9 @@ def _backward_and_step(
     """GPipe's backward, micro-batches in reverse order, then the optimizer step; returns the
     global gradient norm of the step (before clipping)."""
     engine, groups = shard.engine, shard.groups
-    # ZeRO-1/2 compute the norm of the reduced, partitioned gradients in their step; without ZeRO
-    # DeepSpeed computes none, so it is taken from the DP-reduced grads before the step clears them.
+    # ZeRO-1/2 compute the norm of the reduced, partitioned gradients in their step, over the DP
+    # group and the mpu's tp x pp group (``optimizer.LayoutMpu``), before they clip; without ZeRO
+    # DeepSpeed keeps none, so it is taken from the DP-reduced grads before the step clips them.
     zero = engine.zero_optimization_stage() > 0
     norm_sq = torch.zeros((), dtype=torch.float64, device=device)
     for i, (x, out) in enumerate(reversed(saved)):
@@ -136,7 +137,7 @@ def _backward_and_step(
                 "DeepSpeed computed no gradient norm; keep zero_optimization.compute_grad_norm on"
             )
         norm_sq = torch.as_tensor(norm, dtype=torch.float64, device=device).square()
-    if groups.layout.pp_enabled:
+    elif groups.layout.pp_enabled:
         # Each stage holds its own layers: the global squared norm is the sum over stages.
         dist.all_reduce(norm_sq, group=groups.pp_group)
     return float(norm_sq.sqrt())

@@ -303,6 +303,13 @@ class PPOConfig(BaseModel):
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of the rollout.")
     actor_lr: float = Field(default=1e-3, gt=0, description="Actor AdamW learning rate.")
     critic_lr: float = Field(default=1e-3, gt=0, description="Critic AdamW learning rate.")
+    grad_clip: float = Field(
+        default=1.0,
+        ge=0,
+        le=1e6,
+        description="Clip the global gradient norm of each actor and critic step to this (verl's "
+        "actor.grad_clip and critic.grad_clip); 0: no clipping.",
+    )
     reward_fit_steps: int = Field(
         default=300, ge=0, description="Supervised steps fitting the reward model to the rule score."
     )
