@@ -1,7 +1,9 @@
 """How a ``nereus`` command that runs a flow meets Prefect, before the flow starts.
 
-    prefect_defaults()  environment defaults, set before Prefect is first imported
-    api_problem()       a configured PREFECT_API_URL that does not answer -> one line (exit 2)
+    prefect_defaults()  environment defaults and Nereus's own Prefect home, set before Prefect is
+                        first imported
+    api_problem()       a configured PREFECT_API_URL that does not answer, or (no URL) a database the
+                        installed Prefect cannot use (flows/cli/prefect_db.py) -> one line (exit 2)
     flows.cli.watchdog  a local run's temporary server dies with the driver
 
 No PREFECT_API_URL (Prefect's "ephemeral" profile, the default): each run starts Prefect's temporary
@@ -10,15 +12,30 @@ server must answer ``/health`` within ``HEALTH_TIMEOUT`` seconds, else the run e
 saying which URL and how to start the server or go back to the temporary one. Flow runs send a
 heartbeat every ``HEARTBEAT_SECONDS``; the automation in prefect/automations/ marks a run whose
 heartbeats stop as Crashed, so that the UI offers Retry.
+
+Prefect's home (its SQLite database, results, logs) is ``~/.nereus/prefect`` unless PREFECT_HOME or
+PREFECT_API_URL is set in the environment: a database there is migrated by Nereus's locked Prefect
+only, never by another Prefect on the machine (``~/.prefect``, Prefect's own default, may hold one
+from a newer version that this Prefect cannot open). Prefect's profiles are still read from
+``~/.prefect/profiles.toml``, so that ``prefect profile use`` and ``prefect config set`` apply.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import urllib.error
 import urllib.request
+from importlib import metadata
+from pathlib import Path
+
+from flows.cli import prefect_db
 
 API_URL_ENV = "PREFECT_API_URL"
+HOME_ENV = "PREFECT_HOME"
+PROFILES_ENV = "PREFECT_PROFILES_PATH"
+NEREUS_PREFECT_HOME = Path("~/.nereus/prefect")
+PREFECT_PROFILES = Path("~/.prefect/profiles.toml")  # Prefect's default, wherever its home is
 HEARTBEAT_ENV = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 HEARTBEAT_SECONDS = 30  # Prefect's minimum; the automation expects one within 90 s (three missed)
 HEALTH_TIMEOUT = 2.0  # seconds; a local or LAN server answers /health in milliseconds
@@ -36,6 +53,31 @@ def prefect_defaults() -> None:
     reads its settings when first imported, so this runs before that."""
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)
+    use_nereus_home()
+
+
+def use_nereus_home() -> None:
+    """Point Prefect at ``~/.nereus/prefect`` unless the environment names a home or an API of its
+    own. A process that has imported Prefect already (Nereus called from Python, the tests) keeps
+    the settings Prefect has read, and its children too."""
+    if "prefect" in sys.modules or any(os.environ.get(key, "").strip() for key in (HOME_ENV, API_URL_ENV)):
+        return
+    home = NEREUS_PREFECT_HOME.expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ[HOME_ENV] = str(home)
+    os.environ.setdefault(PROFILES_ENV, str(PREFECT_PROFILES.expanduser()))
+
+
+def database_problem() -> str | None:
+    """One line saying that the SQLite database of Prefect's temporary server is one the installed
+    Prefect cannot use (another version's migration, a damaged file) and what to do, or None."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().server.database.connection_url
+    path = prefect_db.sqlite_path(url.get_secret_value() if url is not None else "")
+    if path is None:
+        return None
+    return prefect_db.database_problem(path, prefect_db.known_revisions(), metadata.version("prefect"))
 
 
 def configured_api_url() -> str | None:
@@ -79,10 +121,11 @@ def health_problem(url: str, *, timeout: float = HEALTH_TIMEOUT) -> str | None:
 
 def api_problem() -> str | None:
     """One line saying that the configured Prefect API does not answer and what to do, or None
-    (no URL configured, or it answers)."""
+    (no URL configured, or it answers). With no URL configured, the temporary server's database is
+    checked instead (``database_problem``)."""
     url = configured_api_url()
     if url is None:
-        return None
+        return database_problem()
     why = health_problem(url)
     if why is None:
         return None
