@@ -139,11 +139,13 @@ def reward_overhead(tmp: Path, calls: int = 2000) -> dict[str, float]:
     """Seconds of a user reward's worker start and its cost per call, beside the same function called
     in this process (``nereus_core.rewards.worker``)."""
     from nereus_core.rewards import registry
-    from nereus_core.rewards.worker import RewardWorker
+    from nereus_core.rewards.isolation import WorkerSettings
+    from nereus_core.rewards.user_file import load_function
 
     (tmp / "good.py").write_text("def score(a, b, c, d):\n    return 1.0 if b == c else 0.0\n")
     spec = f"{tmp / 'good.py'}:score"
-    here, worker = registry.resolve(spec), registry.RewardFn(spec, RewardWorker(spec, 10.0), "text")
+    here = registry.RewardFn(spec, load_function(spec), "text")  # the baseline: imported right here
+    worker = registry.resolve(spec, WorkerSettings(timeout_s=10.0))
     started = time.perf_counter()
     registry.score_text(worker, "s", "4", "4", {})
     start_s = time.perf_counter() - started

@@ -15,6 +15,7 @@ Boundary: reading and loading only; what a source does with its prompts is nereu
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -35,11 +36,12 @@ from nereus_core.hf.tokenizer import (
     vocab_problem,
 )
 from nereus_core.model.hf_dir import weights_problem
-from nereus_core.rewards.registry import RewardError, RewardFn
+from nereus_core.rewards.registry import RewardError, RewardFn, log_to
 from nereus_core.rl import rollout
 from storage.datasets import DatasetError, load_data
 
 _LOG = logging.getLogger("nereus.data")
+REWARD_LOG = "logs/reward_worker.log"  # in the run directory: what a user's reward function prints
 
 
 @dataclass(frozen=True)
@@ -82,18 +84,22 @@ def model_files_problem(cfg: NereusConfig) -> str | None:
     return None
 
 
-def job_data(cfg: NereusConfig, log: Callable[[str], None] = _LOG.info) -> JobData:
+def job_data(
+    cfg: NereusConfig, log: Callable[[str], None] = _LOG.info, *, run_dir: str | None = None
+) -> JobData:
     """The prompt sources of ``cfg`` (see the module docstring), or those ``prepare`` made for it;
-    ConfigError in one line."""
+    ConfigError in one line. With ``run_dir``, a user's reward function's worker writes what it prints
+    to ``run_dir/logs/reward_worker.log`` from its next start (before: a temp file)."""
     ready = _PREPARED.pop(_key(cfg), None)
-    if ready is not None:
-        return ready
-    if cfg.data is None:
+    if ready is None and cfg.data is None:
         return JobData(prompt_source.CountSource(cfg.job.task_settings, prompts_per_step(cfg), cfg.job.seed))
     try:
-        return _dataset_sources(cfg, log)
+        data = ready or _dataset_sources(cfg, log)
     except (TokenizerError, DatasetError, RewardError, ValueError) as err:
         raise ConfigError(str(err).splitlines()[0]) from None
+    if run_dir is not None and isinstance(data.train, prompt_source.DatasetSource):
+        log_to(data.train.reward, os.path.join(os.path.abspath(run_dir), REWARD_LOG))
+    return data
 
 
 def prompts_per_step(cfg: NereusConfig) -> int:

@@ -3,8 +3,8 @@
 
 All three are optional: a config without them runs the demo's ``count`` task as before. Files are
 checked when the config is loaded (a data file or reward model that does not exist, a reward
-function that cannot be imported), each refused in one line before anything starts. Paths are
-relative to where ``nereus`` runs.
+function that cannot be imported: tried in a short-lived worker process, never in this one), each
+refused in one line before anything starts. Paths are relative to where ``nereus`` runs.
 
 Boundary: leaf definitions that ``nereus_core.config`` adds to the whole config; reading the data
 is ``storage/datasets.py`` and calling rewards ``nereus_core.rewards``.
@@ -16,15 +16,17 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 
 from nereus_core.config.base import shown
 from nereus_core.frozen import Frozen
 from nereus_core.hf.tokenizer import chat_template_error
 from nereus_core.rewards import registry
+from nereus_core.rewards.isolation import WorkerSettings
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
-DEFAULT_TIMEOUT_S = 30.0  # a rule scorer takes milliseconds; math checkers on odd input, seconds
+WORKER = WorkerSettings()  # the reward worker's defaults: one owner, nereus_core.rewards.isolation
+DEFAULT_TIMEOUT_S = WORKER.timeout_s
 
 
 def _file_problem(path: str) -> str | None:
@@ -107,22 +109,57 @@ class ValidationConfig(Frozen):
 
 
 class RewardConfig(Frozen):
-    """Which function scores a response (``nereus_core.rewards.registry``), and a reward model."""
+    """Which function scores a response (``nereus_core.rewards.registry``), how a user's function's
+    worker process runs (``nereus_core.rewards.isolation``), and a reward model."""
 
     function: str = Field(
         default="count",
         min_length=1,
         description="gsm8k, gsm8k_flexible, math, count, or path/to/file.py:function with verl's "
-        "signature (data_source, solution_str, ground_truth, extra_info) -> float | dict.",
+        "signature (data_source, solution_str, ground_truth, extra_info) -> float | dict. A file is "
+        "imported only in a worker process of its own, at config load (to check it) and in the job.",
     )
     timeout_s: float = Field(
-        default=DEFAULT_TIMEOUT_S,
+        default=WORKER.timeout_s,
         gt=0,
         le=3600,
         description="Seconds a path/to/file.py:function reward may take on one response. The function "
         "runs in a worker process of its own: past this limit (or if it exits) the worker is ended and "
         "the step fails in one line naming the function and the row; the last checkpoint stays the "
         "resume point. Built-in rewards run in the driver.",
+    )
+    load_timeout_s: float = Field(
+        default=WORKER.load_timeout_s,
+        gt=0,
+        le=3600,
+        description="Seconds a path/to/file.py:function reward's worker may take to start and import the "
+        "file (at config load and at each worker start): a file that hangs at import is refused then.",
+    )
+    max_memory: ByteSize = Field(
+        default=ByteSize(WORKER.max_memory),
+        ge=256 * 2**20,
+        description="Address space of the reward worker (RLIMIT_AS): an allocation past it raises "
+        "MemoryError in the worker, never in the driver. Raise it for a file that imports large "
+        "libraries (CUDA builds of torch map many GiB).",
+    )
+    max_cpu_s: int = Field(
+        default=WORKER.max_cpu_s,
+        ge=1,
+        le=7 * 86400,
+        description="CPU seconds one reward worker process may use (RLIMIT_CPU; the kernel ends it "
+        "past them). A worker past half of them is replaced after its call, so steady use never "
+        "reaches the limit; a runaway import or call does.",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Variables set in the reward worker's environment, which holds nothing else of the "
+        "driver's but PATH, HOME, LANG, LC_ALL, LC_CTYPE, TZ, TMPDIR and reward.pass_env. Stored in the "
+        "run's config.yaml: pass secrets with pass_env instead.",
+    )
+    pass_env: tuple[str, ...] = Field(
+        default=(),
+        description="Names of the driver's environment variables copied into the reward worker's "
+        "(those not set are left out), e.g. [OPENAI_API_KEY] for a judge.",
     )
     model_path: str | None = Field(
         default=None,
@@ -133,9 +170,36 @@ class RewardConfig(Frozen):
 
     @field_validator("function")
     @classmethod
-    def _loads(cls, spec: str) -> str:
-        registry.resolve(spec)  # a user's file is imported now, so a bad one stops the load
+    def _form(cls, spec: str) -> str:
+        problem = registry.spec_problem(spec)  # the form and the file's path; nothing runs here
+        if problem:
+            raise ValueError(problem)
         return spec
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            _check_name(name, "reward.env")
+            if "\0" in value:
+                raise ValueError(f"reward.env.{name} holds a NUL character, which no environment can hold")
+        return env
+
+    @field_validator("pass_env")
+    @classmethod
+    def _pass_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        for name in names:
+            _check_name(name, "reward.pass_env")
+        return names
+
+    @model_validator(mode="after")
+    def _loads(self) -> RewardConfig:
+        # A user's file is imported now, in a worker process with this section's limits and deadline,
+        # so that a bad one stops the load and nothing it does at import reaches the driver.
+        problem = registry.load_problem(self.function, self.worker_settings())
+        if problem:
+            raise ValueError(f"reward.function: {problem}")
+        return self
 
     @field_validator("model_path")
     @classmethod
@@ -149,10 +213,27 @@ class RewardConfig(Frozen):
         """What the function reads: ``text`` (decoded responses) or ``tokens`` (the count task)."""
         return registry.inputs_of(self.function)
 
-    def resolve(self) -> registry.RewardFn:
+    def worker_settings(self, log_path: str | None = None) -> WorkerSettings:
+        """How a user's function's worker runs; ``log_path``: where it writes (None: a temp file)."""
+        return WorkerSettings(
+            timeout_s=self.timeout_s,
+            load_timeout_s=self.load_timeout_s,
+            max_memory=int(self.max_memory),
+            max_cpu_s=self.max_cpu_s,
+            env=tuple(self.env.items()),
+            pass_env=self.pass_env,
+            log_path=log_path,
+        )
+
+    def resolve(self, log_path: str | None = None) -> registry.RewardFn:
         """The reward function: a built-in in this process, a user's in a worker process of its own
-        (``nereus_core.rewards.worker``) with ``timeout_s`` per call."""
-        return registry.isolated(registry.resolve(self.function), self.timeout_s)
+        (``nereus_core.rewards.worker``) run by ``worker_settings(log_path)``."""
+        return registry.resolve(self.function, self.worker_settings(log_path))
+
+
+def _check_name(name: str, key: str) -> None:
+    if not name or "=" in name or "\0" in name or not name.isprintable():
+        raise ValueError(f"{key}: {shown(name)} is not an environment variable name; use e.g. MY_TOKEN")
 
 
 def job_lengths_from_data(raw: Any) -> Any:

@@ -8,12 +8,15 @@ A reward function is either
 - or the demo's token scorer ``count``: ``nereus_core.count_task.rule_score`` (token ids in, a score per
   sequence out), registered here rather than re-implemented.
 
-``resolve`` turns a name into a ``RewardFn`` and checks a user's file and function when the config
-is loaded (one line for each problem); ``score_text`` calls a text scorer for one response and turns
+``spec_problem`` checks a name's form and a user's file's path without running anything;
+``load_problem`` has a short-lived worker process import a user's file and check its function (the
+config's check at load, one line for each problem); ``resolve`` turns a name into a ``RewardFn``: a
+built-in called in this process, a user's function in a worker process of its own
+(``nereus_core.rewards.worker``). ``score_text`` calls a text scorer for one response and turns
 whatever it raises into a ``RewardError`` naming the function and the original message.
 
-Boundary: loading a user's file executes it (as verl does with ``custom_reward_function``); nothing
-else here touches files.
+Boundary: a user's file is executed (as verl does with ``custom_reward_function``) only in a worker
+process, never in this one; nothing here touches files but ``path_problem``'s look at the path.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from nereus_core import count_task as task
 from nereus_core.rewards import gsm8k, math_answer
 from nereus_core.rewards.errors import RewardError
-from nereus_core.rewards.user_file import USER_FORM, first_line, load_function
+from nereus_core.rewards.isolation import WorkerSettings
+from nereus_core.rewards.user_file import USER_FORM, first_line, path_problem
+from nereus_core.rewards.worker import RewardWorker
+from nereus_core.rewards.worker import load_problem as worker_problem
 
 TEXT_BUILTINS: dict[str, Callable[..., Any]] = {
     "gsm8k": gsm8k.compute_score,
@@ -55,8 +62,8 @@ class Scored:
     extras: Mapping[str, Any] = field(default_factory=dict)
 
 
-def spec_problem(spec: str) -> str | None:
-    """Why ``spec`` cannot name a reward function, without touching files; None if it may."""
+def form_problem(spec: str) -> str | None:
+    """Why ``spec`` cannot name a reward function, by its form alone; None if it may."""
     if spec in BUILTINS:
         return None
     path, colon, name = spec.rpartition(":")
@@ -74,8 +81,29 @@ def inputs_of(spec: str) -> Literal["text", "tokens"]:
     return "tokens" if spec in TOKEN_BUILTINS else "text"
 
 
-def resolve(spec: str) -> RewardFn:
-    """The reward function ``spec`` names; ValueError with one line if it cannot be had."""
+def spec_problem(spec: str) -> str | None:
+    """Why ``spec`` cannot name a reward function: its form, and for a user's file its path (looked at,
+    never imported); None if it may."""
+    problem = form_problem(spec)
+    if problem or spec in BUILTINS:
+        return problem
+    return path_problem(Path(spec.rpartition(":")[0]))
+
+
+def load_problem(spec: str, settings: WorkerSettings) -> str | None:
+    """Why ``spec`` cannot be had, one line: ``spec_problem``, then for a user's file what a worker
+    process of its own (run by ``settings``, with ``settings.load_timeout_s`` to get ready) finds on
+    importing it and checking the function; None if it loads."""
+    problem = spec_problem(spec)
+    if problem or spec in BUILTINS:
+        return problem
+    return worker_problem(spec, settings)
+
+
+def resolve(spec: str, settings: WorkerSettings | None = None) -> RewardFn:
+    """The reward function ``spec`` names: a built-in as it is, a user's function in a worker process
+    of its own run by ``settings`` (default: ``WorkerSettings()``), started at its first call; the
+    file is never imported in this process. ValueError with one line if ``spec_problem`` finds one."""
     problem = spec_problem(spec)
     if problem:
         raise ValueError(problem)
@@ -83,18 +111,14 @@ def resolve(spec: str) -> RewardFn:
         return RewardFn(spec, TEXT_BUILTINS[spec], "text")
     if spec in TOKEN_BUILTINS:
         return RewardFn(spec, TOKEN_BUILTINS[spec], inputs_of(spec))
-    fn = load_function(spec)
-    return RewardFn(spec, fn, "text")
+    return RewardFn(spec, RewardWorker(spec, settings), "text")
 
 
-def isolated(reward: RewardFn, timeout_s: float) -> RewardFn:
-    """``reward`` as the job calls it: a built-in as it is, a user's function in a worker process of
-    its own with ``timeout_s`` per call (``nereus_core.rewards.worker``)."""
-    if reward.name in BUILTINS:
-        return reward
-    from nereus_core.rewards.worker import RewardWorker
-
-    return RewardFn(reward.name, RewardWorker(reward.name, timeout_s), reward.inputs)
+def log_to(reward: RewardFn, path: str) -> None:
+    """Where a user's function's worker writes what it prints, from its next start (the one running
+    now is ended); nothing for a built-in, which runs in this process."""
+    if isinstance(reward.fn, RewardWorker):
+        reward.fn.log_to(path)
 
 
 def score_text(
@@ -147,8 +171,11 @@ __all__ = [
     "RewardError",
     "RewardFn",
     "Scored",
+    "WorkerSettings",
+    "form_problem",
     "inputs_of",
-    "isolated",
+    "load_problem",
+    "log_to",
     "resolve",
     "score_text",
     "score_tokens",

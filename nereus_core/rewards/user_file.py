@@ -1,5 +1,6 @@
-"""A user's reward file (``reward.function: path/to/file.py:function``) imported and its function
-checked: what both the driver (at config load) and a reward worker process do with it.
+"""A user's reward file (``reward.function: path/to/file.py:function``): its path checked without
+running anything (``path_problem``, in the driver), and the file imported and its function checked
+(``load_function``, only ever in a reward worker process: ``nereus_core.rewards.worker``).
 
 Boundary: stdlib only, so that a worker process starts without the rest of Nereus (torch and all).
 Importing the file executes it, as verl does with ``custom_reward_function``.
@@ -21,12 +22,21 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
+def path_problem(path: Path) -> str | None:
+    """Why ``path`` is not a file to import (it does not exist, is a directory), or None; reads the
+    file system only."""
+    if path.is_file():
+        return None
+    where = "is a directory" if path.is_dir() else "does not exist"
+    return f"{path} {where}; give the path of a .py file (relative to where nereus runs)"
+
+
 def load_module(path: Path) -> Any:
     """Import the file at ``path`` as a module of its own, not added to ``sys.modules``: a process
     that needs the function (a worker) resolves the spec itself rather than unpickling it."""
-    if not path.is_file():
-        where = "is a directory" if path.is_dir() else "does not exist"
-        raise ValueError(f"{path} {where}; give the path of a .py file (relative to where nereus runs)")
+    problem = path_problem(path)
+    if problem:
+        raise ValueError(problem)
     spec = importlib.util.spec_from_file_location(f"nereus_user_reward_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise ValueError(f"{path} cannot be imported as a Python file")
@@ -64,4 +74,4 @@ def load_function(spec: str) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
-__all__ = ["USER_FORM", "check_signature", "first_line", "load_function", "load_module"]
+__all__ = ["USER_FORM", "check_signature", "first_line", "load_function", "load_module", "path_problem"]

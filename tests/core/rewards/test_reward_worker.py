@@ -12,6 +12,7 @@ import pytest
 from nereus_core.dataset.rows import Example
 from nereus_core.prompt_source import score_row
 from nereus_core.rewards import RewardError, registry
+from nereus_core.rewards.isolation import WorkerSettings
 from nereus_core.rewards.worker import RewardWorker
 from tests.support.hostile_inputs import REWARDS
 
@@ -22,7 +23,7 @@ EXAMPLE = Example(index=7, data_source="s", messages=({"role": "user", "content"
 
 def _reward(tmp_path: Path, name: str, code: str, timeout_s: float = 2.0) -> registry.RewardFn:
     (tmp_path / f"{name}.py").write_text(code)
-    return registry.isolated(registry.resolve(f"{tmp_path / name}.py:score"), timeout_s)
+    return registry.resolve(f"{tmp_path / name}.py:score", WorkerSettings(timeout_s=timeout_s))
 
 
 EXPECTED = {
@@ -83,10 +84,15 @@ def test_a_worker_scores_prints_nothing_into_the_driver_and_restarts_after_a_han
 
 
 def test_builtins_stay_in_the_driver_and_an_import_that_exits_is_one_line(tmp_path: Path) -> None:
-    assert registry.isolated(registry.resolve("gsm8k"), 1.0).fn is registry.TEXT_BUILTINS["gsm8k"]
+    assert registry.resolve("gsm8k", WorkerSettings()).fn is registry.TEXT_BUILTINS["gsm8k"]
     (tmp_path / "bye.py").write_text("import sys\nsys.exit(4)\ndef score(a, b, c, d):\n    return 0.0\n")
-    with pytest.raises(ValueError, match=r"bye\.py raised SystemExit: 4"):
-        registry.resolve(f"{tmp_path / 'bye.py'}:score")
+    spec = f"{tmp_path / 'bye.py'}:score"
+    assert "bye.py raised SystemExit: 4" in (registry.load_problem(spec, WorkerSettings()) or "")
+    reward = registry.resolve(spec)  # nothing imported here: the worker finds it at its start
+    with pytest.raises(
+        RewardError, match=r"bye\.py raised SystemExit: 4 \(worker log: .*\) \(on data row 7\)$"
+    ):
+        score_row(reward, EXAMPLE, "4")
 
 
 def test_reward_timeout_s_is_the_workers_limit(tmp_path: Path) -> None:
@@ -97,5 +103,6 @@ def test_reward_timeout_s_is_the_workers_limit(tmp_path: Path) -> None:
     assert config.timeout_s == DEFAULT_TIMEOUT_S
     worker = RewardConfig(function=config.function, timeout_s=0.5).resolve().fn
     assert isinstance(worker, RewardWorker) and worker.timeout_s == 0.5
+    assert worker.settings == WorkerSettings(timeout_s=0.5)  # the config's defaults are the worker's
     with pytest.raises(ValueError, match="greater than 0"):
         RewardConfig(function=config.function, timeout_s=0)

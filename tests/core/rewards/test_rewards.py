@@ -3,6 +3,7 @@ reward registry: built-ins, a user's file, and each way loading or calling one c
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from nereus_core.rewards import (
     score_tokens,
     spec_problem,
 )
+from nereus_core.rewards.isolation import WorkerSettings
+from nereus_core.rewards.registry import form_problem, load_problem
 
 
 @pytest.mark.parametrize(
@@ -180,10 +183,15 @@ def test_user_function_float_and_dict(tmp_path: Path) -> None:
     ],
 )
 def test_user_function_load_errors(tmp_path: Path, body: str, name: str, message: str) -> None:
-    path = _write(tmp_path, body)
-    with pytest.raises(ValueError, match="^[^\n]*" + message.replace("(", r"\(")) as err:
-        resolve(f"{path}:{name}")
-    assert "\n" not in str(err.value)
+    path = _write(tmp_path, "open(__file__ + '.ran', 'w').close()\n" + body)
+    problem = load_problem(f"{path}:{name}", WorkerSettings())
+    assert problem is not None and message in problem and "\n" not in problem, problem
+    # Found by a worker process, which imported the file; this process never did.
+    ran = (tmp_path / "my_reward.py.ran").exists()
+    assert ran == ("SyntaxError" not in message) and "my_reward" not in str(sorted(sys.modules))
+    log = problem.rpartition("(worker log: ")[2].removesuffix(")")
+    assert Path(log).is_file()  # kept for the user: the error line names it
+    Path(log).unlink()
 
 
 def test_user_file_missing_or_malformed_spec(tmp_path: Path) -> None:
@@ -195,7 +203,8 @@ def test_user_file_missing_or_malformed_spec(tmp_path: Path) -> None:
     assert "neither a built-in" in (spec_problem("gsm9k") or "")
     assert "not a .py file" in (spec_problem("rewards.txt:f") or "")
     assert "not a Python function name" in (spec_problem("r.py:1f") or "")
-    assert spec_problem("math") is None and spec_problem("dir/r.py:f") is None
+    assert spec_problem("math") is None and form_problem("dir/r.py:f") is None
+    assert "dir/r.py does not exist" in (spec_problem("dir/r.py:f") or "")  # looked at, not imported
 
 
 @pytest.mark.parametrize(
