@@ -200,7 +200,7 @@ def rl_job(
     tracking.require(cfg.trainer.logger)  # a missing tracker package is refused before anything starts
     out_dir = out_dir or f"runs/{cfg.name}-{str(prefect_flow_run.id)[:8]}"  # a retry finds (resumes) it
     start = time.perf_counter()
-    data = job_data(cfg, logger.info)  # prompts, tokenizer and reward: a problem stops the run here
+    data = job_data(cfg, logger.info, run_dir=out_dir)  # prompts, tokenizer, reward: a problem stops here
     with job_start.opened(cfg, out_dir, devices) as (run, cfg, point):
         point, grow_to = job.resume_start(point)  # resume on more devices: grow later
         state = job_start.initial_state(run, cfg, point)  # the config as it resumes: state.config
