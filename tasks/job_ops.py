@@ -170,8 +170,11 @@ def _checkpoint(pool: DevicePool, run_dir: str, state: JobState, step: int, *, d
 
 
 def held_bytes(pool: DevicePool) -> dict[int, int]:
-    """Bytes of model state each device slot holds now (``nereus_core.engine.memory``)."""
-    return dict(enumerate(pool.run_on(range(pool.size), device_held_bytes)))
+    """Bytes of model state each device slot holds now (``nereus_core.engine.memory``); the pool keeps
+    them, to name a worker lost later with its last measured memory."""
+    held = dict(enumerate(pool.run_on(range(pool.size), device_held_bytes)))
+    pool.note_memory(held)
+    return held
 
 
 def probe(

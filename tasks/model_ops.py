@@ -113,17 +113,19 @@ def sample(
 ) -> torch.Tensor:
     """Generated tokens ``[b, max_new_tokens]`` after each (left-padded) prompt; a row stops at its
     first id in ``eos_ids`` and is filled with ``pad_id`` after it (``engine.forward.generate``)."""
-    results = pool.run(
-        layout,
-        generate,
-        dispatch.per_device_args(layout, prompts_bs, prompt_mask),
-        name=name,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        eos_ids=tuple(eos_ids),
-        pad_id=pad_id,
-    )
+    rows, prompt_len = -(-prompts_bs.shape[0] // layout.dp), prompts_bs.shape[1]  # a replica's, at most
+    with pool.scope(name, tokens=rows * (prompt_len + max_new_tokens)):  # its deadline counts decoding
+        results = pool.run(
+            layout,
+            generate,
+            dispatch.per_device_args(layout, prompts_bs, prompt_mask),
+            name=name,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            eos_ids=tuple(eos_ids),
+            pad_id=pad_id,
+        )
     return dispatch.collect(layout, results)
 
 

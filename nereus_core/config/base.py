@@ -95,6 +95,41 @@ class ClusterConfig(Frozen):
         description="Grow onto workers the scheduler reports beyond the slots in use, up to this many "
         "slots: they are started and warmed while the job runs, then the job switches (None: never).",
     )
+    # Reaching a scheduler is one handshake whatever the job's size, so no scale: Dask's own
+    # connect timeout (distributed.comm.timeouts.connect) is 30 s.
+    connect_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Seconds to reach cluster.scheduler_address before the run fails naming it.",
+    )
+    # A device call's deadline is call_timeout_s + call_timeout_s_per_token * its tokens per device.
+    # The floor covers calls whose work the pool cannot count (loading a model directory, a reshard,
+    # a checkpoint's shards: gigabytes at disk or link speed, minutes at most). 10 ms per token is
+    # ~20x what an 8B model costs on one H100 (train ~0.5 ms, decode ~0.3 ms per token and device)
+    # and ~5x the demo's tiny models on one CPU worker, so a healthy call never reaches it.
+    call_timeout_s: float = Field(
+        default=900.0,
+        ge=1,
+        le=7 * 24 * 3600,
+        description="Floor of every device call's deadline, in seconds: a worker that gives no answer "
+        "by its deadline is named as hung and the step fails (then nereus resume).",
+    )
+    call_timeout_s_per_token: float = Field(
+        default=0.01,
+        ge=0,
+        le=60,
+        description="Seconds added to a device call's deadline per token it processes on one device "
+        "(prompt plus generated tokens, or the tokens of a forward or train micro-batch).",
+    )
+    # A CPU worker holds Python, torch and DeepSpeed (~0.7 GiB measured after a warm-up) beside the
+    # slot's state, which a staged checkpoint and a live move's kept source shards may double.
+    worker_memory_overhead: ByteSize = Field(
+        default=ByteSize(4 * 1024**3),
+        ge=0,
+        description="Host memory a CPU device worker of a started cluster may hold beyond twice "
+        "memory_per_device; past that its nanny kills it and the step names it (0: no limit).",
+    )
 
     @model_validator(mode="after")
     def _check_tls(self) -> ClusterConfig:

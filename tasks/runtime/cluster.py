@@ -173,15 +173,16 @@ class DaskCluster:
         scheduler_address: str | None = None,
         *,
         tls: TlsFiles | None = None,
-        connect_timeout_s: float = 10.0,
+        connect_timeout_s: float = 30.0,
         allowed_failures: int | None = None,
+        memory_limit: int | None = None,
     ) -> None:
-        """``allowed_failures``: how many worker deaths a task of a LocalCluster this object starts
-        survives before it fails with ``KilledWorker`` (default: Dask's, 3)."""
+        """For a LocalCluster it starts: ``allowed_failures``, the worker deaths a task survives before
+        ``KilledWorker`` (Dask's default: 3); ``memory_limit``, each worker's bytes (None: no limit)."""
         self.scheduler_address = scheduler_address
         self._local: LocalCluster | None = None
         if scheduler_address is None:
-            self._local = _local_cluster(workers, allowed_failures)
+            self._local = _local_cluster(workers, allowed_failures, memory_limit)
             self.client = Client(self._local, set_as_default=False)
             return
         _warn_if_plain(scheduler_address)
@@ -209,6 +210,19 @@ class DaskCluster:
     def worker_names(self) -> dict[str, Any]:
         """Name of every worker the scheduler knows, by address."""
         return {a: w.get("name") for a, w in self._workers_known().items()}
+
+    def worker_health(self) -> dict[str, tuple[int | None, float | None]]:
+        """By address: each worker's resident bytes as its last heartbeat reported them and the seconds
+        since that heartbeat (None: not reported). A worker's event loop beats while its actor thread
+        is busy or blocked in a collective; a stopped or frozen process does not."""
+        now = time.time()  # the scheduler stamps last_seen with its own clock (the same host's, or NTP's)
+        out: dict[str, tuple[int | None, float | None]] = {}
+        for address, w in self._workers_known().items():
+            rss = (w.get("metrics") or {}).get("memory")
+            seen = w.get("last_seen")
+            age = max(0.0, now - float(seen)) if seen is not None else None
+            out[address] = (int(rss) if rss is not None else None, age)
+        return out
 
     def nannies(self) -> dict[str, str | None]:
         """The nanny of every worker the scheduler knows (None for a worker without one), by address."""
@@ -289,10 +303,12 @@ class DaskCluster:
             return None
         deadline = time.monotonic() + wait_s
         while True:
-            for lines in self._nanny_logs(nanny):
-                for _, line in lines:  # newest first
-                    if f"process {pid} " in line or f"(pid={pid})" in line:
-                        return str(line).split(" - ")[-1].strip()
+            logs = [line for lines in self._nanny_logs(nanny) for _, line in lines]  # newest first
+            found = [
+                str(x).split(" - ")[-1].strip() for x in logs if f"process {pid} " in x or f"(pid={pid})" in x
+            ]
+            if found:  # the nanny's memory line comes before its "killed by signal 15" one
+                return next((line for line in found if "memory budget" in line), found[0])
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.5)
@@ -353,10 +369,16 @@ class DaskCluster:
 WORKER_PRE_SPAWN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}
 
 
-def _local_cluster(workers: int, allowed_failures: int | None = None) -> LocalCluster:
-    """Single-threaded worker processes; every listener on loopback, no dashboards, no memory limit."""
+def _local_cluster(
+    workers: int, allowed_failures: int | None = None, memory_limit: int | None = None
+) -> LocalCluster:
+    """Single-threaded worker processes; every listener on loopback, no dashboards; each worker's
+    nanny kills it past 95 % of ``memory_limit`` (None: no limit), and it logs why."""
     spawn_env = dask.config.get("distributed.nanny.pre-spawn-environ", {})
     dask.config.set({"distributed.nanny.pre-spawn-environ": {**spawn_env, **WORKER_PRE_SPAWN_ENV}})
+    # A device worker's memory is its actor's, not Dask data: spilling has nothing to spill and a
+    # paused worker would only stall the job, so the nanny's kill at the limit is the one action.
+    dask.config.set({f"distributed.worker.memory.{k}": False for k in ("target", "spill", "pause")})
     return LocalCluster(
         n_workers=workers,
         threads_per_worker=1,
@@ -371,6 +393,6 @@ def _local_cluster(workers: int, allowed_failures: int | None = None) -> LocalCl
             "dashboard_address": f"{LOOPBACK}:0",
             "allowed_failures": allowed_failures,
         },
-        memory_limit=0,
+        memory_limit=memory_limit or 0,
         silence_logs=logging.ERROR,
     )

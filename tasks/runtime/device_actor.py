@@ -73,18 +73,28 @@ class DevicePoolError(RuntimeError):
 class DeviceRunError(DevicePoolError):
     """A call failed on one or more devices; carries each rank's remote traceback."""
 
-    def __init__(self, call: str, failures: list[RankFailure]) -> None:
+    def __init__(self, call: str, failures: list[RankFailure], line: str | None = None) -> None:
         ranks = [f.rank for f in failures]
         first = failures[0]
+        # A lost or silent worker sent no traceback: its one line is the whole message.
+        remote = (
+            f"\n--- remote traceback (rank {first.rank}, {first.worker}) ---\n{first.traceback_text}"
+            if first.traceback_text
+            else ""
+        )
         super().__init__(
-            f"{call} failed on rank(s) {ranks}: {first.exc_type}: {first.message}\n"
-            f"--- remote traceback (rank {first.rank}, {first.worker}) ---\n{first.traceback_text}"
+            line or f"{call} failed on rank(s) {ranks}: {first.exc_type}: {first.message}{remote}"
         )
         self.call = call
         self.failures = failures
+        self.line = line
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (DeviceRunError, (self.call, self.failures))
+        return (type(self), (self.call, self.failures, self.line))
+
+
+class DeviceHungError(DeviceRunError):
+    """A call's deadline passed with ranks that gave no answer; ``str(err)`` is one line naming them."""
 
 
 # A call's ranks are polled this often for lost workers while the driver waits on them.

@@ -18,8 +18,11 @@ local cluster), on a socket that rank 0's actor opens before anyone joins.
 
 No wait is unbounded: before an actor is placed, its worker's import path is
 checked (``DaskCluster.guard_imports``); calls go through ``DaskCluster.call_actor``, whose
-futures always resolve; and while the driver waits on a call, the ranks' workers are polled,
-so that a lost one fails the call with its cause (``tasks.runtime.pool_workers``).
+futures always resolve; while the driver waits on a call, the ranks' workers are polled,
+so that a lost one fails the call with its cause (``tasks.runtime.pool_workers``); and every call
+has a deadline (``call_deadline_s``: a floor plus seconds per token of its work), past which the
+ranks that gave no answer are named in one line (``DeviceHungError``) and left out of the pool's
+closing (a LocalCluster's are killed) so that the job fails instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -27,19 +30,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
 from nereus_core.config import ClusterConfig
 from nereus_core.layout import Layout
+from tasks.runtime.call_work import call_label, call_tokens
 from tasks.runtime.cluster import TlsFiles, get_address_host
-from tasks.runtime.device_actor import DevicePoolError, DeviceRunError, RankFailure, gather, issue
-from tasks.runtime.pool_members import PoolMembers
-from tasks.runtime.pool_workers import local_ranks
+from tasks.runtime.device_actor import (
+    POLL_S,
+    DeviceHungError,
+    DevicePoolError,
+    DeviceRunError,
+    RankFailure,
+    gather,
+    issue,
+)
+from tasks.runtime.pool_members import PoolMembers, worker_memory_limit
+from tasks.runtime.pool_workers import by_rank, kill_children, local_ranks
 
-__all__ = ["DevicePool", "DevicePoolError", "DeviceRunError", "RankFailure"]
+__all__ = ["DeviceHungError", "DevicePool", "DevicePoolError", "DeviceRunError", "RankFailure"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +67,16 @@ class DevicePool(PoolMembers):
         scheduler_address: str | None = None,
         backend: str = "auto",
         *,
-        connect_timeout_s: float = 10.0,
+        connect_timeout_s: float = 30.0,
         worker_timeout_s: float = 120.0,
         join_timeout_s: float = 180.0,
         collective_timeout_s: float = 300.0,
+        call_timeout_s: float = 900.0,
+        call_timeout_s_per_token: float = 0.01,
         torch_threads: int | None = 1,
         failure_grace_s: float = 30.0,
         tls: TlsFiles | None = None,
+        memory_limit: int | None = None,
     ) -> None:
         if devices < 1:
             raise ValueError(f"devices={devices}; a pool needs at least 1 device")
@@ -75,6 +90,9 @@ class DevicePool(PoolMembers):
         self.worker_timeout_s = worker_timeout_s
         self.join_timeout_s = join_timeout_s
         self.collective_timeout_s = collective_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.call_timeout_s_per_token = call_timeout_s_per_token
+        self.memory_limit = memory_limit
         self.torch_threads = torch_threads
         self.failure_grace_s = failure_grace_s
         self.timings: list[tuple[str, float]] = []
@@ -84,6 +102,7 @@ class DevicePool(PoolMembers):
         # Ranks an operation is using; see _hold. "*" marks a whole-pool operation.
         self._busy: set[int | str] = set()
         self._idle = threading.Condition()
+        self._scope = threading.local()  # this thread's call label and tokens: see scope
         try:
             with self._timed("start"):
                 self._connect(devices)
@@ -102,6 +121,10 @@ class DevicePool(PoolMembers):
             scheduler_address=cluster.scheduler_address,
             backend=cluster.backend,
             tls=TlsFiles.of(cluster),
+            connect_timeout_s=cluster.connect_timeout_s,
+            call_timeout_s=cluster.call_timeout_s,
+            call_timeout_s_per_token=cluster.call_timeout_s_per_token,
+            memory_limit=worker_memory_limit(cluster),
         )
 
     # ----------------------------------------------------------------- public
@@ -110,6 +133,31 @@ class DevicePool(PoolMembers):
     def built_layouts(self) -> tuple[str, ...]:
         """Keys of the layouts whose groups exist in the current world."""
         return tuple(self._built)
+
+    def call_deadline_s(self, tokens: int) -> float:
+        """Seconds a device call processing ``tokens`` tokens on one device may take before its ranks
+        that gave no answer are named as hung (``cluster.call_timeout_s`` and ``_per_token``)."""
+        return self.call_timeout_s + self.call_timeout_s_per_token * tokens
+
+    @contextmanager
+    def scope(self, label: str, *, tokens: int | None = None) -> Iterator[None]:
+        """Device calls this thread makes inside are reported as ``label`` (a model-stage) and, given
+        ``tokens`` (per device: prompt plus generated tokens, say), get their deadline from it instead
+        of from the token ids they send."""
+        outer = getattr(self._scope, "value", None)
+        self._scope.value = (label, tokens)
+        try:
+            yield
+        finally:
+            self._scope.value = outer
+
+    def note_memory(self, held: Mapping[int, int], predicted: Mapping[int, int] | None = None) -> None:
+        """Each rank's model state as the job measured it (and the plan's prediction for it): a worker
+        lost later is reported with them."""
+        for address, n in by_rank(self._workers, held).items():
+            self._book.note(address, held=n)
+        for address, n in by_rank(self._workers, predicted or {}).items():
+            self._book.note(address, predicted=n)
 
     def info(self) -> list[dict[str, Any]]:
         """Each actor's ``info()``, in rank order."""
@@ -170,12 +218,28 @@ class DevicePool(PoolMembers):
         bad = [r for r in ranks if not 0 <= r < self.size]
         if bad:
             raise ValueError(f"rank {bad[0]} is outside the pool; valid ranks are 0..{self.size - 1}")
+        label, tokens = getattr(self._scope, "value", None) or (call_label(common_kwargs), None)
+        if tokens is None:
+            tokens = call_tokens(common_kwargs.values()) + max(map(call_tokens, per_rank_args or [()]))
+        deadline_s = self.call_deadline_s(tokens)
+        own = [
+            v
+            for k, v in common_kwargs.items()
+            if k in ("deadline_s", "timeout_s") and isinstance(v, float | int)
+        ]
+        deadline_s = max([deadline_s, *(v + self.failure_grace_s for v in own)])  # a call that bounds itself
+        what = f"run({getattr(fn, '__qualname__', fn)})" + (f" for {label}" if label else "")
+        stuck = [r for r in ranks if self._workers[r] in self._stuck]
+        if stuck:  # its actor is still inside the call that hung: this one would queue behind it
+            failures = [RankFailure(r, self._workers[r], what, "TimeoutError", "", "") for r in stuck]
+            line = f"{what}: device slot(s) {stuck} gave no answer to an earlier call (see above); not called"
+            raise DeviceHungError(what, failures, line)
         with self._hold(ranks):
             calls = [
                 self._call(r, "run", fn, *(per_rank_args[i] if per_rank_args else ()), **common_kwargs)
                 for i, r in enumerate(ranks)
             ]
-            return self._gather(f"run({getattr(fn, '__qualname__', fn)})", calls, None)
+            return self._gather(what, calls, deadline_s, label)
 
     def resize(self, devices: int) -> None:
         """Grow or shrink to ``devices`` and rebuild the world (same size: just rebuild it). Workers
@@ -209,9 +273,16 @@ class DevicePool(PoolMembers):
         self._adopt_prepared(stop=True)  # a grow that never came: its workers go with the others
         if self._actors:
             try:
-                self._leave_all()
+                # A rank that hung or was lost in a call would not answer this either.
+                self._leave_all([r for r, a in enumerate(self._workers) if a not in self._stuck | self._gone])
             except DevicePoolError as exc:  # closing anyway; report and go on
                 logger.warning("device pool close: %s", exc.args[0].splitlines()[0])
+        if self._stuck and self._cluster is not None and self._cluster.owns_workers:
+            pids = [p for p in (self._book.pid(a) for a in self._stuck) if p is not None]
+            killed = kill_children(pids)  # a stopped one would hold the cluster's shutdown
+            logger.warning("device pool close: killed the workers that gave no answer (pids %s)", killed)
+        self._stuck.clear()
+        self._gone.clear()
         self._actors.clear()
         self._futures.clear()
         self._workers.clear()
@@ -253,8 +324,8 @@ class DevicePool(PoolMembers):
         probes = self._gather("probe", [self._call(r, "probe") for r in range(self.size)], None)
         return "nccl" if all(p["cuda_devices"] > 0 for p in probes) else "gloo"
 
-    def _leave_all(self) -> None:
-        calls = [self._call(r, "leave") for r in range(self.size)]
+    def _leave_all(self, ranks: Iterable[int] | None = None) -> None:
+        calls = [self._call(r, "leave") for r in (range(self.size) if ranks is None else ranks)]
         self._gather("leave", calls, self.join_timeout_s)
 
     # ---------------------------------------------------------------- helpers
@@ -263,10 +334,32 @@ class DevicePool(PoolMembers):
         a = self._workers[rank]
         return rank, issue(lambda: self._cluster_().call_actor(a, self._actors[a], method, *args, **kwargs))
 
-    def _gather(self, call: str, calls: list[tuple[int, Any]], timeout_s: float | None) -> list[Any]:
-        return gather(
-            call, calls, self._workers, timeout_s=timeout_s, grace_s=self.failure_grace_s, lost=self._lost
-        )
+    def _gather(
+        self, call: str, calls: list[tuple[int, Any]], timeout_s: float | None, label: str = ""
+    ) -> list[Any]:
+        """Await ``calls``, each bounded by ``timeout_s`` (None: the floor, ``call_timeout_s``)."""
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        self._book.observe(self._cluster_(), POLL_S)  # memory before the call: a lost worker's last
+        try:
+            return gather(
+                call, calls, self._workers, timeout_s=timeout_s, grace_s=self.failure_grace_s, lost=self._lost
+            )
+        except DeviceRunError as err:
+            silent = [f.rank for f in err.failures if f.exc_type == "TimeoutError" and not f.traceback_text]
+            gone = [f.rank for f in err.failures if f.exc_type == "WorkerLost"]
+            self._stuck |= {self._workers[r] for r in silent if r is not None and r < self.size}
+            self._gone |= {self._workers[r] for r in gone if r is not None and r < self.size}
+            if not silent or any(f.traceback_text for f in err.failures):
+                raise  # a rank's own error comes first: the others waited on it
+            line = self._book.hung(
+                self._cluster_(),
+                self._workers,
+                [r for r in silent if r is not None],
+                call=call,
+                label=label or "device pool",
+                deadline_s=timeout_s,
+            )
+            raise DeviceHungError(err.call, err.failures, line) from None
 
     def _lost(self, ranks: Sequence[int], settle_s: float) -> dict[int, str]:
         return self._book.lost(self._cluster_(), self._workers, ranks, settle_s)

@@ -16,12 +16,35 @@ import logging
 import time
 from typing import Any
 
+import torch
+
+from nereus_core.config import ClusterConfig
 from tasks.runtime.cluster import Client, ClusterError, DaskCluster, Future, TlsFiles
 from tasks.runtime.device_actor import DevicePoolError
 from tasks.runtime.pool_growth import Growth, PlacedActor, Warm, free_workers, place_actors
 from tasks.runtime.pool_workers import WorkerBook, wait_until
 
 logger = logging.getLogger(__name__)
+
+# How many copies of a slot's state a CPU worker may hold at once: the state itself, and a staged
+# checkpoint or the source shards a live move keeps until its targets are verified.
+STATE_COPIES = 2
+
+
+def worker_memory_limit(cluster: ClusterConfig) -> int | None:
+    """Bytes each worker process of a LocalCluster may hold before its nanny kills it (and the call
+    names it as lost), or None for no limit. Only for CPU workers: there the slot's capacity
+    (``memory_per_device``) is host memory, and the process holds Python, torch and DeepSpeed beside
+    it (``worker_memory_overhead``). A CUDA slot's capacity is the GPU's, which CUDA enforces itself
+    (an out-of-memory error in the call, with its traceback), and the host memory of a CUDA worker
+    (its CUDA context, pinned buffers, staged checkpoints) has no relation to it; a remote
+    scheduler's workers are its operator's to limit (``dask worker --memory-limit``)."""
+    overhead = int(cluster.worker_memory_overhead)
+    if cluster.scheduler_address is not None or overhead == 0 or cluster.backend == "nccl":
+        return None
+    if cluster.backend == "auto" and torch.cuda.is_available():
+        return None
+    return STATE_COPIES * int(cluster.memory_per_device) + overhead
 
 
 class PoolMembers:
@@ -35,6 +58,7 @@ class PoolMembers:
     join_timeout_s: float
     torch_threads: int | None
     failure_grace_s: float
+    memory_limit: int | None
     timings: list[tuple[str, float]]
 
     def _init_members(self) -> None:
@@ -46,6 +70,8 @@ class PoolMembers:
         self._growth: Growth | None = None  # workers being prepared for a coming grow
         self._cold: tuple[int, ...] = ()  # ranks the last resize added without preparing them
         self._leaving: list[str] = []  # workers a shrink let go, to retire after the switch
+        self._stuck: set[str] = set()  # workers that gave no answer to a call by its deadline
+        self._gone: set[str] = set()  # workers lost during a call
 
     @property
     def size(self) -> int:
@@ -124,7 +150,11 @@ class PoolMembers:
     def _connect(self, devices: int) -> None:
         try:
             self._cluster = DaskCluster(
-                devices, self.scheduler_address, tls=self.tls, connect_timeout_s=self.connect_timeout_s
+                devices,
+                self.scheduler_address,
+                tls=self.tls,
+                connect_timeout_s=self.connect_timeout_s,
+                memory_limit=self.memory_limit,
             )
         except ClusterError as exc:
             raise DevicePoolError(str(exc)) from None
@@ -183,6 +213,8 @@ class PoolMembers:
     def _forget(self, address: str) -> None:
         """Drop the worker at ``address`` from the rank order, with its actor and what is known of it."""
         self._workers.remove(address)
+        self._stuck.discard(address)
+        self._gone.discard(address)
         self._actors.pop(address, None)
         self._futures.pop(address, None)
         self._book.forget(address)
