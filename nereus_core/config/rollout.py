@@ -95,11 +95,12 @@ class RolloutConfig(Frozen):
         "and a slow first call; generate_timeout_s_per_token is added for each token asked.",
     )
     generate_timeout_s_per_token: float = Field(
-        default=0.02,
+        default=0.05,
         ge=0,
         le=60,
         description="Seconds added to a generation request's deadline per token it may generate (its "
-        "rows x the response length): 0.02 allows 50 tokens/s for one engine's whole batch.",
+        "rows x the response length): 0.05 allows one engine 20 tokens/s for its whole batch (a loaded "
+        "CPU; a GPU engine makes thousands: lower it there to find a hang sooner).",
     )
     sync_timeout_s: float = Field(
         default=120.0,

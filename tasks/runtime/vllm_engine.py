@@ -191,7 +191,7 @@ class EngineProcess:
         return EngineTimeout(
             f"{self.what} (pid {self.proc.pid}) gave no answer to {op} within its deadline of "
             f"{deadline_s:.1f} s ({DEADLINE_SETTINGS.get(op, 'fixed')}) and was killed: the process was "
-            f"stopped, deadlocked or blocked; if it is only slow, raise that setting (log: {self.log_path})"
+            "stopped, deadlocked or blocked; if it is only slow, raise that setting"
         )
 
 
