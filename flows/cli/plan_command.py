@@ -1,5 +1,6 @@
 """What ``nereus plan CONFIG`` prints: the plan the controller would pick, its predicted step time
-and memory per slot, the config's own plan, and the rejected alternatives with the reason for each.
+and memory per slot, the config's own plan, the disk its checkpoints take, and the rejected
+alternatives with the reason for each.
 
 The decision itself is ``nereus_core.controller.decide.decide``; this module only formats it for a terminal
 (or a pipe: flows/cli/main.py ends a closed pipe quietly).
@@ -40,6 +41,7 @@ def print_plan(cfg: NereusConfig, *, profile: str) -> int:
         where = f"step {current.step_s:.4g} s, {current.memory_peak / 2**30:.3f} GiB/slot" if current else ""
         print(f"\nconfig plan {initial.plan_id} ({initial.placement}): {where}")
         print(f"  a job started on it would {from_config.action}: {from_config.reason}")
+    print(f"\n{checkpoint_line(cfg)}")
     if decision.alternatives:
         print("\nrejected alternatives")
         for alt in decision.alternatives:
@@ -48,6 +50,47 @@ def print_plan(cfg: NereusConfig, *, profile: str) -> int:
             print(f"      {alt.description}")
             print(f"      why: {alt.detail}")
     return 0 if decision.chosen is not None else 1
+
+
+def checkpoint_bytes(cfg: NereusConfig) -> dict[str, int]:
+    """Bytes one checkpoint writes per model: every tensor of the stage holding its state as its shard
+    map sizes it (parameters in ``model.dtype``; a train stage's fp32 AdamW moments, master weights and
+    step count too), each box written once whatever the layout. Arrow's framing (under a KiB a tensor
+    slice) is not counted."""
+    from nereus_core.emu import shard_map
+    from nereus_core.plan import default_plan, state_stages
+
+    layouts = default_plan(cfg.plan, cfg.stages)
+    models = cfg.models
+    return {
+        model: sum(t.nbytes for t in shard_map(models[model], layouts[stage], train=stage.trains).tensors)
+        for model, stage in state_stages(cfg.stages).items()
+    }
+
+
+def checkpoint_line(cfg: NereusConfig) -> str:
+    """The disk a run's checkpoints take: one checkpoint's bytes per model, and the most the run
+    directory holds at once under ``job.keep_checkpoints`` (the next one is complete before the oldest
+    goes), or, keeping all, by the end."""
+    per_model = checkpoint_bytes(cfg)
+    one = sum(per_model.values())
+    job = cfg.job
+    parts = ", ".join(f"{model} {_size(n)}" for model, n in per_model.items())
+    every = f"every {job.snapshot_every} steps and at the end" if job.snapshot_every else "at the end"
+    written = (len(range(job.snapshot_every, job.steps, job.snapshot_every)) if job.snapshot_every else 0) + 1
+    if job.keep_checkpoints:
+        held = min(job.keep_checkpoints + 1, written)
+        kept = f"the newest {job.keep_checkpoints} kept: at most {held} at once, {_size(held * one)}"
+    else:
+        kept = f"all kept: {written} by the end, {_size(written * one)}, each plan switch adds one"
+    return f"checkpoints: {_size(one)} each ({parts}); {every}; {kept}"
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def _plan_header(cfg: NereusConfig, profile: str, obs: Any, headroom: float) -> str:

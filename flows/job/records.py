@@ -4,7 +4,8 @@
                       (run logger), artifact nereus-step-timings
     phase times    -> each row's ``phase``; each phase's wall (``phase_<kind>_s``) and how many pools
                       ran in it at once (``phase_<kind>_pools``) in the step's history line
-    step history   -> metrics/history.parquet (scores, losses, PPO statistics, lengths, wall, overhead)
+    step history   -> metrics/history.parquet (scores, losses, PPO statistics, lengths, wall, overhead,
+                      the periodic checkpoint after the step: its attempts and a failure)
     transitions    -> metrics/transitions.parquet, artifact nereus-transitions
     every step     -> trainer.logger's trackers (flows/job/tracking.py), the progress bar on a terminal
     the end        -> summary.json
@@ -56,6 +57,8 @@ TERMS = ("wire", "ops", "durable", "engine")  # the order of TransitionEstimate.
 VERIFIED = ("verified_bitwise", "verified_max_diff")
 # actor/generate's vLLM engines rebuilt by a switch (flows/job/engine_switch.py)
 ENGINE_REBUILD = ("engine_rebuild_s", "engine_start_s", "engine_verified", "engine_probe_logp_diff_max")
+CHECKPOINT_ATTEMPTS = 2  # a checkpoint that fails is tried once more
+CHECKPOINT_ERROR_CHARS = 300  # the history line keeps this much of a failed attempt's error
 
 
 def past_transitions(rows: list[dict[str, Any]]) -> list[TransitionTiming]:
@@ -238,6 +241,26 @@ class JobRecords:
         stats["bookkeeping_s"] = time.perf_counter() - start  # the trackers' time included
         self.history.append(stats)
         self.run.write_rows(HISTORY_TABLE, self.history)
+
+    def checkpoint_outcome(self, step: int, errors: list[str], attempts: int) -> None:
+        """The periodic checkpoint after ``step`` in its history line (``errors``: its failed attempts'
+        of at most ``attempts``): ``checkpoint_attempts``, ``checkpoint_failed`` (none was written) and
+        the last failed attempt's ``checkpoint_error``. The run goes on either way."""
+        failed = len(errors) >= attempts
+        row = next(h for h in reversed(self.history) if h["step"] == step)
+        row.update(
+            checkpoint_attempts=len(errors) + (not failed),
+            checkpoint_failed=failed,
+            checkpoint_error=errors[-1][:CHECKPOINT_ERROR_CHARS] if errors else None,
+        )
+        self.run.write_rows(HISTORY_TABLE, self.history)
+        if failed:
+            get_run_logger().warning(
+                "no checkpoint at step %d after %d attempts; the run goes on, the previous checkpoint "
+                "stays the resume point (metrics/history.parquet: checkpoint_failed)",
+                step + 1,
+                attempts,
+            )
 
     def transition(
         self,

@@ -8,7 +8,8 @@
                          -> advantages -> actor/train (+ sync), critic/train (+ sync) -> rollout
                a phase's stages on disjoint slots (a phased plan) run at once: flows/job/phases.py
                record (flows/job/records.py) -> controller -> transition subflow -> commit
-               checkpoint every K steps
+               checkpoint every K steps (a failed one tried once more, then noted in the step's record)
+               the newest job.keep_checkpoints complete checkpoints are kept (storage/retention.py)
     final checkpoint -> summary.json
 
 Where things live: the job's state and its rules (what follows a step, when a switch commits,
@@ -28,15 +29,16 @@ from flows.job import engine_switch, generation, grpo_step, step_parts, tracking
 from flows.job import growth as job_growth
 from flows.job import start as job_start
 from flows.job.data import job_data
-from flows.job.records import JobRecords, done_line, log_decision
+from flows.job.records import CHECKPOINT_ATTEMPTS, JobRecords, done_line, log_decision
 from flows.job.transition import transition_flow
 from nereus_core import job
 from nereus_core.config import NereusConfig
 from nereus_core.controller.decide import TransitionTiming
 from nereus_core.cost.transition_cost import engines_rebuilt
-from nereus_core.plan import ModelStage
+from nereus_core.plan import ModelStage, state_stages
 from nereus_core.prompt_source import PromptSource
 from nereus_core.rl import rollout
+from storage import retention
 from tasks import job_ops, model_ops, rollout_engines, stages
 from tasks.controller import controller_step
 from tasks.runtime.device_pool import DevicePool
@@ -173,13 +175,21 @@ def decide_and_switch(
 
 
 def _checkpoint(pool: DevicePool, state: job.JobState, records: JobRecords, step: int) -> float:
-    """Every model's state as ``step``, unless that checkpoint is already written; returns seconds."""
-    if records.run.checkpoint_path(step).exists():
+    """Every model's state as ``step``, unless that checkpoint is already written; returns seconds.
+    What a failed attempt at ``step`` committed is removed first; once the checkpoint is complete,
+    those past ``job.keep_checkpoints`` are deleted (storage/retention.py)."""
+    run = records.run
+    if retention.has_checkpoint(run.root, step):
         return 0.0
+    retention.discard_partial(run.root, step, state_stages(state.layouts))
     seconds = job_ops.checkpoint(
-        pool, str(records.run.root), state, step, digests=state.config.job.verify_transitions
+        pool, str(run.root), state, step, digests=state.config.job.verify_transitions
     )
     records.checkpoint_s += seconds
+    try:
+        retention.prune_checkpoints(run.root, state.config.job.keep_checkpoints)
+    except OSError as err:  # the new checkpoint is complete: the run goes on, holding one more
+        get_run_logger().warning("old checkpoints could not be deleted after step %d's: %s", step, err)
     return seconds
 
 
@@ -241,8 +251,9 @@ def rl_job(
                         )
                     every = cfg.job.snapshot_every
                     if every and (step + 1) % every == 0 and step + 1 < cfg.job.steps:
-                        _try_checkpoint(pool, state, records, step + 1)
-            if not _try_checkpoint(pool, state, records, cfg.job.steps, attempts=2):
+                        errors = _try_checkpoint(pool, state, records, step + 1)  # retried once
+                        records.checkpoint_outcome(step, errors, CHECKPOINT_ATTEMPTS)
+            if len(_try_checkpoint(pool, state, records, cfg.job.steps)) == CHECKPOINT_ATTEMPTS:
                 raise job.JobFailed(f"the final checkpoint (step {cfg.job.steps}) could not be written twice")
         summary = records.summary(state, time.perf_counter() - start, started["fit"])
         if "val_before_train" in started:
@@ -262,13 +273,16 @@ def _on(engines: engine_switch.JobEngines | None) -> rollout_engines.Engines | N
 
 
 def _try_checkpoint(
-    pool: DevicePool, state: job.JobState, records: JobRecords, step: int, attempts: int = 1
-) -> bool:
-    """A periodic checkpoint; a failed write is logged and the previous checkpoint stays in force."""
+    pool: DevicePool, state: job.JobState, records: JobRecords, step: int, attempts: int = CHECKPOINT_ATTEMPTS
+) -> list[str]:
+    """A checkpoint at ``step``, tried up to ``attempts`` times; returns the failed attempts' errors
+    (``attempts`` of them: none was written, the previous checkpoint stays the resume point)."""
+    errors: list[str] = []
     for attempt in range(1, attempts + 1):
         try:
             _checkpoint(pool, state, records, step)
-            return True
+            return errors
         except Exception as err:
+            errors.append(f"{type(err).__name__}: {err}")
             get_run_logger().error("checkpoint at step %d failed (attempt %d): %s", step, attempt, err)
-    return False
+    return errors

@@ -83,8 +83,20 @@ class JobConfig(Frozen):
     lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate of the runtime self-check.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     task: Literal["count"] = Field(default="count", description="The task (nereus_core/count_task.py).")
+    # verl's trainer.save_freq defaults to -1 (no checkpoint at all) and keeps every one it writes
+    # (max_actor_ckpt_to_keep: null); OpenRLHF keeps 3 (--max_ckpt_num). Here a run always has a
+    # resume point at most 10 steps old, and the disk holds a bounded number of checkpoints.
     snapshot_every: int = Field(
-        default=0, ge=0, description="Snapshot every model's state every K steps (0: only at the end)."
+        default=10,
+        ge=0,
+        description="Checkpoint every model's state after every K steps, and always at the end (0: only "
+        "at the end). A plan switch writes one too.",
+    )
+    keep_checkpoints: int = Field(
+        default=3,
+        ge=0,
+        description="Complete checkpoints kept in the run directory: the newest N (periodic, switch and "
+        "final alike); an older one is deleted once a newer one is complete (0: keep all).",
     )
     verify_transitions: bool = Field(
         default=False,

@@ -69,7 +69,7 @@ def qwen2_gsm8k_config(files: dict[str, Path], **job: Any) -> dict[str, Any]:
         },
         "validation": {"every": 2, "batch_size": 64},
         "reward": {"function": "gsm8k"},
-        "job": {"steps": 2, "batch_size": 8, "snapshot_every": 1, **job},
+        "job": {"steps": 2, "batch_size": 8, "snapshot_every": 1, "keep_checkpoints": 0, **job},
         "ppo": {"ppo_epochs": 1, "mini_batches": 2, "kl_coef": 0.001},
         "plan": {
             "actor/generate": {"tp": 2, "devices": [0, 1]},

@@ -155,7 +155,7 @@ def test_resume_on_more_devices_runs_on_the_checkpoint_s_until_the_new_workers_a
     """``nereus resume --devices 4`` of a run on 2 slots resumes on those 2 (its plan, bitwise),
     starts and warms two more workers while the steps run, and grows once they are warm: the grow's
     pause is the state movement, priced without starting or warming a worker."""
-    data = _config(steps=14, snapshot_every=2, scenario=[], verify_transitions=True)
+    data = _config(steps=14, snapshot_every=2, keep_checkpoints=0, scenario=[], verify_transitions=True)
     data["cluster"].update(devices=2, memory_per_device="64MiB")
     run, out = start_run(tmp_path, data)
     kill_after_checkpoint(run, out, 2, tmp_path)  # the driver dies once that checkpoint is complete
@@ -211,7 +211,8 @@ def test_a_really_full_disk_before_a_device_change_stops_the_run_and_resume_comp
 ):
     """A durable switch (2 -> 4 slots) needs its checkpoint; with the disk full the run stops with one
     line and loses nothing: the checkpoint before it stays, and resume (with room again) finishes."""
-    data = _config(steps=5, snapshot_every=2, scenario=[{"step": 3, "devices": 4}], verify_transitions=True)
+    event = {"step": 3, "devices": 4}  # keep_checkpoints=0: the resume leaves step 2's checkpoint to compare
+    data = _config(steps=5, snapshot_every=2, keep_checkpoints=0, scenario=[event], verify_transitions=True)
     data["cluster"].update(devices=2, memory_per_device="16MiB")
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps(data))

@@ -66,7 +66,7 @@ TP2 = Layout(tp=2, dp=1, devices=(0, 1))
 def run_dir(tmp_path_factory):
     data = copy.deepcopy(GRPO_VLLM)
     data["plan"]["actor/generate"] = DP2.model_dump(mode="json")
-    data["job"] |= {"adapt": True, "verify_transitions": True, "snapshot_every": 1}
+    data["job"] |= {"adapt": True, "verify_transitions": True, "snapshot_every": 1, "keep_checkpoints": 0}
     out = tmp_path_factory.mktemp("grpo-vllm-run")
     with pytest.MonkeyPatch.context() as patch:
         targets = {0: {"actor/generate": TP2}, 1: {"actor/generate": DP2}}
