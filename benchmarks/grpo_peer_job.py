@@ -140,7 +140,7 @@ def trl_args(s: Settings, out_dir: Path) -> Any:
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
-        max_grad_norm=0.0,  # Nereus does not clip gradients
+        max_grad_norm=0.0,  # no clipping on either side (Nereus: ppo.grad_clip 0)
         adam_beta1=0.9,
         adam_beta2=0.999,
         adam_epsilon=1e-8,
@@ -190,6 +190,7 @@ def nereus_config(model_dir: Path, data: Path, s: Settings, slots: int) -> dict[
             "ppo_epochs": 1,
             "mini_batches": 1,
             "actor_lr": s.lr,
+            "grad_clip": 0.0,
             "temperature": 1.0,
         },
         "plan": {"actor/generate": layout, "actor/train": layout},

@@ -69,7 +69,8 @@ def test_both_systems_are_given_the_same_job(
         assert (args.num_iterations, args.steps_per_generation) == (1, 1)
         # No KL term: TRL's beta is 0 and the Nereus job has no reference model to run.
         assert args.beta == 0.0 and ModelStage.REFERENCE_INFER not in cfg.stages
-        assert args.max_grad_norm == 0.0 and args.weight_decay == 0.0  # Nereus clips nothing, no decay
+        # No gradient clipping and no weight decay on either side.
+        assert cfg.ppo.grad_clip == args.max_grad_norm == 0.0 and args.weight_decay == 0.0
         assert cfg.cluster.devices == slots and not cfg.job.adapt
 
 
