@@ -1,6 +1,6 @@
 """Gradient clipping of a train step (``OptimizerSettings.grad_clip``, DeepSpeed's gradient_clipping,
 nereus_core/engine/optimizer.py): three AdamW steps of a tiny model whose gradient norm is well above
-1, clipped at 1.0, in several layouts (one device; tp2; pp2; dp2; tp2 without ZeRO) against plain
+1, clipped at 1.0, in several layouts (one device; tp2; pp2; dp2; tp2 and pp2 without ZeRO) against plain
 torch on one device with ``torch.nn.utils.clip_grad_norm_``; the norm clipped by is the global one
 over every shard, and the reported ``grad_norm`` is the norm before clipping."""
 
@@ -37,6 +37,7 @@ LAYOUTS = {
     "pp2": (Layout.contiguous(pp=2, micro_batches=2), 1),
     "dp2": (Layout.contiguous(dp=2), 1),
     "tp2-zero0": (Layout.contiguous(tp=2, micro_batches=2), 0),
+    "pp2-zero0": (Layout.contiguous(pp=2, micro_batches=2), 0),
 }
 # fp32 rounding: the layouts sum the same gradients in another order (observed differences <= 1e-6
 # after three steps; an unclipped run is more than 1e-3 away).
