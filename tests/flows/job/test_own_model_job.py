@@ -126,7 +126,7 @@ calls = {"n": 0}
 
 def score(data_source, solution_str, ground_truth, extra_info):
     calls["n"] += 1
-    if calls["n"] > 9:  # the trial call before the start, then step 0's 8 rows; step 1's first raises
+    if calls["n"] > 9:  # the job's worker: step 0's 8 rows, step 1's first; its second raises
         raise KeyError("no answer field")
     return 0.0
 """
@@ -142,9 +142,12 @@ def test_a_reward_function_that_raises_fails_the_step_and_keeps_the_checkpoint(
     out = tmp_path / "run"
     with pytest.raises(rewards.RewardError) as err:
         rl_job(config=parse_config(cfg), out_dir=str(out))
+    log = out / "logs" / "reward_worker.log"  # the job's reward worker writes into the run directory
     assert str(err.value).startswith(
-        f"reward function {tmp_path / 'my_reward.py'}:score raised KeyError: 'no answer field' (on data row "
+        f"reward function {tmp_path / 'my_reward.py'}:score raised KeyError: 'no answer field' "
+        f"(worker log: {log}) (on data row "
     )
+    assert "KeyError: 'no answer field'" in log.read_text()  # with its traceback
     run = RunDir(out)
     assert run.latest_checkpoint()["step"] == 1  # the state after step 0: the resume point, intact
     assert read_full_state(out, "actor", step=1)
