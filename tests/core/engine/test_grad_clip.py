@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+from nereus_core.config import ConfigError, parse_config
 from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.dispatch import assemble_full_state, per_device_batch
-from nereus_core.engine.optimizer import OptimizerSettings
+from nereus_core.engine.optimizer import OptimizerSettings, deepspeed_config
 from nereus_core.engine.shard import load_shard, shard_state
 from nereus_core.engine.train import lm_loss, train_step
+from nereus_core.job import optimizer_settings
 from nereus_core.layout import Layout
 from nereus_core.model.llama import LlamaStage
 from nereus_core.model.weights import init_full_state
@@ -123,3 +125,14 @@ def test_clipping_at_one_matches_clip_grad_norm_on_one_device_in_every_layout() 
         for step, ref in enumerate(norms):
             for got_norm in reported[step::STEPS]:
                 assert got_norm == pytest.approx(ref, rel=1e-5), f"{name} step {step}: grad_norm"
+
+
+def test_ppo_grad_clip_defaults_to_verls_and_reaches_both_train_stages() -> None:
+    for ppo, want in (({}, 1.0), ({"grad_clip": 0.5}, 0.5), ({"grad_clip": 0}, 0.0)):
+        config = parse_config({"ppo": ppo})
+        for stage in ("actor/train", "critic/train"):
+            settings = optimizer_settings(config, stage)
+            assert settings is not None and settings.grad_clip == want, (ppo, stage)
+            assert deepspeed_config(settings, 1, 2)["gradient_clipping"] == want, (ppo, stage)
+    with pytest.raises(ConfigError, match=r"ppo\.grad_clip=-1: must be >= 0"):
+        parse_config({"ppo": {"grad_clip": -1}})
