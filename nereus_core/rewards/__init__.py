@@ -2,8 +2,9 @@
 
 ``registry`` owns what ``reward.function`` may name and how one is called; ``gsm8k`` and
 ``math_answer`` are the built-in text scorers; ``worker`` runs a user's function in a process of
-its own. The registry's names are imported on first use (PEP 562), so that a reward worker, which
-imports ``nereus_core.rewards.worker``, does not import torch.
+its own (``worker_process`` is what runs inside it, ``isolation`` what it may see and use: its
+environment, limits and log). The registry's names are imported on first use (PEP 562), so that a
+reward worker, which imports ``nereus_core.rewards.worker_process``, does not import torch.
 """
 
 from __future__ import annotations

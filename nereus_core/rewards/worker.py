@@ -88,8 +88,9 @@ class RewardWorker:
         # A plain interpreter rather than multiprocessing's spawn, which would import the driver's
         # __main__ (the CLI and all it imports) into the worker, and an environment built from the
         # config rather than the driver's. Limits are set by the worker itself before it imports the
-        # user's file (preexec_fn is unsafe in a driver with threads). A process group of its own, so
-        # that a kill ends whatever the user's code started too.
+        # user's file (preexec_fn is unsafe in a driver with threads). It stays in the driver's process
+        # group, so that a signal to the group (Ctrl-C, a stop) reaches it too, and it ends by itself
+        # within a second of the driver's end (``worker_process``).
         to_worker, from_driver = os.pipe()
         to_driver, from_worker = os.pipe()
         root = str(Path(__file__).resolve().parents[2])  # where nereus_core is importable from
@@ -105,7 +106,6 @@ class RewardWorker:
                 stdout=log,
                 stderr=log,
                 env=child_environment(s),
-                process_group=0,
             )
         os.close(to_worker)
         os.close(from_worker)
@@ -213,16 +213,15 @@ class RewardWorker:
             self.close()
 
     def close(self, *, keep_log: bool = False) -> None:
-        """End the worker (killed, with its process group: it may be stuck); the next call starts a new
-        one. A temp log goes too, unless ``keep_log`` or an error line has named it."""
+        """End the worker (killed: it may be stuck); the next call starts a new one. A temp log goes
+        too, unless ``keep_log`` or an error line has named it."""
         for conn in (self._conn, self._requests):
             if conn is not None:
                 conn.close()
         proc = self._proc
         if proc is not None:
-            if proc.poll() is None:  # not reaped yet, so its group id is still its own
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
         if self._temp_log is not None and not keep_log:

@@ -9,7 +9,9 @@ Boundary: stdlib only, so that a worker starts without the rest of Nereus (torch
 from __future__ import annotations
 
 import io
+import os
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -100,10 +102,19 @@ def _serve(requests: Connection, answers: Connection, spec: str) -> None:
             answers.send(("raised", message, time.process_time()))
 
 
+def _end_when_orphaned(driver: int) -> None:
+    """End this worker within a second of its driver's end (it is re-parented then), even in the
+    middle of a call or an import that hangs: a worker never outlives its driver."""
+    while os.getppid() == driver:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def main() -> None:
     """The worker process; its arguments: READ_FD WRITE_FD SPEC MAX_MEMORY MAX_CPU_S
     (``RewardWorker._spawn``). The limits hold before the user's file is imported."""
     argv = sys.argv[1:]
+    threading.Thread(target=_end_when_orphaned, args=(os.getppid(),), daemon=True).start()
     apply_limits(int(argv[3]), int(argv[4]))
     _serve(Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False), argv[2])
 

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from pydantic import ValidationError
 
 from nereus_core.config.data import RewardConfig
 from nereus_core.rewards import RewardError, registry, worker, worker_process
 from nereus_core.rewards.isolation import BASE_ENV, WorkerSettings
+from tests.support.processes import running, wait_for
+
+ROOT = Path(__file__).resolve().parents[3]
 
 # Each runs when the file is imported.
 AT_IMPORT = {
@@ -63,12 +69,12 @@ def test_a_file_that_exits_hangs_or_allocates_at_import_is_refused_at_config_loa
     code, needle = AT_IMPORT[name]
     spec = _spec(tmp_path, name, code + SCORE)
     started = time.perf_counter()
-    with pytest.raises(ValidationError) as err:
-        RewardConfig(function=spec, load_timeout_s=3)
+    with pytest.raises(ValidationError) as err:  # a deadline only the one that sleeps reaches
+        RewardConfig(function=spec, load_timeout_s=3 if name == "sleeps" else 60)
     elapsed = time.perf_counter() - started
     line = err.value.errors()[0]["msg"].removeprefix("Value error, ")
     assert line.startswith("reward.function: ") and needle in line and "\n" not in line, line
-    assert elapsed < 20, elapsed  # the deadline is 3 s; the others end in well under a second
+    assert elapsed < 20, elapsed  # the deadline is 3 s; the others end in a fraction of a second
     log = _log_of(line)
     assert log.is_file()  # the log the line names is there to read
     if name == "allocates":
@@ -150,3 +156,30 @@ def test_the_log_is_bounded_per_call_and_rotated(tmp_path: Path, monkeypatch: py
     assert (tmp_path / "logs" / "reward_worker.log.1").stat().st_size > 3 * worker_process.OUTPUT_CHARS
     assert log.stat().st_size < 2 * worker_process.OUTPUT_CHARS
     reward.fn.close()
+
+
+HANGS = (
+    "import os, time\n"
+    "def score(a, b, c, d):\n    open(c, 'w').write(str(os.getpid()))\n    time.sleep(10**6)\n"
+)
+DRIVER = (
+    "import sys\nfrom nereus_core.rewards.worker import RewardWorker\n"
+    "RewardWorker(sys.argv[1])('s', 'b', sys.argv[2], {})\n"
+)
+
+
+def test_a_worker_ends_with_its_driver_even_in_a_call_that_hangs(tmp_path: Path) -> None:
+    pid_file = tmp_path / "worker.pid"
+    spec = _spec(tmp_path, "hangs", HANGS)
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, spec, str(pid_file)], cwd=ROOT)
+    try:
+        wait_for("the worker's call", lambda: pid_file.exists() and pid_file.read_text() != "", 60, every=0.2)
+        worker_proc = psutil.Process(int(pid_file.read_text()))
+    finally:
+        driver.kill()  # no close, no EOF read by a worker stuck in the call
+        driver.wait()
+    try:
+        wait_for("the orphaned worker's end", lambda: not running(worker_proc), 10, every=0.2)
+    finally:
+        if running(worker_proc):
+            worker_proc.kill()
