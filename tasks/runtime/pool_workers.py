@@ -158,9 +158,10 @@ class WorkerBook:
             "" if why else "; every one still beats: a deadlocked kernel or collective?"
         )
         return (
-            f"{label}: {named} gave no answer to {call} within its {deadline_s:.0f}s deadline{hint}; "
-            "raise cluster.call_timeout_s (or call_timeout_s_per_token) if it is only slow, else "
-            "`nereus resume RUN_DIR` continues from the newest checkpoint on new workers"
+            f"{label}: {named} gave no answer to {call.removesuffix(' for ' + label)} within its "
+            f"{deadline_s:.0f}s deadline{hint}; "
+            "raise cluster.call_timeout_s or call_timeout_s_per_token if the call is only slow; a resume "
+            "starts new workers"
         )
 
 

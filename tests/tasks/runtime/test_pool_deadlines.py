@@ -20,7 +20,7 @@ import torch
 from nereus_core.config import ClusterConfig
 from nereus_core.engine.device import DeviceContext
 from tasks.runtime.call_work import call_label, call_tokens
-from tasks.runtime.device_pool import DeviceHungError, DevicePool, DeviceRunError
+from tasks.runtime.device_pool import DeviceHungError, DevicePool, DevicePoolError, DeviceRunError
 from tasks.runtime.pool_members import STATE_COPIES, worker_memory_limit
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the helpers travel to the workers by value
@@ -79,7 +79,7 @@ def test_a_stopped_worker_fails_the_call_by_its_deadline_naming_it_and_the_pool_
             assert line.startswith(
                 f"actor/train: device slot 1 (worker {worker}, pid {pid}, its process is stopped)"
             )
-            assert "within its 6s deadline" in line and "nereus resume" in line, line
+            assert "within its 6s deadline" in line and "raise cluster.call_timeout_s" in line, line
             assert [f.rank for f in info.value.failures] == [1]  # rank 0 answered
             start = time.monotonic()
             with pytest.raises(DeviceHungError, match=r"slot\(s\) \[1\] gave no answer to an earlier call"):
@@ -147,3 +147,15 @@ def test_a_call_s_deadline_scales_with_its_tokens_and_names_its_model_stage() ->
     assert call_label({"name": "critic/infer"}) == "critic/infer"
     job = type("Job", (), {"name": "actor/train"})()
     assert call_label({"job": job}) == "actor/train" and call_label({}) == ""
+
+
+def test_the_scheduler_connection_has_the_configured_deadline() -> None:
+    """``cluster.connect_timeout_s`` reaches the client: nothing listens on port 9, and the pool
+    gives up after the configured second with one line naming the address and the deadline."""
+    cluster = ClusterConfig(scheduler_address="tcp://127.0.0.1:9", connect_timeout_s=1)
+    start = time.monotonic()
+    with pytest.raises(
+        DevicePoolError, match=r"^cannot reach the Dask scheduler at tcp://127.0.0.1:9 within 1s"
+    ):
+        DevicePool.for_cluster(cluster)
+    assert time.monotonic() - start < 15
