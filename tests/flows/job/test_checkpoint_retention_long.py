@@ -16,7 +16,7 @@ from tests.support.retention_runs import MODELS, retention_config, run_with_fail
 
 pytestmark = [
     pytest.mark.usefixtures("prefect_server"),  # the flows run against the suite's one Prefect server
-    pytest.mark.slow,  # about 35 s for the run and 20 s for the resume on an idle 2-core machine
+    pytest.mark.slow,  # 32 s for the run and 12 s for the resume on an idle 2-core machine, 100 s loaded
 ]
 
 STEPS, EVERY, KEEP, BROKEN = 30, 5, 2, 15
