@@ -15,6 +15,7 @@ scheduler's workers are counted when the pool starts), and plans the controller 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nereus_core.config import ConfigError, NereusConfig
 from nereus_core.controller.decide import ControllerState, evaluate_plan
@@ -22,6 +23,9 @@ from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import memory_per_device
 from nereus_core.cost.stage_cost import Workload
 from nereus_core.plan import GlobalPlan, default_plan
+
+if TYPE_CHECKING:
+    from nereus_core.job import JobState
 
 # A local device slot is a worker process; on a CPU machine several share a core (the demo runs 4
 # slots on 2 cores). Past this many per CPU a LocalCluster only thrashes, and thousands of
@@ -140,6 +144,17 @@ def plan_memory_problem(cfg: NereusConfig) -> str | None:
         f"({state.settings.headroom:.0%} kept free); raise it, spread the plan over more slots or "
         "shrink the batch (nereus plan CONFIG shows plans that fit)"
     )
+
+
+def predicted_slot_bytes(state: JobState) -> dict[int, int]:
+    """Bytes each slot of the plan in force needs by the memory model (what ``nereus plan`` shows per
+    device): the pool names a worker lost later with it, beside what was measured."""
+    cfg = state.config
+    plan = GlobalPlan.of(dict(state.layouts))
+    estimate = evaluate_plan(
+        plan, Workload.from_config(cfg), state.controller, int(cfg.cluster.memory_per_device)
+    )
+    return memory_per_device(plan, {s: e.memory for s, e in estimate.stages.items()})
 
 
 def _local_slots(cfg: NereusConfig, devices: int | None) -> int:

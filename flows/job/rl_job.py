@@ -31,7 +31,7 @@ from flows.job import start as job_start
 from flows.job.data import job_data
 from flows.job.records import CHECKPOINT_ATTEMPTS, JobRecords, done_line, log_decision
 from flows.job.transition import transition_flow
-from nereus_core import job
+from nereus_core import job, preflight
 from nereus_core.config import NereusConfig
 from nereus_core.controller.decide import TransitionTiming
 from nereus_core.cost.transition_cost import engines_rebuilt
@@ -235,6 +235,9 @@ def rl_job(
                         state = decide_and_switch(
                             pool, state, records, step - 1, why=f" ({', '.join(what)})", engines=engines
                         )
+                    pool.note_memory(
+                        {}, predicted=preflight.predicted_slot_bytes(state)
+                    )  # names a lost worker
                     t = time.perf_counter()
                     run_one = STEPS[cfg.algorithm.name]
                     stats, lengths = run_one(pool, state, records, step, data.train, engines=_on(engines))

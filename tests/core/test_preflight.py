@@ -213,3 +213,18 @@ def test_declared_capacity_beyond_the_machine_is_one_warning_line_not_a_refusal(
     assert "x 12 local device slots" in (host_memory_warning(grows, machine, devices=12) or "")
     remote = example(cluster={"memory_per_device": "8GiB", "scheduler_address": "tcp://127.0.0.1:8786"})
     assert host_memory_warning(remote, machine) is None
+
+
+def test_each_slot_s_predicted_bytes_follow_the_plan_in_force_and_the_lengths() -> None:
+    """The prediction a lost worker is named with: every slot of the plan in force, and more bytes
+    when responses grow (the memory model's activations and KV cache grow with them)."""
+    from nereus_core.job import start
+    from nereus_core.preflight import predicted_slot_bytes
+
+    cfg = example()
+    state = start(cfg)
+    slots = {d for layout in state.layouts.values() for d in layout.devices}
+    short = predicted_slot_bytes(state)
+    assert set(short) == slots and all(n > 0 for n in short.values())
+    longer = predicted_slot_bytes(dataclasses.replace(state, config=example(job={"response_len": 24})))
+    assert all(longer[d] > short[d] for d in slots)

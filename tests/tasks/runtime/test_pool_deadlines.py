@@ -159,3 +159,14 @@ def test_the_scheduler_connection_has_the_configured_deadline() -> None:
     ):
         DevicePool.for_cluster(cluster)
     assert time.monotonic() - start < 15
+
+
+def test_a_lost_worker_s_memory_line_gives_the_plan_s_prediction_beside_what_was_measured() -> None:
+    from tasks.runtime.pool_workers import WorkerBook
+
+    book = WorkerBook()
+    book.record("tcp://w0", 123, None)
+    assert "no plan prediction given" in book.memory("tcp://w0")
+    book.note("tcp://w0", held=3 * 2**20, predicted=5 * 2**20)
+    line = book.memory("tcp://w0")
+    assert "3 MiB of model state" in line and "the plan predicts 5 MiB" in line, line
