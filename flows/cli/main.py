@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         cmd_plan,
         "show the plan the controller picks for CONFIG, and why",
-        "Show the plan the controller picks for CONFIG and why; nothing runs.",
+        "Show the plan the controller picks for CONFIG and why; nothing runs (a path/to/file.py:function "
+        "reward is imported only in a short-lived worker process, to check it).",
     )
     _config_args(plan, example="examples/tiny_ppo.yaml", out=None)
     plan.add_argument(
