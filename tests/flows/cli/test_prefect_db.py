@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"
 ANSWER_WITHIN = 30.0  # seconds, the most a refusal may take; the check itself takes milliseconds
 # ``nereus run`` up to its refusal: about 3 s on an idle two-core machine, 17-25 s measured on one
-# busy with a pip install; Prefect's own answer (retries, then a timeout) took about 3 minutes.
-RUN_ANSWER_WITHIN = 60.0
+# busy with a pip install; Prefect's own answer (retries, then a timeout) took about 3 minutes. The
+# whole command is held to the same 30 s a user is promised.
+RUN_ANSWER_WITHIN = ANSWER_WITHIN
 NEWER_REVISION = "f0f0f0f0f0f0"  # no Prefect release ships it
 
 
