@@ -27,3 +27,14 @@ MID = ModelConfig(
     num_key_value_heads=8,
     max_position_embeddings=8192,
 )
+
+# A job's model section for vLLM on CPU: head_dim 64 (vLLM's CPU attention needs at least 32) and
+# 2 KV heads, so that tp 2 splits them.
+VLLM_JOB_MODEL = {
+    "vocab_size": 32,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}

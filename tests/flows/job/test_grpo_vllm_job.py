@@ -27,6 +27,7 @@ from nereus_core.layout import Layout
 from storage.export import export_hf
 from storage.run_dir import RunDir
 from tests.support.forced_switches import forced_controller
+from tests.support.model_configs import VLLM_JOB_MODEL
 
 pytestmark = [
     pytest.mark.usefixtures("prefect_server"),  # the flows run against the suite's one Prefect server
@@ -37,15 +38,7 @@ pytestmark = [
 ]
 
 GROUP, STEPS, T = 4, 5, 6
-# head_dim 64: the CPU attention kernel of vLLM needs at least 32; 2 KV heads: tp 2 splits them
-MODEL = {
-    "vocab_size": 32,
-    "hidden_size": 128,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-}
+MODEL = VLLM_JOB_MODEL
 GRPO_VLLM = {
     "name": "grpo-vllm-test",
     "cluster": {"devices": 2, "memory_per_device": "512MiB"},

@@ -26,6 +26,7 @@ import pytest
 from nereus_core.config import vllm_installed
 from storage.run_dir import RunDir
 from tests.support.job_runs import CLI, ROOT, cli_env, resume
+from tests.support.model_configs import VLLM_JOB_MODEL
 from tests.support.processes import descendants, kill_session, running
 
 pytestmark = [
@@ -39,14 +40,7 @@ pytestmark = [
 
 STEPS = 3
 DEADLINE_S = 20.0  # a healthy tiny engine answers a generate or a reload in well under a second
-MODEL = {  # head_dim 64: vLLM's CPU attention needs at least 32
-    "vocab_size": 32,
-    "hidden_size": 128,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-}
+MODEL = VLLM_JOB_MODEL
 CONFIG = {
     "name": "grpo-vllm-stopped",
     "cluster": {"devices": 2, "memory_per_device": "512MiB"},
