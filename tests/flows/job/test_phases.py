@@ -10,7 +10,7 @@ import pytest
 
 from flows.job import phases
 from flows.job.records import busy_s
-from flows.job.rl_job import PASSES
+from flows.job.rl_step import PASSES
 from nereus_core.config import parse_config
 from nereus_core.config.from_yaml import parse_yaml
 from nereus_core.plan import infer_placement
