@@ -29,6 +29,7 @@ from flows.job import growth as job_growth
 from flows.job import start as job_start
 from flows.job.data import job_data
 from flows.job.records import CHECKPOINT_ATTEMPTS, JobRecords, done_line
+from flows.job.step_context import StepContext
 from nereus_core import job, preflight
 from nereus_core.config import NereusConfig
 from tasks import job_ops, model_ops, rollout_engines
@@ -65,6 +66,7 @@ def rl_job(
             records = JobRecords(run, first_step=point.step if point else 0, config=cfg)
             engines_running = engine_switch.engines_of(pool, state)
             with job_start.quiet_task_logs(), records.tracking(), engines_running as engines:
+                ctx = StepContext(pool, state, records, data, engines)
                 if point is None and data.val is not None and cfg.validation and cfg.validation.before_train:
                     started["val_before_train"] = generation.validate(pool, state, data.val, _on(engines))
                 for step in range(point.step if point else 0, cfg.job.steps):
@@ -74,15 +76,14 @@ def rl_job(
                     if what:
                         source = "scenario" if events else "workers ready"
                         logger.info("%s before step %d: %s", source, step, ", ".join(what))
-                        state = switch.decide_and_switch(
-                            pool, state, records, step - 1, why=f" ({', '.join(what)})", engines=engines
-                        )
+                        ctx.state = state
+                        state = switch.decide_and_switch(ctx, after=step - 1, why=f" ({', '.join(what)})")
                     pool.note_memory(
                         {}, predicted=preflight.predicted_slot_bytes(state)
                     )  # names a lost worker
                     t = time.perf_counter()
-                    run_one = rl_step.STEPS[cfg.algorithm.name]
-                    stats, lengths = run_one(pool, state, records, step, data.train, engines=_on(engines))
+                    ctx.state, ctx.step = state, step
+                    stats, lengths = rl_step.run_step(ctx)
                     wall = time.perf_counter() - t
                     if data.val is not None and generation.validation_due(
                         step, cfg.job.steps, cfg.validation
@@ -91,9 +92,7 @@ def rl_job(
                     records.finish_step(stats, wall, cfg.job.steps)
                     if cfg.job.adapt and step + 1 < cfg.job.steps:
                         seen = {"rows": records.step_rows(step), "memory_peaks": job_ops.held_bytes(pool)}
-                        state = switch.decide_and_switch(
-                            pool, state, records, step, lengths=lengths, engines=engines, **seen
-                        )
+                        state = switch.decide_and_switch(ctx, after=step, lengths=lengths, **seen)
                     every = cfg.job.snapshot_every
                     if every and (step + 1) % every == 0 and step + 1 < cfg.job.steps:
                         errors = checkpoints.try_checkpoint(pool, state, records, step + 1)  # retried once

@@ -11,6 +11,7 @@ from typing import Any
 from flows.job import generation, grpo_step, step_parts
 from flows.job.data import job_data
 from flows.job.records import JobRecords
+from flows.job.step_context import StepContext
 from nereus_core import job
 from nereus_core.plan import ModelStage
 from nereus_core.prompt_source import PromptSource
@@ -22,7 +23,14 @@ PASSES = ("reward/infer", "reference/infer", "actor/train", "critic/infer")  # f
 TRAINS = (ModelStage.ACTOR_TRAIN, ModelStage.CRITIC_TRAIN)  # the train stages, each with its sync
 
 
-def run_step(
+def run_step(ctx: StepContext) -> tuple[dict[str, Any], list[int]]:
+    """The step of the job's algorithm on ``ctx`` (its state, records, step, engines and prompts)."""
+    return STEPS[ctx.state.config.algorithm.name](
+        ctx.pool, ctx.state, ctx.records, ctx.step, ctx.data.train, engines=ctx.rollout_engines
+    )
+
+
+def ppo_step(
     pool: DevicePool,
     state: job.JobState,
     records: JobRecords,
@@ -57,4 +65,4 @@ def run_step(
 
 
 # The step of each algorithm (``algorithm.name``); the rest of the flow is the same for both.
-STEPS = {"ppo": run_step, "grpo": grpo_step.run_step}
+STEPS = {"ppo": ppo_step, "grpo": grpo_step.run_step}

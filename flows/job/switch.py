@@ -10,31 +10,22 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from flows.job import engine_switch
 from flows.job.checkpoints import checkpoint
-from flows.job.records import JobRecords, log_decision
+from flows.job.records import log_decision
+from flows.job.step_context import StepContext
 from flows.job.transition import transition_flow
 from nereus_core import job
 from nereus_core.controller.decide import TransitionTiming
 from nereus_core.cost.transition_cost import engines_rebuilt
 from tasks import job_ops
 from tasks.controller import controller_step
-from tasks.runtime.device_pool import DevicePool
 
 
-def decide_and_switch(
-    pool: DevicePool,
-    state: job.JobState,
-    records: JobRecords,
-    step: int,
-    *,
-    why: str = "",
-    engines: engine_switch.JobEngines | None = None,
-    **seen: Any,
-) -> job.JobState:
-    """Ask the controller after ``step`` (``seen``: the step's rows and measured lengths); carry out
-    the switch it admits or forces (``engines``: actor/generate's vLLM engines, rebuilt when the
-    switch changes its layout); return the state in force next."""
+def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: Any) -> job.JobState:
+    """Ask the controller after step ``after`` (``seen``: the step's rows and measured lengths); carry
+    out the switch it admits or forces (``ctx.engines``: actor/generate's vLLM engines, rebuilt when
+    the switch changes its layout); return the state in force next."""
+    pool, state, records, step, engines = ctx.pool, ctx.state, ctx.records, after, ctx.engines
     obs = job.observation(state, step=step, ready_devices=pool.ready_devices, **seen)
     outcome, decision, state = controller_step(state, obs)
     log_decision(decision, step)
