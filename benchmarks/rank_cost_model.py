@@ -44,8 +44,8 @@ from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import step_seconds
 from nereus_core.plan import GENERATE, GlobalPlan
 from nereus_core.sim.config import SimConfig, parse_sim_config
-from nereus_core.sim.engine import simulate
 from nereus_core.sim.job import make_strategy
+from nereus_core.sim.loop import simulate
 from nereus_core.sim.strategies import NereusStrategy
 from nereus_core.sim.trace import parse_trace
 from nereus_core.sim.world import World, usable_bytes

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from nereus_core.frozen import Frozen
 
 
 class Coord(NamedTuple):
@@ -22,10 +24,8 @@ class Coord(NamedTuple):
     tp: int
 
 
-class Layout(BaseModel):
+class Layout(Frozen):
     """tp x pp x dp over an ordered tuple of device slots."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     tp: int = Field(default=1, ge=1, le=1024, description="Tensor-parallel degree.")
     pp: int = Field(default=1, ge=1, le=1024, description="Pipeline-parallel degree.")

@@ -1,7 +1,7 @@
 """What a global plan is: the model-stages, their layouts, the plan's id and the rules a plan must obey.
 
 Boundary: plan topology only, the one owner of
-- the typed model-stage (``ModelStage``: its model, its stage kind, whether it owns
+- the typed model-stage (``ModelStage``: its model, its phase, whether it owns
   state or is an inference copy of a train stage);
 - which model-stages a job has (``stages_for``; PPO all six, GRPO no critic) and, for any such
   set, which own state, which are copies and in what order they load;
@@ -16,8 +16,8 @@ so the config can ask it.
 
 Placement (of a global plan): ``colocated`` when every model-stage uses the same slots
 (time-shared); ``phased`` when some phase (generation; the forward passes; the train stages)
-runs its stages at once on disjoint pools; else ``disaggregated`` (generation | the rest).
-Which stages run at once is ``phases``: the one owner of a plan's phases and pools.
+runs its stages at once on disjoint slot groups; else ``disaggregated`` (generation | the rest).
+Which stages run at once is ``phases``: the one owner of a plan's phases and slot groups.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 
 Placement = Literal["colocated", "disaggregated", "phased"]
-StageKind = Literal["generate", "infer", "train"]
-PHASES: tuple[StageKind, ...] = ("generate", "infer", "train")  # a step's phases, in order
+Phase = Literal["generate", "infer", "train"]  # a part of a step; every model-stage runs in one
+PHASES: tuple[Phase, ...] = ("generate", "infer", "train")  # a step's phases, in order
 # The layout of each model-stage, by name: a global plan's layouts, as transitions and schedules take them.
 StageLayouts = Mapping[str, Layout]
 MODELS = ("actor", "critic", "reference", "reward")
@@ -58,7 +59,8 @@ class ModelStage(StrEnum):
         return self.value.partition("/")[0]
 
     @property
-    def kind(self) -> StageKind:
+    def kind(self) -> Phase:
+        """The phase this model-stage runs in (``generate``, ``infer`` or ``train``)."""
         return self.value.partition("/")[2]  # type: ignore[return-value]
 
     @property
@@ -167,13 +169,14 @@ def layouts_json(layouts: Mapping[str, Layout]) -> dict[str, Any]:
     return {str(k): v.model_dump(mode="json") for k, v in layouts.items()}
 
 
-Pool = tuple[str, ...]  # model-stages of one phase that share slots: they run one after another
+SlotGroup = tuple[str, ...]  # model-stages of one phase that share slots: they run one after another
 OLD_LOGP = "actor/train:old-logp"  # the forward pass of actor/train in the forward-pass phase
 
 
-def pools(layouts: Mapping[str, Layout]) -> tuple[Pool, ...]:
+def slot_groups(layouts: Mapping[str, Layout]) -> tuple[SlotGroup, ...]:
     """``layouts``' keys grouped so that keys sharing a slot (directly or through another) are in
-    one pool; pools in order of their first key, keys in ``layouts`` order. Pools use disjoint slots."""
+    one slot group; groups in order of their first key, keys in ``layouts`` order. Groups use
+    disjoint slots."""
     groups: list[tuple[list[str], set[int]]] = []
     for key, layout in layouts.items():
         mine = set(layout.devices)
@@ -185,24 +188,24 @@ def pools(layouts: Mapping[str, Layout]) -> tuple[Pool, ...]:
     return tuple(tuple(keys) for keys in ordered)
 
 
-def phases(layouts: Mapping[str, Layout]) -> dict[StageKind, tuple[Pool, ...]]:
-    """The plan's phases (``PHASES`` order, those it has), each as its ``pools``, stages in
-    ``MODEL_STAGES`` order. Pools of one phase use disjoint slots and run at once; a phase takes
-    its slowest pool's time and a pool the sum of its stages' (``cost.plan_estimate.step_seconds``,
-    and the runtime's step). The forward passes include the old log-probs on actor/train's slots
-    (as the runtime runs them), so passes sharing those slots are one pool."""
-    out: dict[StageKind, tuple[Pool, ...]] = {}
+def phases(layouts: Mapping[str, Layout]) -> dict[Phase, tuple[SlotGroup, ...]]:
+    """The plan's phases (``PHASES`` order, those it has), each as its ``slot_groups``, stages in
+    ``MODEL_STAGES`` order. Slot groups of one phase use disjoint slots and run at once; a phase
+    takes its slowest group's time and a group the sum of its stages' (``cost.plan_estimate.
+    step_seconds``, and the runtime's step). The forward passes include the old log-probs on
+    actor/train's slots (as the runtime runs them), so passes sharing those slots are one group."""
+    out: dict[Phase, tuple[SlotGroup, ...]] = {}
     for kind in PHASES:
         members = {s: layouts[s] for s in MODEL_STAGES if s in layouts and s.kind == kind}
         if not members:
             continue
         if kind == "infer" and ModelStage.ACTOR_TRAIN in layouts:
             # The old log-probs are a forward pass of actor/train on its own slots, in this phase:
-            # the passes it shares slots with wait for it (one pool); it is timed within actor/train.
-            grouped = pools({OLD_LOGP: layouts[ModelStage.ACTOR_TRAIN], **members})
-            out[kind] = tuple(p for p in (tuple(s for s in pool if s != OLD_LOGP) for pool in grouped) if p)
+            # the passes it shares slots with wait for it (one group); it is timed within actor/train.
+            grouped = slot_groups({OLD_LOGP: layouts[ModelStage.ACTOR_TRAIN], **members})
+            out[kind] = tuple(g for g in (tuple(s for s in group if s != OLD_LOGP) for group in grouped) if g)
         else:
-            out[kind] = pools(members)
+            out[kind] = slot_groups(members)
     return out
 
 
@@ -222,12 +225,12 @@ def sync_colocated(train: Layout, generate: Layout) -> bool:
 
 
 def infer_placement(layouts: Mapping[str, Layout]) -> Placement:
-    """colocated when every model-stage uses the same slots; phased when some phase has pools
+    """colocated when every model-stage uses the same slots; phased when some phase has slot groups
     that run at once (``phases``); else disaggregated."""
     sets = {frozenset(layout.devices) for layout in layouts.values()}
     if len(sets) == 1:
         return "colocated"
-    return "phased" if any(len(pools) > 1 for pools in phases(layouts).values()) else "disaggregated"
+    return "phased" if any(len(groups) > 1 for groups in phases(layouts).values()) else "disaggregated"
 
 
 def slots_needed(layouts: Mapping[str, Layout]) -> int:
@@ -286,10 +289,8 @@ def problems(layouts: Mapping[str, Layout], rules: PlanRules) -> list[str]:
 # ------------------------------------------------------------------------------------ the plan
 
 
-class GlobalPlan(BaseModel):
+class GlobalPlan(Frozen):
     """Layouts of the job's model-stages (``stages_for``) and how they share the device slots."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     placement: Placement = Field(description="colocated (all stages time-share slots) or disaggregated.")
     layouts: dict[ModelStage, Layout] = Field(description="Layout of each model-stage.")

@@ -193,7 +193,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the trace-driven simulation of CONFIG (flows/simulate.py) into DIR."""
     cli_prefect.prefect_defaults()  # before flows.simulate imports Prefect, which reads them once
     from flows.simulate import SweepFailed, check_sweep, read_sim_config, run_simulation
-    from nereus_core.sim.engine import SimError
+    from nereus_core.sim.loop import SimError
 
     try:
         cfg = read_sim_config(args.config)

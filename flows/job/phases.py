@@ -1,14 +1,15 @@
-"""One phase of a step run pool by pool (``nereus_core.plan.phases``: generation; the forward passes;
-the train stages), so that a phased plan's stages on disjoint slots run at once:
+"""One phase of a step run slot group by slot group (``nereus_core.plan.phases``: generation; the
+forward passes; the train stages), so that a phased plan's stages on disjoint slots run at once:
 
-    one pool  -> its tasks called in the flow's thread, one after another (as every phase once ran)
-    N pools   -> every pool's tasks submitted to the flow's task runner (Prefect's default
-                 ThreadPoolTaskRunner: a thread per task), the tasks of one pool chained
-                 (``wait_for``), the pools side by side; the phase ends when its last task does
+    one group  -> its tasks called in the flow's thread, one after another (as every phase once ran)
+    N groups   -> every group's tasks submitted to the flow's task runner (Prefect's default
+                  ThreadPoolTaskRunner: a thread per task), the tasks of one group chained
+                  (``wait_for``), the groups side by side; the phase ends when its last task does
 
-Boundary: sequencing only. Which stages share slots is ``nereus_core.plan.pools``; the device pool
-keeps calls on shared slots apart (``DevicePool._hold``: a call waits for those using its slots),
-so a sync that reaches into another pool's slots waits for that pool's call and nothing deadlocks.
+Boundary: sequencing only. Which stages share slots is ``nereus_core.plan.slot_groups``; the device
+pool keeps calls on shared slots apart (``DevicePool._hold``: a call waits for those using its
+slots), so a sync that reaches into another group's slots waits for that group's call and nothing
+deadlocks.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from typing import Any
 from prefect.futures import wait
 
 from nereus_core.layout import Layout
-from nereus_core.plan import Pool, pools
+from nereus_core.plan import SlotGroup, slot_groups
 
-# False: every phase runs as one pool, one task after another (what a colocated plan does): a
+# False: every phase runs as one slot group, one task after another (what a colocated plan does): a
 # phased run's check against the same layouts run serially.
 AT_ONCE = True
 
@@ -39,15 +40,16 @@ class Ran:
     seconds: float
 
 
-def pools_of(layouts: Mapping[str, Layout]) -> tuple[Pool, ...]:
-    """The pools ``layouts`` (one phase's stages) run in: ``plan.pools``'s, or one of them all."""
-    return pools(layouts) if AT_ONCE else (tuple(layouts),)
+def slot_groups_of(layouts: Mapping[str, Layout]) -> tuple[SlotGroup, ...]:
+    """The slot groups ``layouts`` (one phase's stages) run in: ``plan.slot_groups``'s, or one of
+    them all."""
+    return slot_groups(layouts) if AT_ONCE else (tuple(layouts),)
 
 
-def run_pools(task: Any, calls: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[Ran]]:
-    """``task(**kwargs)`` for every kwargs of every pool in ``calls``; the results in that shape.
-    One pool: called in this thread, in order. Several: submitted at once (a pool's calls chained),
-    all awaited; the first failure is raised once every call has ended."""
+def run_slot_groups(task: Any, calls: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[Ran]]:
+    """``task(**kwargs)`` for every kwargs of every slot group in ``calls``; the results in that
+    shape. One group: called in this thread, in order. Several: submitted at once (a group's calls
+    chained), all awaited; the first failure is raised once every call has ended."""
     if len(calls) == 1:
         return [[_called(task, kwargs) for kwargs in calls[0]]]
     ends: dict[int, float] = {}
@@ -61,9 +63,9 @@ def run_pools(task: Any, calls: Sequence[Sequence[Mapping[str, Any]]]) -> list[l
         return done
 
     start, futures, flat = time.perf_counter(), [], []
-    for pool in calls:
+    for group in calls:
         chain: list[Any] = []
-        for kwargs in pool:
+        for kwargs in group:
             future = task.submit(**kwargs, wait_for=chain[-1:] or None)
             future.add_done_callback(ended(len(flat)))
             chain.append(future)
@@ -86,3 +88,8 @@ def _called(task: Any, kwargs: Mapping[str, Any]) -> Ran:
     start = time.perf_counter()
     result = task(**kwargs)
     return Ran(result, start, time.perf_counter() - start)
+
+
+# The old names, for flows/job/step_parts.py until it is renamed there.
+pools_of = slot_groups_of
+run_pools = run_slot_groups

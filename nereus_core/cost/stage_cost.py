@@ -61,7 +61,6 @@ from nereus_core.cost.terms import (
     PERSISTENT_PARTS,
     TERMS,
     Geometry,
-    StageKind,
     bubble_fraction,
     is_contiguous,
     korthikanti_bytes,
@@ -72,10 +71,11 @@ from nereus_core.cost.terms import (
 )
 from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
+from nereus_core.plan import Phase
 
 
-def stage_kind(stage: str) -> StageKind:
-    """``'actor/generate'`` -> ``'generate'``."""
+def stage_kind(stage: str) -> Phase:
+    """The phase of a model-stage: ``'actor/generate'`` -> ``'generate'``."""
     kind = stage.partition("/")[2]
     if kind not in ("generate", "infer", "train"):
         raise ValueError(f"{stage!r} is not a model-stage; expected model/generate|infer|train")

@@ -9,7 +9,7 @@ The formulas and their sources are listed in ``stage_cost``'s docstring.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from nereus_core.cost.geometry import (  # re-exported: callers read the geometr
     value_bytes,
 )
 from nereus_core.cost.hardware import COST_TERMS, HardwareProfile
+from nereus_core.plan import Phase
 
 TERMS = COST_TERMS
 MEMORY_PARTS: tuple[str, ...] = (
@@ -41,7 +42,6 @@ MEMORY_PARTS: tuple[str, ...] = (
 # the rest only while the stage runs.
 PERSISTENT_PARTS: tuple[str, ...] = ("weights", "optimizer", "engine_cache")
 PERSISTENT = np.array([p in PERSISTENT_PARTS for p in MEMORY_PARTS])
-StageKind = Literal["generate", "infer", "train"]
 __all__ = [
     "MEMORY_PARTS",
     "PERSISTENT",
@@ -142,7 +142,7 @@ def pass_collectives_s(
 
 
 def stage_tables(
-    kind: StageKind, geo: Geometry, work: WorkloadLike, stats: ModelStats, profile: HardwareProfile
+    kind: Phase, geo: Geometry, work: WorkloadLike, stats: ModelStats, profile: HardwareProfile
 ) -> tuple[np.ndarray, np.ndarray]:
     """Unscaled term seconds ``[len(TERMS), n]`` and memory bytes ``[len(MEMORY_PARTS), n]``."""
     n = geo.tp.shape[0]

@@ -9,7 +9,7 @@ whole trace (``tune_steps`` steps sampled from it; candidates from the uncalibra
 model's search, scored in truth), and micro-batch counts (vLLM's
 waves, verl's dynamic batch size) are re-picked every step at the true cost.
 
-- ``verl`` (HybridFlow, ``main_ppo.py``): every role colocated in one pool and
+- ``verl`` (HybridFlow, ``main_ppo.py``): every role colocated in one slot group and
   time-shared, so a step is the sum of its stages plus the colocated reshard of the
   actor into the rollout layout (3D-HybridEngine; ``stage_cost.weight_sync_s``).
   Training and inference may use Megatron TP/PP (verl supports it), so their layouts
@@ -19,15 +19,15 @@ waves, verl's dynamic batch size) are re-picked every step at the true cost.
   DeepSpeed ZeRO for the rest (data parallel, optional AutoTP with one TP size for all
   DeepSpeed models, no pipeline). Placements (its flags): ``separate`` (each model its
   own GPUs, the default), ``paired`` (actor+reference, critic+reward) and ``colocated``
-  (all models and vLLM time-share every GPU). Pool sizes are powers of two. Weight sync
+  (all models and vLLM time-share every GPU). Slot-group sizes are powers of two. Weight sync
   after every update: NCCL broadcast into the vLLM ranks one parameter at a time
   (disaggregated; the per-tensor cost the issues measure), CUDA IPC when colocated.
   Within a step: generation, then the inference stages, then training;
   models on different GPUs run those phases concurrently (OpenRLHF calls their Ray
-  actors together), models sharing GPUs one after another, and pools idle otherwise.
+  actors together), models sharing GPUs one after another, and groups idle otherwise.
 
 ``config: default`` replaces the oracle by each one's documented example for an 8B model
-(``DEFAULTS``): verl's ``ppo_trainer.yaml`` (one colocated pool, FSDP, vLLM
+(``DEFAULTS``): verl's ``ppo_trainer.yaml`` (one colocated slot group, FSDP, vLLM
 ``tensor_model_parallel_size: 2``) and OpenRLHF's README PPO command for Llama-3-8B
 (``--colocate_all_models``, ``--vllm_tensor_parallel_size 2``, ZeRO-3); the train and forward
 layouts take the smallest TP of 1, 2, 4, 8 whose plan fits every sampled step (FSDP/ZeRO-3 without
@@ -46,8 +46,8 @@ Both place only the model-stages the job has (``World.stages``). For GRPO that i
 each does: verl builds the critic's worker group only for GAE advantages (``need_critic``
 in its ``ray_trainer.py``) and the reference's only with a KL term (``Role.RefPolicy``
 when ``use_kl_loss`` or ``use_kl_in_reward``), and keeps every role it builds colocated in
-the one pool; OpenRLHF creates the critic's Ray group only with ``--critic_pretrain``
-(``train_ppo_ray.py``), so its pools (``POOLS``) lose the critic's and keep the others,
+the one slot group; OpenRLHF creates the critic's Ray group only with ``--critic_pretrain``
+(``train_ppo_ray.py``), so its groups (``SLOT_GROUPS``) lose the critic's and keep the others,
 and with a rule reward (``--remote_rm_url`` naming a reward function) no reward model runs.
 """
 
@@ -65,14 +65,14 @@ from nereus_core.cost.stage_cost import Scales, Workload
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, GlobalPlan, Placement
 from nereus_core.sim.config import StrategySpec
-from nereus_core.sim.engine import SimError
+from nereus_core.sim.loop import SimError
 from nereus_core.sim.strategies import FixedStrategy
 from nereus_core.sim.world import World, largest_dp, usable_bytes
 
 INF = float("inf")
 INFER = ("reference/infer", "reward/infer", "critic/infer")
 TRAIN = ("actor/train", "critic/train")
-POOLS: dict[str, dict[str, tuple[str, ...]]] = {
+SLOT_GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     "separate": {
         "G": (GENERATE,),
         "A": ("actor/train",),
@@ -87,18 +87,18 @@ POOLS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 Combine = Callable[[GlobalPlan, Mapping[str, float], float], float]
-# Documented defaults (8B): vLLM TP of the rollout; the train and forward stages share the pool.
+# Documented defaults (8B): vLLM TP of the rollout; the train and forward stages share the slot group.
 DEFAULTS = {
     "verl": 2,  # verl/trainer/config/ppo_trainer.yaml: rollout.tensor_model_parallel_size 2
     "openrlhf": 2,  # OpenRLHF README, Llama-3-8B PPO: --vllm_tensor_parallel_size 2 --colocate_all_models
 }
 
 
-def job_pools(placement: str, stages: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """The pools of ``POOLS[placement]`` holding the job's ``stages``: each keeps only the job's stages,
-    and a pool left with none (GRPO's critic pool) is not created."""
-    pools = {p: tuple(s for s in held if s in stages) for p, held in POOLS[placement].items()}
-    return {p: held for p, held in pools.items() if held}
+def job_slot_groups(placement: str, stages: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """The slot groups of ``SLOT_GROUPS[placement]`` holding the job's ``stages``: each keeps only the
+    job's stages, and a group left with none (GRPO's critic group) is not created."""
+    groups = {p: tuple(s for s in held if s in stages) for p, held in SLOT_GROUPS[placement].items()}
+    return {p: held for p, held in groups.items() if held}
 
 
 def sample_steps(steps: int, count: int) -> list[int]:
@@ -204,7 +204,8 @@ class VerlStrategy(FixedStrategy):
 
 
 class OpenRLHFStrategy(FixedStrategy):
-    """OpenRLHF: models on their own pools (or its colocation flags), the fastest config for the trace."""
+    """OpenRLHF: models on their own slot groups (or its colocation flags), the fastest config for
+    the trace."""
 
     def __init__(self, name: str, *, spec: StrategySpec, settings: ControllerSettings) -> None:
         super().__init__(name, headroom=settings.headroom)
@@ -227,7 +228,7 @@ class OpenRLHFStrategy(FixedStrategy):
             found = (
                 self._colocated(world, n, works, usable)
                 if placement == "colocated"
-                else self._pooled(world, job_pools(placement, world.stages), n, works, usable)
+                else self._grouped(world, job_slot_groups(placement, world.stages), n, works, usable)
             )
             if found is not None and (best is None or found[0] < best[0]):
                 best = found
@@ -250,10 +251,11 @@ class OpenRLHFStrategy(FixedStrategy):
                 best = (seconds, plan)
         return best  # type: ignore[return-value]
 
-    def _pool(
+    def _group_seconds(
         self, world: World, stages: tuple[str, ...], size: int, tp: int, works: list[Workload], usable: float
     ) -> dict[str, np.ndarray]:
-        """True seconds per sampled step of each stage of one pool of ``size`` GPUs (inf: does not fit)."""
+        """True seconds per sampled step of each stage of one slot group of ``size`` GPUs (inf: does
+        not fit)."""
         batch = works[0].batch
         layouts = {s: Layout.contiguous(tp=tp, dp=largest_dp(batch, size // tp)) for s in stages}
         plan = GlobalPlan.model_construct(placement="disaggregated", layouts=layouts)
@@ -265,48 +267,49 @@ class OpenRLHFStrategy(FixedStrategy):
                     out[s][i] = seconds[s]
         return out
 
-    def _pooled(
-        self, world: World, pools: dict[str, tuple[str, ...]], n: int, works: list[Workload], usable: float
+    def _grouped(
+        self, world: World, groups: dict[str, tuple[str, ...]], n: int, works: list[Workload], usable: float
     ) -> tuple[float, GlobalPlan] | None:
         sizes = [2**i for i in range(12) if max(1, n // 64) <= 2**i <= n // 2]
         if not sizes:
             return None
         gen, gen_tp = self._generation(world, sizes, n, works, usable)
-        others = [p for p in pools if p != "G"]
+        others = [p for p in groups if p != "G"]
         best: tuple[float, dict[str, int], int] | None = None
         for ds_tp in tp_options(world, n):
             table = {
-                (p, size): self._pool(world, pools[p], size, ds_tp, works, usable)
+                (p, size): self._group_seconds(world, groups[p], size, ds_tp, works, usable)
                 for p in others
                 for size in sizes
                 if ds_tp <= size
             }
-            for combo in itertools.product(sizes, repeat=len(pools)):
+            for combo in itertools.product(sizes, repeat=len(groups)):
                 if sum(combo) > n or ds_tp > min(combo[1:]):
                     continue
                 chosen = dict(zip(["G", *others], combo, strict=True))
-                per_stage = {s: table[(p, chosen[p])][s] for p in others for s in pools[p]}
-                infer = _phase(per_stage, pools, INFER, others)
-                train = _phase(per_stage, pools, TRAIN, others)
+                per_stage = {s: table[(p, chosen[p])][s] for p in others for s in groups[p]}
+                infer = _phase(per_stage, groups, INFER, others)
+                train = _phase(per_stage, groups, TRAIN, others)
                 total = float((gen[chosen["G"]] + infer + train).sum())
                 if best is None or total < best[0]:
                     best = (total, chosen, ds_tp)
         if best is None or best[0] == INF:
             return None
         total, chosen, ds_tp = best
-        return total, self._assemble(world, pools, chosen, gen_tp[chosen["G"]], ds_tp, works[0].batch)
+        return total, self._assemble(world, groups, chosen, gen_tp[chosen["G"]], ds_tp, works[0].batch)
 
     def _generation(
         self, world: World, sizes: list[int], n: int, works: list[Workload], usable: float
     ) -> tuple[dict[int, np.ndarray], dict[int, int]]:
-        """Per generation pool size: seconds per sampled step (with the sync into it) at its best vLLM TP."""
+        """Per generation slot-group size: seconds per sampled step (with the sync into it) at its
+        best vLLM TP."""
         best: dict[int, np.ndarray] = {}
         best_tp: dict[int, int] = {}
         for g, tp in itertools.product(sizes, tp_options(world, n)):
             if tp > g:
                 continue
-            seconds = self._pool(world, (GENERATE,), g, tp, works, usable)[GENERATE]
-            # The sync target: a trainer on the next pool (inter-node beyond one node).
+            seconds = self._group_seconds(world, (GENERATE,), g, tp, works, usable)[GENERATE]
+            # The sync target: a trainer on the next slot group (inter-node beyond one node).
             train = Layout.contiguous(first=g % n)
             two = GlobalPlan.model_construct(
                 placement="disaggregated",
@@ -320,18 +323,19 @@ class OpenRLHFStrategy(FixedStrategy):
     def _assemble(
         self,
         world: World,
-        pools: dict[str, tuple[str, ...]],
+        groups: dict[str, tuple[str, ...]],
         sizes: dict[str, int],
         gen_tp: int,
         ds_tp: int,
         batch: int,
     ) -> GlobalPlan:
-        """Pools on consecutive slots, largest first (each starts on a node boundary or inside one node)."""
+        """Slot groups on consecutive slots, largest first (each starts on a node boundary or inside
+        one node)."""
         layouts: dict[str, Layout] = {}
         first = 0
-        for p in sorted(pools, key=lambda q: (-sizes[q], q)):
+        for p in sorted(groups, key=lambda q: (-sizes[q], q)):
             tp = gen_tp if p == "G" else ds_tp
-            for s in pools[p]:
+            for s in groups[p]:
                 layouts[s] = Layout.contiguous(tp=tp, dp=largest_dp(batch, sizes[p] // tp), first=first)
             first += sizes[p]
         placement: Placement = "disaggregated"
@@ -340,16 +344,16 @@ class OpenRLHFStrategy(FixedStrategy):
 
 def _phase(
     per_stage: dict[str, np.ndarray],
-    pools: dict[str, tuple[str, ...]],
+    groups: dict[str, tuple[str, ...]],
     stages: tuple[str, ...],
     names: list[str],
 ) -> np.ndarray:
-    """Per sampled step: the slowest pool of a phase, each pool summing its stages of that phase:
-    ``step_seconds``'s rule (``plan.phases``) on the plan ``_assemble`` builds, whose pools are these
+    """Per sampled step: the slowest slot group of a phase, each slot group summing its stages of that phase:
+    ``step_seconds``'s rule (``plan.phases``) on the plan ``_assemble`` builds, whose groups are these
     on disjoint slots, vectorised over the sampled steps (tests check the two agree)."""
     out = np.zeros_like(next(iter(per_stage.values())))
     for p in names:
-        mine = [per_stage[s] for s in pools[p] if s in stages]
+        mine = [per_stage[s] for s in groups[p] if s in stages]
         if mine:
             out = np.maximum(out, np.sum(mine, axis=0))
     return out

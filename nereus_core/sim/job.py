@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from nereus_core.cost.hardware import get_profile
 from nereus_core.sim.baselines import OpenRLHFStrategy, VerlStrategy
 from nereus_core.sim.config import SimConfig
-from nereus_core.sim.engine import Strategy, simulate
+from nereus_core.sim.loop import Strategy, simulate
 from nereus_core.sim.results import summarize_run
 from nereus_core.sim.strategies import NereusStrategy, StaticStrategy
 from nereus_core.sim.trace import Trace

@@ -30,7 +30,7 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from nereus_core.sim.engine import TRANSITION_KINDS
+from nereus_core.sim.loop import TRANSITION_KINDS
 
 FIELDS = (
     "mean_step_s",

@@ -44,7 +44,7 @@ from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, models_for
 from nereus_core.sim import probes
 from nereus_core.sim.config import DecisionSettings
-from nereus_core.sim.engine import Move, Prepared, SimError, StepRun
+from nereus_core.sim.loop import Move, Prepared, SimError, StepRun
 from nereus_core.sim.world import World, largest_dp, usable_bytes
 
 

@@ -13,8 +13,8 @@ one host) are not used: they say nothing of NCCL on GPUs.
 - Rebuilding the generation engine when its layout changes: 41.6 s (vllm-project/vllm#20264,
   a Llama vLLM engine: "init engine (profile, create kv cache, warmup model) took 34.11 s"
   plus 7.51 s of Dynamo bytecode transform with the compile cache warm).
-- A restart after a step fails for memory: a new engine, the world's process groups, and
-  the lost step (charged by the engine).
+- A restart after a step fails for memory: a new rollout engine, the world's process groups, and
+  the lost step (charged by the loop, ``loop.py``).
 - Weight sync each step (``sync_s``, the world's own formula, not the cost model's): the
   bf16 weights once over the link the sync crosses, at least the measured 0.57 s (colocated
   FSDP -> vLLM by CUDA IPC) or 0.70 s (NCCL broadcast) for a 7-8B actor (volcengine/verl

@@ -3,7 +3,7 @@
 Boundary: the actor owns one ``nereus_core.engine.device.DeviceContext`` and
 carries out what the driver asks (join or leave the torch.distributed world,
 build a layout's groups, run a core function with the context). It holds no
-policy: which function runs where is decided by the engine in nereus_core, and
+policy: which function runs where is decided by nereus_core.engine (the device-side code), and
 the rendezvous (ranks, master address and port) by ``tasks.runtime.device_pool``. What the
 world needs of the process is set here: the variables DeepSpeed reads, the network
 interface gloo and NCCL listen on (the one of the worker's own Dask address: loopback

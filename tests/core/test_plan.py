@@ -26,8 +26,8 @@ from nereus_core.plan import (
     own_state,
     phases,
     plan_id,
-    pools,
     problems,
+    slot_groups,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def test_phases_group_the_stages_that_share_slots() -> None:
     spanning = {**PHASED, "actor/train": _on(0, 4)}
     assert phases(spanning)["infer"] == (("critic/infer", "reference/infer", "reward/infer"),)
     chained = {"a": _on(0, 2), "b": _on(3, 1), "c": _on(1, 3)}  # c joins a and b
-    assert pools(chained) == (("a", "b", "c"),)
+    assert slot_groups(chained) == (("a", "b", "c"),)
     assert not generation_apart(PHASED) and generation_apart(APART)
 
 

@@ -14,8 +14,8 @@ from nereus_core.cost.hardware import H100_SXM
 from nereus_core.plan import GENERATE, MODEL_STAGES
 from nereus_core.sim.baselines import OpenRLHFStrategy, VerlStrategy
 from nereus_core.sim.config import LLAMA_3_8B, NoiseSettings, StrategySpec, parse_sim_config
-from nereus_core.sim.engine import simulate
 from nereus_core.sim.job import SimJob, make_strategy, run_job
+from nereus_core.sim.loop import simulate
 from nereus_core.sim.results import build_summary, summarize_run
 from nereus_core.sim.strategies import FixedStrategy
 from nereus_core.sim.trace import TraceError, parse_trace
@@ -307,7 +307,7 @@ def test_transitions_pay_fixed_costs_and_a_step_that_does_not_fit_pays_a_restart
 
 
 class Pinned(FixedStrategy):
-    """A fixed plan that never changes (to test the engine's accounting)."""
+    """A fixed plan that never changes (to test the loop's accounting)."""
 
     def __init__(self, plan) -> None:
         super().__init__("pinned", headroom=0.0)

@@ -13,10 +13,10 @@ from nereus_core.config import ConfigError
 from nereus_core.cost.hardware import H100_SXM
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, MODEL_STAGES, PPO_STAGES, GlobalPlan, ModelStage, stages_for
-from nereus_core.sim.baselines import job_pools
+from nereus_core.sim.baselines import job_slot_groups
 from nereus_core.sim.config import parse_sim_config
-from nereus_core.sim.engine import simulate, stage_column
 from nereus_core.sim.job import SimJob, make_strategy, run_job
+from nereus_core.sim.loop import simulate, stage_column
 from nereus_core.sim.strategies import FixedStrategy
 from nereus_core.sim.trace import parse_trace
 from nereus_core.sim.world import World
@@ -80,13 +80,13 @@ def test_every_strategy_runs_grpo_with_only_the_jobs_stages(kl: bool) -> None:
 
 def test_openrlhf_drops_the_critics_pool_and_keeps_the_rest() -> None:
     grpo = config(algorithm=GRPO).stages
-    assert job_pools("paired", grpo) == {"G": (GENERATE,), "A": ("actor/train", "reference/infer")}
-    assert job_pools("separate", grpo) == {
+    assert job_slot_groups("paired", grpo) == {"G": (GENERATE,), "A": ("actor/train", "reference/infer")}
+    assert job_slot_groups("separate", grpo) == {
         "G": (GENERATE,),
         "A": ("actor/train",),
         "R": ("reference/infer",),
     }
-    assert set(job_pools("separate", PPO_STAGES)) == {"G", "A", "C", "R", "W"}
+    assert set(job_slot_groups("separate", PPO_STAGES)) == {"G", "A", "C", "R", "W"}
     cfg, tr = config(algorithm=GRPO), trace(3, grow_at=3)
     world = World(tr, cfg.model, H100_SXM, cfg.noise, 0, stages=cfg.stages)
     plan = make_strategy(cfg, "openrlhf-separate").begin(world).plan

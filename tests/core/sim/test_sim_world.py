@@ -15,7 +15,7 @@ from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan
 from nereus_core.sim import stage_world as sw
 from nereus_core.sim import transitions
-from nereus_core.sim.baselines import INFER, TRAIN, OpenRLHFStrategy, VerlStrategy, _phase, job_pools
+from nereus_core.sim.baselines import INFER, TRAIN, OpenRLHFStrategy, VerlStrategy, _phase, job_slot_groups
 from nereus_core.sim.config import NoiseSettings, StrategySpec, parse_sim_config
 from nereus_core.sim.trace import parse_trace
 from nereus_core.sim.world import World, weight_tensors
@@ -135,7 +135,7 @@ def test_per_tensor_broadcast_prices_every_tensor() -> None:
 
 def test_openrlhf_oracle_phases_agree_with_the_step_rule() -> None:
     world, cfg = small_world()
-    pools = job_pools("separate", world.stages)
+    pools = job_slot_groups("separate", world.stages)
     sizes = {"G": 4, "A": 4, "C": 4, "R": 2, "W": 2}
     plan = OpenRLHFStrategy("o", spec=StrategySpec(kind="openrlhf"), settings=cfg.controller)._assemble(
         world, pools, sizes, 2, 1, 1024

@@ -1,5 +1,5 @@
-"""flows/job/phases.py and the records' phase bookkeeping, without a device pool: which pools a phase
-runs, a single pool run in the flow's thread, and the busy time of stages that overlapped."""
+"""flows/job/phases.py and the records' phase bookkeeping, without a device pool: which slot groups a phase
+runs, a single slot group run in the flow's thread, and the busy time of stages that overlapped."""
 
 from __future__ import annotations
 
@@ -24,18 +24,18 @@ def _passes(plan: dict) -> dict:
 
 
 def test_the_forward_passes_of_a_phased_plan_form_two_pools_and_a_colocated_plan_one() -> None:
-    assert phases.pools_of(_passes(PHASED_PLAN)) == (
+    assert phases.slot_groups_of(_passes(PHASED_PLAN)) == (
         ("actor/train", "reference/infer"),
         ("critic/infer", "reward/infer"),
     )
     trains = {s: v for s, v in layouts(PHASED_PLAN).items() if s.endswith("/train")}
-    assert phases.pools_of(trains) == (("actor/train",), ("critic/train",))
-    assert len(phases.pools_of(_passes(COLOCATED_PLAN))) == 1
+    assert phases.slot_groups_of(trains) == (("actor/train",), ("critic/train",))
+    assert len(phases.slot_groups_of(_passes(COLOCATED_PLAN))) == 1
 
 
 def test_the_serial_switch_runs_every_phase_as_one_pool(monkeypatch) -> None:
     monkeypatch.setattr(phases, "AT_ONCE", False)
-    assert phases.pools_of(_passes(PHASED_PLAN)) == (tuple(_passes(PHASED_PLAN)),)
+    assert phases.slot_groups_of(_passes(PHASED_PLAN)) == (tuple(_passes(PHASED_PLAN)),)
 
 
 def test_one_pool_runs_in_this_thread_in_order() -> None:
@@ -45,7 +45,7 @@ def test_one_pool_runs_in_this_thread_in_order() -> None:
         seen.append((x, threading.get_ident()))
         return 10 * x
 
-    (ran,) = phases.run_pools(task, [[{"x": 1}, {"x": 2}]])
+    (ran,) = phases.run_slot_groups(task, [[{"x": 1}, {"x": 2}]])
     assert [r.result for r in ran] == [10, 20] and seen == [
         (1, threading.get_ident()),
         (2, threading.get_ident()),
@@ -71,4 +71,4 @@ def test_the_phased_example_is_a_phased_plan_whose_phases_run_pools_at_once() ->
     assert infer_placement(cfg.plan) == "phased" and cfg.cluster.devices == 4 and not cfg.job.adapt
     passes = {s: v for s, v in cfg.plan.items() if s in PASSES}
     trains = {s: v for s, v in cfg.plan.items() if s.endswith("/train")}
-    assert len(phases.pools_of(passes)) == 2 and len(phases.pools_of(trains)) == 2
+    assert len(phases.slot_groups_of(passes)) == 2 and len(phases.slot_groups_of(trains)) == 2

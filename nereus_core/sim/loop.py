@@ -1,6 +1,6 @@
 """The step loop every strategy runs through: prepare a plan, time its stages in the world, move on.
 
-Boundary: the engine owns the clock and the records; a strategy owns its plan
+Boundary: the loop owns the clock and the records; a strategy owns its plan
 (``Strategy``) and the world owns the truth (``world.World``). Per step:
 
     plan <- strategy.prepare(k)              (baselines re-pick micro-batches here)
