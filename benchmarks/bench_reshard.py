@@ -248,7 +248,7 @@ def warm_up(pool: DevicePool) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True)
@@ -277,52 +277,42 @@ def main() -> None:
         help="as --compare-thp, the second pool's workers with these environment variables instead",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    args = parser.parse_args()
-    if args.thp:
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # inherited by the worker processes
-    started = time.perf_counter()
+    return parser
+
+
+def _measure(pool: DevicePool, args: argparse.Namespace, report: dict[str, Any]) -> float:
+    """Every scenario's paths on ``pool`` into ``report``; returns one pair's p2p bytes per second."""
     expected = init_full_state(CONFIG)
-    params = sum(math.prod(s) for s in param_shapes(CONFIG).values())
-    report: dict[str, Any] = {
-        "model": {**CONFIG.model_dump(), "parameters": params, "bytes_fp32": params * 4},
-        "machine": {
-            "cpus": os.cpu_count(),
-            "devices": args.devices,
-            "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
-            "loadavg_start": os.getloadavg(),
-        },
+    report["machine"]["warm_up_s"] = round(warm_up(pool), 1)
+    mem = pool.run_on([0], memcpy_probe, nbytes=PROBE_BYTES)[0]
+    p2p = pool.run_on([0, 1], p2p_probe, src=0, dst=1, nbytes=PROBE_BYTES, repeats=5)[1]
+    report["limits"] = {
+        "memcpy_bytes_per_s": round(mem["warm"]),
+        "fresh_copy_bytes_per_s": round(mem["fresh"]),
+        "p2p_bytes_per_s": round(p2p),
     }
-    pool = DevicePool(args.devices)
-    try:
-        report["machine"]["warm_up_s"] = round(warm_up(pool), 1)
-        mem = pool.run_on([0], memcpy_probe, nbytes=PROBE_BYTES)[0]
-        p2p = pool.run_on([0, 1], p2p_probe, src=0, dst=1, nbytes=PROBE_BYTES, repeats=5)[1]
-        report["limits"] = {
-            "memcpy_bytes_per_s": round(mem["warm"]),
-            "fresh_copy_bytes_per_s": round(mem["fresh"]),
-            "p2p_bytes_per_s": round(p2p),
-        }
-        report["scenarios"] = {}
-        for key, (old, new) in SCENARIOS.items():
-            row = bench_paths(pool, old, new, expected, train=False, repeats=args.repeats)
-            report["scenarios"][key] = row
-            report["scenarios"][key]["transfer_floor_s"] = transfer_floor(pool, old, new, train=False)
-        if args.train:
-            old, new = SCENARIOS["tp2_to_tp4"]
-            row = bench_paths(pool, old, new, expected, train=True, repeats=args.repeats)
-            report["scenarios"]["tp2_to_tp4_train"] = row
-            row["transfer_floor_s"] = transfer_floor(pool, old, new, train=True)
-        if args.compare_thp or args.compare_env:
-            env = dict(e.split("=", 1) for e in args.compare_env) or {"THP_MEM_ALLOC_ENABLE": "1"}
-            report["machine"]["compared_env"] = env
-            for key, rows in bench_env(pool, args.devices, expected, args.repeats, env).items():
-                report["scenarios"][key]["live"] = rows["live_plain"]
-                report["scenarios"][key]["live_thp"] = rows["live_thp"]
-        for key, (old, new) in SCENARIOS.items() if args.baseline else ():
-            report["scenarios"][key]["baseline"], pool = bench_baseline(pool, old, new, args.devices)
-    finally:
-        pool.close()
-    for row in report["scenarios"].values():
+    report["scenarios"] = {}
+    for key, (old, new) in SCENARIOS.items():
+        row = bench_paths(pool, old, new, expected, train=False, repeats=args.repeats)
+        report["scenarios"][key] = row
+        report["scenarios"][key]["transfer_floor_s"] = transfer_floor(pool, old, new, train=False)
+    if args.train:
+        old, new = SCENARIOS["tp2_to_tp4"]
+        row = bench_paths(pool, old, new, expected, train=True, repeats=args.repeats)
+        report["scenarios"]["tp2_to_tp4_train"] = row
+        row["transfer_floor_s"] = transfer_floor(pool, old, new, train=True)
+    if args.compare_thp or args.compare_env:
+        env = dict(e.split("=", 1) for e in args.compare_env) or {"THP_MEM_ALLOC_ENABLE": "1"}
+        report["machine"]["compared_env"] = env
+        for key, rows in bench_env(pool, args.devices, expected, args.repeats, env).items():
+            report["scenarios"][key]["live"] = rows["live_plain"]
+            report["scenarios"][key]["live_thp"] = rows["live_thp"]
+    return p2p
+
+
+def _ratios(scenarios: dict[str, Any], p2p: float) -> None:
+    """Each scenario's live reshards against one pair's bandwidth, the floor and the other paths."""
+    for row in scenarios.values():
         for live in (row["live"], *([row["live_thp"]] if "live_thp" in row else [])):
             live["vs_p2p"] = round(live["bytes_per_s"] / p2p, 3)
             live["device_vs_p2p"] = round(live["bytes_moved"] / live["device_s"] / p2p, 3)
@@ -335,6 +325,31 @@ def main() -> None:
         if "baseline" in row:
             row["baseline_over_live"] = round(row["baseline"]["seconds"] / live["seconds"], 1)
             row["baseline_over_durable"] = round(row["baseline"]["seconds"] / row["durable"]["seconds"], 1)
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.thp:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # inherited by the worker processes
+    started = time.perf_counter()
+    params = sum(math.prod(s) for s in param_shapes(CONFIG).values())
+    report: dict[str, Any] = {
+        "model": {**CONFIG.model_dump(), "parameters": params, "bytes_fp32": params * 4},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "devices": args.devices,
+            "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+            "loadavg_start": os.getloadavg(),
+        },
+    }
+    pool = DevicePool(args.devices)
+    try:
+        p2p = _measure(pool, args, report)
+        for key, (old, new) in SCENARIOS.items() if args.baseline else ():
+            report["scenarios"][key]["baseline"], pool = bench_baseline(pool, old, new, args.devices)
+    finally:
+        pool.close()
+    _ratios(report["scenarios"], p2p)
     report["machine"]["loadavg_end"] = os.getloadavg()
     report["wall_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(report, indent=2)

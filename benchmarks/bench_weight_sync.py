@@ -103,15 +103,10 @@ def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) 
         stale = not _equal(expected, _params(pool, copy, COPY, train=False))
         emu, driver, figures, bandwidths, patterns = [], [], [], [], []
         for _ in range(repeats):
-            start = time.perf_counter()
-            stats = sync_copy(pool, CONFIG, source=TRAIN, source_layout=train, copy=COPY, copy_layout=copy)
-            emu.append(time.perf_counter() - start)
+            stats, emu_s, driver_s = _syncs(pool, train, copy)
+            emu.append(emu_s)
             figures.append(stats)
-            start = time.perf_counter()
-            state = model_ops.full_state(pool, train, name=TRAIN, config=CONFIG)
-            model_ops.push_weights(pool, copy, state, name=COPY)
-            driver.append(time.perf_counter() - start)
-            del state
+            driver.append(driver_s)
             probe = pool.run_on(ranks, p2p_probe, src=ranks[0], dst=ranks[1], nbytes=port["bytes"], repeats=1)
             bandwidths += [b for b in probe if b]
             patterns.append(max(pool.run_on(devices, pattern_probe, pairs=pairs, local=local)))
@@ -144,15 +139,36 @@ def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) 
             "pattern_s_all": [round(c, 4) for c in patterns],
         },
     }
+    _add_fractions(row, bytes_moved=plan.bytes_moved, bandwidth=bandwidth, ceiling=ceiling, middle=middle)
+    return row
+
+
+def _syncs(pool: DevicePool, train: Layout, copy: Layout) -> tuple[dict[str, Any], float, float]:
+    """One EMU sync (its figures, seconds), then one through the driver (seconds)."""
+    start = time.perf_counter()
+    stats = sync_copy(pool, CONFIG, source=TRAIN, source_layout=train, copy=COPY, copy_layout=copy)
+    emu_s = time.perf_counter() - start
+    start = time.perf_counter()
+    state = model_ops.full_state(pool, train, name=TRAIN, config=CONFIG)
+    model_ops.push_weights(pool, copy, state, name=COPY)
+    return stats, emu_s, time.perf_counter() - start
+
+
+def _add_fractions(
+    row: dict[str, Any], *, bytes_moved: int, bandwidth: float, ceiling: float, middle: dict[str, Any]
+) -> None:
+    """The sync's seconds against the link: the busiest port at the measured pair bandwidth, all the
+    plan's bytes at one pair's rate, and the plan's pattern as plain gloo."""
+    port_bytes = row["link"]["bytes"]
     seconds = row["emu"]["seconds"]
     row["driver_over_emu"] = round(row["driver"]["seconds"] / seconds, 2)
-    ideal = port["bytes"] / bandwidth
+    ideal = port_bytes / bandwidth
     row["link"]["ideal_s"] = round(ideal, 4)
     row["link_fraction"] = round(ideal / seconds, 3)
     row["exchange_link_fraction"] = round(ideal / middle["exchange_s"], 3)
     # On loopback TCP every byte costs CPU at both ends, so pairs moving at once share the cores:
     # all the plan's bytes at one pair's rate is the floor where the cores, not a port, are the limit.
-    floor = plan.bytes_moved / bandwidth
+    floor = bytes_moved / bandwidth
     row["link"]["all_bytes_one_pair_s"] = round(floor, 4)
     row["all_bytes_fraction"] = round(floor / seconds, 3)
     # What this machine can do for the plan's pattern (plain gloo, warm buffers, local copies too):
@@ -160,7 +176,6 @@ def bench_scenario(pool: DevicePool, train: Layout, copy: Layout, repeats: int) 
     row["link"]["pattern_s"] = round(ceiling, 4)
     row["ceiling_link_fraction"] = round(ideal / ceiling, 3)
     row["of_ceiling"] = round(ceiling / seconds, 3)
-    return row
 
 
 def warm_up(pool: DevicePool) -> float:

@@ -221,8 +221,7 @@ def _generate(
     weight_read, kv_read = stats.total_params * sizes.weight / tp, ctx * kv_token / tp_kv
     iters = (waves - 1.0) * work.response_high + work.response_longest  # the slowest replica's decode steps
     passes = waves + iters  # one prefill per wave and the decode iterations
-    alpha = profile.collective_latency_s  # waiting on a peer: not slowed by sharing cores
-    act = sizes.activation
+    alpha, act = profile.collective_latency_s, sizes.activation  # alpha: not slowed by sharing cores
     # Per pass: 2 all-reduces per layer, 1 for the vocab-parallel embedding, 2 gathers to sample.
     tp_calls, tp_ring = generation_collectives_s(
         stats, tp, passes, b * (prompt + resp), act, alpha, geo.tp_bw
@@ -239,15 +238,35 @@ def _generate(
         pp_comm=pp_comm,
         overhead=passes * layers * profile.layer_overhead_s * slow + iters * profile.decode_step_s,
     )
+    _generate_memory(mem, geo, work, stats, profile, wave_seqs=bw_)
+
+
+def _generate_memory(
+    mem: np.ndarray,
+    geo: Geometry,
+    work: WorkloadLike,
+    stats: ModelStats,
+    profile: HardwareProfile,
+    *,
+    wave_seqs: np.ndarray,
+) -> None:
+    """Generation's memory per device: one wave's prefill activations and last-position logits, and
+    its KV cache (or a rollout engine's preallocated one, held between steps)."""
+    tp, layers, prompt = geo.tp, stats.layers, work.prompt_len
+    sizes = value_bytes(stats, profile)
+    kv_token = stats.kv_bytes_per_token(sizes.kv)
+    tp_kv = np.minimum(tp, stats.kv_heads)
     seq_high = prompt + work.response_high
     share = geo.stage_layers / layers
-    logits = bw_ * stats.logit_width / tp * 4.0  # fp32 logits of the last position of each sequence
-    prefill_act = korthikanti_bytes(stats, bw_, prompt, act, profile.activation_recompute) / tp
+    logits = wave_seqs * stats.logit_width / tp * 4.0  # fp32 logits of the last position of each sequence
+    prefill_act = (
+        korthikanti_bytes(stats, wave_seqs, prompt, sizes.activation, profile.activation_recompute) / tp
+    )
     _set(
         mem,
         MEMORY_PARTS,
         activations=prefill_act + logits,
-        kv_cache=bw_ * seq_high * kv_token * share / tp_kv if not work.engine_kv_bytes else 0.0,
+        kv_cache=wave_seqs * seq_high * kv_token * share / tp_kv if not work.engine_kv_bytes else 0.0,
         engine_cache=float(work.engine_kv_bytes),  # vLLM's: fixed per device, held between steps
     )
 
@@ -294,12 +313,48 @@ def _forward_backward(
         pp_comm=epochs * (bubble + (pp > 1) * sends),
         overhead=epochs * m * overhead_mb,
     )
+    _pass_memory(mem, train, geo, work, stats, profile)
+    if train:
+        _optimizer_step(raw, mem, geo, stats, profile, epochs=epochs, slow=slow)
+
+
+def _pass_memory(
+    mem: np.ndarray,
+    train: bool,
+    geo: Geometry,
+    work: WorkloadLike,
+    stats: ModelStats,
+    profile: HardwareProfile,
+) -> None:
+    """A pass's activations per device: one micro-batch's (infer), or those of the micro-batches in
+    flight under the pipeline schedule (train), with the fp32 log-softmax input on the last stage."""
+    tp, pp, m, layers = geo.tp, geo.pp, geo.m, geo.stage_layers
+    bm = np.ceil(np.ceil(work.batch / geo.dp) / m)
+    act = value_bytes(stats, profile).activation
     seq_high = work.prompt_len + work.response_high
     per_layer = korthikanti_bytes(stats, bm, seq_high, act, profile.activation_recompute) / tp
     logits = bm * seq_high * stats.logit_width / tp * 4.0  # fp32 log-softmax input on the last stage
     if not train:
         _set(mem, MEMORY_PARTS, activations=per_layer + logits)
         return
+    in_flight = m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp)
+    _set(mem, MEMORY_PARTS, activations=in_flight * layers * per_layer + 2.0 * logits)
+
+
+def _optimizer_step(
+    raw: np.ndarray,
+    mem: np.ndarray,
+    geo: Geometry,
+    stats: ModelStats,
+    profile: HardwareProfile,
+    *,
+    epochs: float,
+    slow: np.ndarray,
+) -> None:
+    """A train stage's gradient all-reduce over dp and Adam step, and the gradients and optimizer
+    state it holds."""
+    dp, alpha = geo.dp, profile.collective_latency_s
+    sizes = value_bytes(stats, profile)
     grads = geo.device_params * sizes.grad
     buckets = np.ceil(grads / profile.gradient_bucket_bytes)
     # ZeRO-1 (Rajbhandari et al. 2020): reduce-scatter + all-gather = one ring all-reduce volume.
@@ -307,11 +362,4 @@ def _forward_backward(
     # Adam reads and writes its state shard, reads the gradient shard, writes weights (all-gathered).
     opt_bytes = geo.device_params * ((2.0 * sizes.optimizer + sizes.grad + sizes.weight) / dp + sizes.weight)
     _set(raw, TERMS, dp_comm=epochs * dp_comm, optimizer=epochs * opt_bytes * slow / profile.hbm)
-    in_flight = m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp)
-    _set(
-        mem,
-        MEMORY_PARTS,
-        gradients=grads,
-        optimizer=np.ceil(geo.device_params / dp) * sizes.optimizer,
-        activations=in_flight * layers * per_layer + 2.0 * logits,
-    )
+    _set(mem, MEMORY_PARTS, gradients=grads, optimizer=np.ceil(geo.device_params / dp) * sizes.optimizer)

@@ -12,6 +12,12 @@ peers can deadlock. Each wait is bounded by one deadline: a peer that died or ne
 side raises here (gloo closes the pair after a timeout, so the world must be rebuilt after a
 failure).
 
+The pipeline's hand-offs between neighbouring pipeline stages (``send_activation``,
+``recv_activation``: activations forward, their gradients back) are the plain blocking case: the
+shape is known on both sides (every pipeline stage of a replica sees the same batch shape), so only
+the payload travels. Every pipeline is one tp index of one replica, so the tp ranks of a pipeline
+stage talk to the same tp rank of the next.
+
 Boundary: bytes between world ranks. Which segments to exchange is the caller's business
 (``nereus_core.engine.reshard`` for a reshard plan, ``nereus_core.engine.state`` for ZeRO's
 partitions); this module knows no shard maps or models.
@@ -207,3 +213,17 @@ def exchange(
     ex.send(outgoing)
     ex.recv(incoming)
     return ex.wait()
+
+
+def send_activation(tensor: torch.Tensor, dst: int) -> None:
+    """Send ``tensor`` to the neighbouring pipeline stage at world rank ``dst`` (blocking)."""
+    dist.send(tensor.contiguous(), dst=dst)
+
+
+def recv_activation(
+    shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device
+) -> torch.Tensor:
+    """Receive a ``shape`` tensor from the neighbouring pipeline stage at world rank ``src`` (blocking)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(out, src=src)
+    return out

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nereus_core.engine import p2p
 from nereus_core.engine.device import DeviceContext, RankGroups
+from nereus_core.engine.exchange import recv_activation, send_activation
 from nereus_core.engine.shard import ModelShard, get_shard
 from nereus_core.model.tensor_parallel import vocab_parallel_logprobs, vocab_parallel_sample
 
@@ -74,7 +74,7 @@ def stage_forward(
         x = ids
     else:
         shape = (ids.shape[0], ids.shape[1], shard.config.hidden_size)
-        x = p2p.recv(shape, dtype or shard.dtype, groups.prev_rank, ids.device)
+        x = recv_activation(shape, dtype or shard.dtype, groups.prev_rank, ids.device)
         x.requires_grad_(torch.is_grad_enabled())
     if attention_mask is not None:
         out = shard.module(x, positions, cache, attention_mask=attention_mask)
@@ -83,7 +83,7 @@ def stage_forward(
     else:
         out = shard.module(x, positions)
     if not groups.is_last_stage:
-        p2p.send(out.detach(), groups.next_rank)
+        send_activation(out.detach(), groups.next_rank)
     return x, out
 
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from nereus_core.engine import p2p
 from nereus_core.engine.device import DeviceContext
+from nereus_core.engine.exchange import recv_activation, send_activation
 from nereus_core.engine.forward import head_outputs, micro_batches, padding, rows, stage_forward
 from nereus_core.engine.shard import ModelShard, get_shard
 from nereus_core.model.tensor_parallel import vocab_parallel_entropy
@@ -123,10 +123,10 @@ def _backward_and_step(
         if groups.is_last_stage:
             engine.backward(out)
         else:
-            grad = p2p.recv(tuple(out.shape), out.dtype, groups.next_rank, device)
+            grad = recv_activation(tuple(out.shape), out.dtype, groups.next_rank, device)
             engine.backward((out * grad).sum(), scale_wrt_gas=False)
         if not groups.is_first_stage:
-            p2p.send(x.grad, groups.prev_rank)
+            send_activation(x.grad, groups.prev_rank)
         if not zero and i == len(saved) - 1:
             norm_sq = _tp_grad_norm_sq(shard, device)
         engine.step()  # DeepSpeed steps the optimizer at the last micro-batch only

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 
 from nereus_core.cost.stage_cost import Workload
 from nereus_core.plan import GlobalPlan
+from nereus_core.sim.trace import Trace
 from nereus_core.sim.world import World
 
 MoveKind = Literal["start", "keep", "switch", "retune", "rescale", "none"]
@@ -87,6 +88,19 @@ def stage_column(stage: str) -> str:
     return stage.replace("/", "_") + "_s"
 
 
+def _trace_row(tr: Trace, k: int) -> dict[str, Any]:
+    """What the trace says of step ``k``: the columns of its record that no strategy changes."""
+    return {
+        "devices": int(tr.devices[k]),
+        "capacity_gb": float(tr.capacity_gb[k]),
+        "batch": int(tr.batch[k]),
+        "prompt_len": int(tr.prompt_len[k]),
+        "response_mean": float(tr.response_mean[k]),
+        "response_p90": int(tr.response_p90[k]),
+        "tokens": tr.tokens(k),
+    }
+
+
 def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tuple[list[dict], dict[str, str]]:
     """Run ``strategy`` through every step of ``world``; the per-step records and the plans used."""
     tr = world.trace
@@ -121,13 +135,7 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
                 "strategy": strategy.name,
                 "seed": seed,
                 "step": k,
-                "devices": int(tr.devices[k]),
-                "capacity_gb": float(tr.capacity_gb[k]),
-                "batch": int(tr.batch[k]),
-                "prompt_len": int(tr.prompt_len[k]),
-                "response_mean": float(tr.response_mean[k]),
-                "response_p90": int(tr.response_p90[k]),
-                "tokens": tr.tokens(k),
+                **_trace_row(tr, k),
                 "plan_id": plan.plan_id,
                 "placement": plan.placement,
                 "devices_used": len(plan.devices),

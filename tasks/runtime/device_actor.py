@@ -151,17 +151,9 @@ def gather(
     while pending:
         left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
         done, _ = wait([f for _, f in pending.values()], timeout=max(0.0, left), return_when=FIRST_COMPLETED)
-        broken: dict[int, tuple[int, Exception]] = {}
-        for i, (rank, future) in list(pending.items()):
-            if future not in done:
-                continue
-            try:
-                results[i] = future.result()
-                del pending[i]
-            except RankFailure as exc:
-                fail(i, rank, exc)
-            except Exception as exc:  # the call never reached the method: a lost worker, a bad argument
-                broken[i] = (rank, exc)
+        raised, broken = _collect(done, pending, results)
+        for i, (rank, exc) in raised.items():
+            fail(i, rank, exc)
         if broken:
             settle = SETTLE_S if any(_is_broken_link(e) for _, e in broken.values()) else 0.0
             gone = lost([r for r, _ in broken.values()], settle) if lost is not None else {}
@@ -180,6 +172,27 @@ def gather(
     if failures:
         raise DeviceRunError(call, [failures[i] for i in sorted(failures)])
     return results
+
+
+def _collect(
+    done: set[Future[Any]], pending: dict[int, tuple[int, Future[Any]]], results: list[Any]
+) -> tuple[dict[int, tuple[int, RankFailure]], dict[int, tuple[int, Exception]]]:
+    """Take the ``done`` calls out of ``pending``, their results into ``results``; returns the calls
+    whose rank raised (still pending) and those that never reached the method (a lost worker, a bad
+    argument: still pending too), each as call index -> (rank, exception)."""
+    raised: dict[int, tuple[int, RankFailure]] = {}
+    broken: dict[int, tuple[int, Exception]] = {}
+    for i, (rank, future) in list(pending.items()):
+        if future not in done:
+            continue
+        try:
+            results[i] = future.result()
+            del pending[i]
+        except RankFailure as exc:
+            raised[i] = (rank, exc)
+        except Exception as exc:  # the call never reached the method: a lost worker, a bad argument
+            broken[i] = (rank, exc)
+    return raised, broken
 
 
 def _is_broken_link(exc: Exception) -> bool:

@@ -10,11 +10,13 @@ import pytest
 
 from flows.job import phases
 from flows.job.records import busy_s
-from flows.job.rl_step import PASSES
 from nereus_core.config import parse_config
 from nereus_core.config.from_yaml import parse_yaml
 from nereus_core.plan import infer_placement
+from nereus_core.rl.algorithms import PPO
 from tests.support.phased_jobs import COLOCATED_PLAN, PHASED_PLAN, layouts
+
+PASSES = tuple(p.stage for p in PPO.passes)  # PPO's forward passes over the rollout
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny_ppo_phased.yaml"
 
@@ -66,7 +68,7 @@ def test_busy_time_counts_overlapping_stages_once(spans, busy) -> None:
     assert busy_s(rows) == pytest.approx(busy)
 
 
-def test_the_phased_example_is_a_phased_plan_whose_phases_run_pools_at_once() -> None:
+def test_the_phased_example_is_a_phased_plan_whose_phases_run_slot_groups_at_once() -> None:
     cfg = parse_config(parse_yaml(EXAMPLE.read_text()))
     assert infer_placement(cfg.plan) == "phased" and cfg.cluster.devices == 4 and not cfg.job.adapt
     passes = {s: v for s, v in cfg.plan.items() if s in PASSES}

@@ -1,5 +1,5 @@
 """Tests of the device pool's bounded waits and worker memory (tasks/runtime/device_pool.py,
-pool_workers.py, pool_members.py): a stopped worker fails its call by the call's deadline in one
+pool_workers.py): a stopped worker fails its call by the call's deadline in one
 line naming it, a killed one is named with its model-stage and last measured memory, and a worker
 past its memory limit is killed by its nanny and named as such."""
 
@@ -20,8 +20,14 @@ import torch
 from nereus_core.config import ClusterConfig
 from nereus_core.engine.device import DeviceContext
 from tasks.runtime.call_work import call_label, call_tokens
-from tasks.runtime.device_pool import DeviceHungError, DevicePool, DevicePoolError, DeviceRunError
-from tasks.runtime.pool_members import STATE_COPIES, worker_memory_limit
+from tasks.runtime.device_pool import (
+    STATE_COPIES,
+    DeviceHungError,
+    DevicePool,
+    DevicePoolError,
+    DeviceRunError,
+    worker_memory_limit,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the helpers travel to the workers by value
 
