@@ -1,22 +1,18 @@
-"""Prefect tasks of one PPO or GRPO step: one per stage, each a thin call into nereus_core on the pool.
+"""Prefect tasks of one RL step: one per model-stage, each a thin call into nereus_core on the pool.
 
-Every stage task returns ``(result, seconds inside the task)`` so the flow can
-tell the time spent in stages from the orchestration around them; the tasks a phased plan runs
-at once (``experience``, ``train``) also return when each timed part began (``time.perf_counter``
-of the driver, whose threads run the tasks), so that the records show what overlapped. Rollout
-tensors are small (token ids and per-token floats) and stay in the driver; the
-models' weights never leave the devices (weight sync moves them device to device).
+Every task returns its plain result and times its model-stages as spans (tasks/spans.py:
+``span("reward/infer")``, ``span("actor/train")``, ``sync_span("actor/train")``), which the flow
+reads from the recording it opened around the call: it tells the time spent in model-stages from the
+orchestration around them and, for the tasks a phased plan runs at once, what overlapped. Rollout
+tensors are small (token ids and per-token floats) and stay in the driver; the models' weights never
+leave the devices (weight sync moves them device to device).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,29 +27,18 @@ from nereus_core.engine.sampling import SamplingRequest
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.engine.train import score_mse_loss
 from nereus_core.layout import Layout
-from nereus_core.rl.algorithm import AlgorithmConfig
+from nereus_core.rl.algorithms import Objective
 from nereus_core.rl.ppo import PPOConfig
-from nereus_core.rl.rollout import (
-    NO_STOP,
-    Rollout,
-    Stopping,
-    actor_objective,
-    compute_advantages,
-    critic_objective,
-    grpo_objective,
-    minibatch_rows,
-)
+from nereus_core.rl.rollout import NO_STOP, Rollout, Stopping, minibatch_rows
 from tasks import model_ops, rollout_engines
 from tasks.reshard import sync_copy
 from tasks.runtime.device_pool import DevicePool
+from tasks.spans import span
 
-Timed = tuple[Any, float]
 
-
-def timed(fn: Any, *args: Any, **kwargs: Any) -> Timed:
-    start = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - start
+def sync_span(name: str) -> str:
+    """The span of the sync that follows train model-stage ``name`` into its inference copy."""
+    return f"{name}:sync"
 
 
 def reward_fit_key(config: NereusConfig) -> str:
@@ -131,21 +116,22 @@ def generate(
     seed: int,
     prompt_mask: torch.Tensor | None = None,
     stopping: Stopping = NO_STOP,
-) -> Timed:
-    """actor/generate: sample responses with the KV cache, each stopping at an EOS id or the limit."""
-    return timed(
-        model_ops.sample,
-        pool,
-        layout,
-        prompts,
-        name=name,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        prompt_mask=prompt_mask,
-        eos_ids=stopping.eos_ids,
-        pad_id=stopping.pad_id,
-    )
+) -> torch.Tensor:
+    """actor/generate: sample responses with the KV cache, each stopping at an EOS id or the limit
+    (span ``name``)."""
+    with span(name):
+        return model_ops.sample(
+            pool,
+            layout,
+            prompts,
+            name=name,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            prompt_mask=prompt_mask,
+            eos_ids=stopping.eos_ids,
+            pad_id=stopping.pad_id,
+        )
 
 
 @task(cache_policy=NO_CACHE)
@@ -158,24 +144,21 @@ def generate_on_engines(
     prompt_mask: torch.Tensor | None = None,
     group: int = 1,
     pad_id: int = 0,
-) -> Timed:
-    """actor/generate on vLLM engines (rollout.engine: vllm): responses and vLLM's log-probs of them."""
-    return timed(
-        rollout_engines.generate,
-        pool,
-        engines,
-        prompts,
-        request=request,
-        prompt_mask=prompt_mask,
-        group=group,
-        pad_id=pad_id,
-    )
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """actor/generate on vLLM engines (rollout.engine: vllm): responses and vLLM's log-probs of them
+    (span ``actor/generate``)."""
+    with span("actor/generate"):
+        return rollout_engines.generate(
+            pool, engines, prompts, request=request, prompt_mask=prompt_mask, group=group, pad_id=pad_id
+        )
 
 
 @task(cache_policy=NO_CACHE)
 def sync_engines(pool: DevicePool, engines: rollout_engines.Engines, train: Layout) -> dict[str, float]:
-    """actor/train's new weights into every vLLM engine of actor/generate, in place."""
-    return rollout_engines.sync(pool, engines, train, source="actor/train")
+    """actor/train's new weights into every vLLM engine of actor/generate, in place (span
+    ``sync_span("actor/train")``); returns the sync's figures (rollout_engines.sync)."""
+    with span(sync_span("actor/train")):
+        return rollout_engines.sync(pool, engines, train, source="actor/train")
 
 
 @task(cache_policy=NO_CACHE)
@@ -184,60 +167,17 @@ def experience(
     layouts: dict[str, Layout],
     ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]]:
-    """The forward passes over the rollout of one pool in one task, each stage timed on its own:
+) -> dict[str, torch.Tensor]:
+    """The forward passes over the rollout of one slot group in one task, each model-stage its own span:
     ``layouts`` maps the model-stage to run (reward/infer, reference/infer, actor/train for the old
-    log-probs, critic/infer) to its layout. One task per pool instead of one per pass: a task costs
+    log-probs, critic/infer) to its layout. One task per slot group instead of one per pass: a task costs
     ~10 ms here, a forward pass of the demo's models ~50 ms (OpenRLHF groups the same passes as
-    ``make_experience``). Returns the outputs, the seconds and the start of each."""
-    outputs, seconds, started = {}, {}, {}
+    ``make_experience``). Returns the outputs by model-stage."""
+    outputs = {}
     for name, layout in layouts.items():
-        started[name] = time.perf_counter()
-        outputs[name], seconds[name] = timed(
-            model_ops.forward, pool, layout, ids, name=name, attention_mask=attention_mask
-        )
-    return outputs, seconds, started
-
-
-def timed_rule_score(prompts: torch.Tensor, responses: torch.Tensor) -> Timed:
-    """The task's verifiable score (logged beside the reward model's)."""
-    return timed(rule_score, prompts, responses)
-
-
-def advantages(rollout: Rollout, settings: PPOConfig) -> Timed:
-    """KL-shaped rewards, GAE and whitening: ~2 ms of tensor math in the driver, a plain call."""
-    return timed(compute_advantages, rollout, settings)
-
-
-# What train returns for each model: the loss and the statistics verl logs per PPO step; GRPO's
-# actor adds the KL loss term's estimate (verl's actor/kl_loss).
-ACTOR_STATS = ("loss", "clip_frac", "approx_kl", "entropy", "grad_norm")
-CRITIC_STATS = ("loss", "value_clip_frac", "grad_norm")
-GRPO_ACTOR_STATS = (*ACTOR_STATS, "kl_loss")
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What a train stage minimises and reports: the loss of a mini-batch, the statistics kept, whether
-    the policy's entropy is computed, and the group size whose groups mini-batches keep whole."""
-
-    loss: Callable[..., Any]
-    keys: tuple[str, ...]
-    with_entropy: bool
-    group_size: int = 1
-
-
-def ppo_objective(settings: PPOConfig, *, critic: bool) -> Objective:
-    """PPO's clipped policy loss (actor/train) or clipped value loss (critic/train)."""
-    if critic:
-        return Objective(functools.partial(critic_objective, settings=settings), CRITIC_STATS, False)
-    return Objective(functools.partial(actor_objective, settings=settings), ACTOR_STATS, True)
-
-
-def grpo_actor_objective(settings: PPOConfig, algorithm: AlgorithmConfig) -> Objective:
-    """GRPO's policy loss on group advantages, over mini-batches of whole groups."""
-    loss = functools.partial(grpo_objective, settings=settings, algorithm=algorithm)
-    return Objective(loss, GRPO_ACTOR_STATS, True, algorithm.group_size)
+        with span(name):
+            outputs[name] = model_ops.forward(pool, layout, ids, name=name, attention_mask=attention_mask)
+    return outputs
 
 
 def train_epochs(
@@ -284,24 +224,20 @@ def train(
     settings: PPOConfig,
     seed: int,
     sync: tuple[Layout, str, ModelConfig] | None = None,
-) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """A train stage (actor/train or critic/train, PPO's or GRPO's ``objective``): epochs over
-    shuffled mini-batches, then (``sync``: the inference copy's layout, name and config) the new
-    weights into the inference layout. Returns ``(stats, timings)``: the mean loss and statistics
-    over the optimizer steps (``objective.keys``), and the seconds of ``train`` and ``sync``, each
-    timed on its own, and when each began."""
-    started = {"train": time.perf_counter()}
-    stats, seconds = timed(
-        train_epochs, pool, layout, rollout, name=name, objective=objective, settings=settings, seed=seed
-    )
-    timings = {"train": seconds}
+) -> dict[str, float]:
+    """A train model-stage (actor/train or critic/train, the algorithm's ``objective``): epochs over
+    shuffled mini-batches (span ``name``), then (``sync``: the inference copy's layout, name and
+    config) the new weights into the inference layout (span ``sync_span(name)``). Returns the mean
+    loss and statistics over the optimizer steps (``objective.keys``)."""
+    with span(name):
+        stats = train_epochs(
+            pool, layout, rollout, name=name, objective=objective, settings=settings, seed=seed
+        )
     if sync is not None:
         dst, dst_name, config = sync
-        started["sync"] = time.perf_counter()
-        _, timings["sync"] = timed(
-            sync_inference_copy, pool, layout, dst, src_name=name, dst_name=dst_name, config=config
-        )
-    return stats, timings, started
+        with span(sync_span(name)):
+            sync_inference_copy(pool, layout, dst, src_name=name, dst_name=dst_name, config=config)
+    return stats
 
 
 def sync_inference_copy(

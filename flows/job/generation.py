@@ -7,7 +7,7 @@
                 -> mean per data source, under verl's names (val-core/<data_source>/reward/mean@1)
 
 Boundary: the flow's side of generation (timing, what is recorded); prompts and scoring are the
-source's (nereus_core/prompt_source.py), the stages tasks/stages.py's.
+source's (nereus_core/prompt_source.py), the model-stage tasks tasks/stages.py's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from nereus_core.config.data import ValidationConfig
 from nereus_core.engine.sampling import SamplingRequest
 from nereus_core.plan import ModelStage
 from nereus_core.rl.rollout import Rollout, Stopping, response_mask
-from tasks import rollout_engines, stages
+from tasks import rollout_engines, spans, stages
 from tasks.runtime.device_pool import DevicePool
 
 
@@ -38,14 +38,15 @@ def _generate(
     seed: int,
     group: int = 1,
     engines: rollout_engines.Engines | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """Responses, the engine's log-probs of them (vLLM's; None from Nereus's sampler) and seconds."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Responses and the engine's log-probs of them (vLLM's; None from Nereus's sampler); the task
+    times itself as the span ``actor/generate``."""
     max_new = state.config.job.response_len
     if engines is not None:
         request = SamplingRequest(
             max_new_tokens=max_new, temperature=temperature, stop_ids=stopping.eos_ids, seed=seed
         )
-        (responses, logp), s = stages.generate_on_engines(
+        responses, logp = stages.generate_on_engines(
             pool,
             engines,
             batch.prompts,
@@ -54,8 +55,8 @@ def _generate(
             group=group,
             pad_id=stopping.pad_id,
         )
-        return responses, logp, s
-    responses, s = stages.generate(
+        return responses, logp
+    responses = stages.generate(
         pool,
         state.layouts[ModelStage.ACTOR_GENERATE],
         batch.prompts,
@@ -66,7 +67,7 @@ def _generate(
         temperature=temperature,
         seed=seed,
     )
-    return responses, None, s
+    return responses, None
 
 
 def rollout(
@@ -86,9 +87,9 @@ def rollout(
     the rollout keeps as ``rollout_logp``."""
     cfg, pid = state.config, state.plan_id
     batch, stopping = source.batch(step).repeated(group), source.stopping
-    with records.phase("generate"), records.task_call(step, pid) as call:
+    with records.phase("generate"), records.task_call(step, pid) as call, spans.recording() as log:
         seed = cfg.job.seed * 7919 + step
-        responses, logp, s = _generate(
+        responses, logp = _generate(
             pool,
             state,
             batch,
@@ -99,7 +100,7 @@ def rollout(
             engines=engines,
         )
         mask = response_mask(responses, stopping.eos_ids)
-        call.add("actor", "generate", int(mask.sum()), s)
+        call.add("actor", "generate", int(mask.sum()), log["actor/generate"].seconds)
     r = Rollout(prompts=batch.prompts, responses=responses, mask=mask, prompt_mask=batch.prompt_mask)
     r.rollout_logp = None if logp is None else logp * mask
     with records.plain(step, pid, "task", "rule_score", batch.prompts.shape[0]):
@@ -129,7 +130,7 @@ def validate(
     ``val_key``, and ``val_s`` (the seconds it took)."""
     start, scored = time.perf_counter(), []
     for batch in source.val_batches():
-        responses, _, _ = _generate(
+        responses, _ = _generate(
             pool, state, batch, source.stopping, temperature=0.0, seed=0, engines=engines
         )
         mask = response_mask(responses, source.stopping.eos_ids)

@@ -1,4 +1,4 @@
-"""What a PPO run records: stage timings, per-step history, transitions, decisions and the summary.
+"""What an RL run records: stage timings, per-step history, transitions, decisions and the summary.
 
     stage timings  -> metrics/steps.parquet (and the step's response lengths), a table per step
                       (run logger), artifact nereus-step-timings
@@ -14,9 +14,10 @@ Steps are 0-based in every table and log line (step 0 is the first; a checkpoint
 the state after N steps, the one step N starts from).
 
 Boundary: recording only; the flow decides what happens (flows/job/rl_job.py) and the job's rules
-are nereus_core.job's. Timing: ``task_call`` times a Prefect task call from outside (its rows get
-the task's orchestration overhead), ``plain`` times a driver-side call, ``record_call`` records a
-task call timed elsewhere (one of a phase's pools, run at once), ``phase`` times a phase
+are nereus_core.job's. Timing: a task times its model-stages as spans (tasks/spans.py) that the
+step reads into a ``TaskCall``'s timed rows; ``task_call`` times a Prefect task call from outside (its
+rows get the task's orchestration overhead), ``plain`` times a driver-side call, ``record_call``
+records a task call timed elsewhere (one of a phase's pools, run at once), ``phase`` times a phase
 (``nereus_core.plan.PHASES``: generation, the forward passes, the train stages) from its first
 task's start to its last one's end.
 """
@@ -94,8 +95,10 @@ class QuietCompletedTasks(logging.Filter):
         return not (record.levelno == logging.INFO and done)
 
 
-class Stage(NamedTuple):
-    """One stage a task call ran: its seconds inside the task and (when the task says) its start."""
+class TimedRow(NamedTuple):
+    """One row of the steps table as a task call measured it: a model's stage (``generate``,
+    ``infer``, ``train``, ``sync``, ...), its tokens, its seconds inside the task (a span's) and (when
+    the span says) its start."""
 
     model: str
     stage: str
@@ -106,12 +109,12 @@ class Stage(NamedTuple):
 
 @dataclass
 class TaskCall:
-    """The stages one task call ran: ``add(model, stage, tokens, seconds inside[, started])``."""
+    """The rows one task call ran: ``add(model, stage, tokens, seconds inside[, started])``."""
 
-    stages: list[Stage] = field(default_factory=list)
+    rows: list[TimedRow] = field(default_factory=list)
 
     def add(self, model: str, stage: str, tokens: int, seconds: float, started: float | None = None) -> None:
-        self.stages.append(Stage(model, stage, tokens, seconds, started))
+        self.rows.append(TimedRow(model, stage, tokens, seconds, started))
 
 
 class JobRecords:
@@ -154,30 +157,30 @@ class JobRecords:
             if self.progress is not None:
                 self.progress.close()
 
-    def _row(self, step: int, plan_id: str, stage: Stage | tuple, start: float, outer: float) -> None:
-        stage = Stage(*stage)  # a plain (model, stage, tokens, seconds) too
+    def _row(self, step: int, plan_id: str, timed: TimedRow | tuple, start: float, outer: float) -> None:
+        timed = TimedRow(*timed)  # a plain (model, stage, tokens, seconds) too
         self.rows.append(
             {
                 "step": step,
-                "model": stage.model,
-                "stage": stage.stage,
+                "model": timed.model,
+                "stage": timed.stage,
                 "plan_id": plan_id,
                 "phase": self._phase,
-                "start_s": (start if stage.started is None else stage.started) - self.t0,
-                "duration_s": stage.seconds,
-                "tokens": stage.tokens,
-                "task_overhead_s": outer - stage.seconds,  # Prefect's share: the task call minus its body
+                "start_s": (start if timed.started is None else timed.started) - self.t0,
+                "duration_s": timed.seconds,
+                "tokens": timed.tokens,
+                "task_overhead_s": outer - timed.seconds,  # Prefect's share: the task call minus its body
             }
         )
 
     def record_call(self, step: int, plan_id: str, call: TaskCall, start: float, outer: float) -> None:
         """A Prefect task call that took ``outer`` seconds from ``start`` (``time.perf_counter``); its
-        orchestration overhead is split evenly over its stages."""
-        inside = sum(s.seconds for s in call.stages)
+        orchestration overhead is split evenly over its rows."""
+        inside = sum(r.seconds for r in call.rows)
         self.task_overheads.append(outer - inside)
-        share = (outer - inside) / max(len(call.stages), 1)
-        for stage in call.stages:
-            self._row(step, plan_id, stage, start, stage.seconds + share)
+        share = (outer - inside) / max(len(call.rows), 1)
+        for timed in call.rows:
+            self._row(step, plan_id, timed, start, timed.seconds + share)
 
     @contextmanager
     def task_call(self, step: int, plan_id: str) -> Iterator[TaskCall]:
@@ -188,11 +191,11 @@ class JobRecords:
 
     @contextmanager
     def plain(self, step: int, plan_id: str, model: str, stage: str, tokens: int) -> Iterator[None]:
-        """Time a driver-side call as a stage (no task overhead)."""
+        """Time a driver-side call as a row (no task overhead)."""
         start = time.perf_counter()
         yield
         seconds = time.perf_counter() - start
-        self._row(step, plan_id, Stage(model, stage, tokens, seconds), start, seconds)
+        self._row(step, plan_id, TimedRow(model, stage, tokens, seconds), start, seconds)
 
     @contextmanager
     def phase(self, kind: str, pools: int = 1) -> Iterator[None]:

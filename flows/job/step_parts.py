@@ -1,12 +1,15 @@
-"""What PPO's step (flows/job/rl_job.py) and GRPO's (flows/job/grpo_step.py) do alike after generation:
+"""The parts of a step (flows/job/rl_step.py) around the algorithm's own maths:
 
-    rollout -> the forward passes the job has (one task per pool, pools at once: flows/job/phases.py;
-               each pass recorded as ``infer``)
-    ... each algorithm's advantages ...
+    rollout -> the algorithm's forward passes the plan has (one task per slot group, slot groups at once:
+               flows/job/phases.py; each pass recorded as its model's ``infer``)
+    ... the algorithm fills the rollout and estimates advantages (nereus_core/rl/algorithms.py) ...
     the train stages (one task each, with its sync; those on disjoint slots at once)
-    rollout -> rollouts/step=N.parquet (a stage of its own) ; the statistics every step reports
+    rollout -> rollouts/step=N.parquet (a row of its own) ; the statistics every step reports
 
-Boundary: recording and naming only; which passes and which losses are each step's.
+Each task times its model-stages as spans (tasks/spans.py); the parts here open the recording around
+the calls and turn its spans into the records' timed rows.
+
+Boundary: recording and naming only; which passes and which losses are the algorithm's.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from flows.job.records import JobRecords, TaskCall
 from nereus_core import job, prompt_source
 from nereus_core.plan import ModelStage, copies, model_of
 from nereus_core.rl import rollout
+from nereus_core.rl.algorithms import Objective
 from nereus_core.rl.ppo import masked_mean
-from tasks import rollout_engines, stages
+from tasks import rollout_engines, spans, stages
 from tasks.runtime.device_pool import DevicePool
 
 
@@ -32,30 +36,30 @@ def forward_passes(
     records: JobRecords,
     step: int,
     r: rollout.Rollout,
-    passes: Iterable[str],
-) -> dict[str, torch.Tensor]:
-    """Those of ``passes`` (model-stages) the plan in force has, over the rollout ``r``: one task per
-    pool of their layouts (``phases.pools_of``; actor/train's for the old log-probs among them), the
-    pools at once, each pass recorded as its model's ``infer`` over the rollout's tokens; their
-    outputs by model-stage."""
+    passes: Iterable[ModelStage],
+) -> dict[ModelStage, torch.Tensor]:
+    """Those of ``passes`` the plan in force has, over the rollout ``r``: one task per slot group of
+    their layouts (``phases.slot_groups_of``; actor/train's for the old log-probs among them), the
+    slot groups at once, each pass recorded as its model's ``infer`` over the rollout's tokens;
+    their outputs by model-stage."""
     plan, pid = state.layouts, state.plan_id
-    run = {str(k): plan[k] for k in map(ModelStage, passes) if k in plan}
+    run = {str(k): plan[k] for k in passes if k in plan}
     n_tok = int(r.attention_mask.sum())
-    groups = phases.pools_of(run)
+    groups = phases.slot_groups_of(run)
     calls = [
         [dict(pool=pool, layouts={k: run[k] for k in g}, ids=r.ids, attention_mask=r.attention_mask)]
         for g in groups
     ]
     out: dict[str, torch.Tensor] = {}
-    with records.phase("infer", len(groups)):
-        for (ran,) in phases.run_pools(stages.experience, calls):
-            outputs, seconds, started = ran.result
+    with records.phase("infer", len(groups)), spans.recording() as log:
+        for (ran,) in phases.run_slot_groups(stages.experience, calls):
             call = TaskCall()
-            for key in outputs:
-                call.add(model_of(key), "infer", n_tok, seconds[key], started[key])
+            for key in ran.result:
+                timed = log[key]
+                call.add(model_of(key), "infer", n_tok, timed.seconds, timed.start)
             records.record_call(step, pid, call, ran.start, ran.seconds)
-            out.update(outputs)
-    return {k: out[k] for k in run}
+            out.update(ran.result)
+    return {ModelStage(k): out[k] for k in run}
 
 
 def train_stages(
@@ -64,12 +68,13 @@ def train_stages(
     records: JobRecords,
     step: int,
     r: rollout.Rollout,
-    objectives: Mapping[ModelStage, stages.Objective],
+    objectives: Mapping[ModelStage, Objective],
 ) -> dict[str, dict[str, float]]:
-    """The train stages of ``objectives`` (each with its loss) on the rollout ``r``, one task each
-    with the sync of its inference copy (none when the copy is the train stage itself): the stages
-    of one pool one after another, the pools at once (``phases.pools_of``). Each recorded as its
-    model's ``train`` (the rollout's tokens x epochs) and ``sync``; their statistics by model."""
+    """The train model-stages of ``objectives`` (each with its loss) on the rollout ``r``, one task
+    each with the sync of its inference copy (none when the copy is the train stage itself): those
+    of one slot group one after another, the slot groups at once (``phases.slot_groups_of``). Each
+    recorded as its model's ``train`` (the rollout's tokens x epochs) and ``sync``; their statistics
+    by model."""
     cfg, plan, pid = state.config, state.layouts, state.plan_id
     n_tok = int(r.attention_mask.sum())
     copy_of = {source: copy for copy, source in copies(plan).items()}
@@ -90,17 +95,20 @@ def train_stages(
             sync=sync,
         )
 
-    groups = phases.pools_of({str(s): plan[s] for s in objectives})
+    groups = phases.slot_groups_of({str(s): plan[s] for s in objectives})
     trained: dict[str, dict[str, float]] = {}
-    with records.phase("train", len(groups)):
-        done = phases.run_pools(stages.train, [[kwargs(ModelStage(s)) for s in g] for g in groups])
-        for group, ran_pool in zip(groups, done, strict=True):
-            for source, ran in zip(group, ran_pool, strict=True):
-                model = model_of(source)
-                trained[model], seconds, started = ran.result
+    with records.phase("train", len(groups)), spans.recording() as log:
+        done = phases.run_slot_groups(stages.train, [[kwargs(ModelStage(s)) for s in g] for g in groups])
+        for group, ran_group in zip(groups, done, strict=True):
+            for source, ran in zip(group, ran_group, strict=True):
+                model, timed = model_of(source), log[source]
+                synced = log.get(stages.sync_span(source))  # None: no copy to sync
+                trained[model] = ran.result
                 call = TaskCall()
-                call.add(model, "train", n_tok * cfg.ppo.ppo_epochs, seconds["train"], started["train"])
-                call.add(model, "sync", 0, seconds.get("sync", 0.0), started.get("sync"))
+                call.add(model, "train", n_tok * cfg.ppo.ppo_epochs, timed.seconds, timed.start)
+                call.add(
+                    model, "sync", 0, synced.seconds if synced else 0.0, synced.start if synced else None
+                )
                 records.record_call(step, pid, call, ran.start, ran.seconds)
     return {model_of(s): trained[model_of(s)] for s in objectives}
 
@@ -116,15 +124,15 @@ def sync_engines(
     the actor's sync."""
     if engines is None:
         return
-    with records.task_call(step, state.plan_id) as call:
-        synced = stages.sync_engines(pool, engines, state.layouts[ModelStage.ACTOR_TRAIN])
-        call.add("actor", "sync", 0, synced["seconds"])
+    with records.task_call(step, state.plan_id) as call, spans.recording() as log:
+        stages.sync_engines(pool, engines, state.layouts[ModelStage.ACTOR_TRAIN])
+        call.add("actor", "sync", 0, log[stages.sync_span("actor/train")].seconds)
 
 
 def write_rollout(
     records: JobRecords, state: job.JobState, step: int, r: rollout.Rollout, scores: prompt_source.Scores
 ) -> None:
-    """Persist the rollout: the step's own work (the old log-probs are checked against it), a stage."""
+    """Persist the rollout: the step's own work (the old log-probs are checked against it), a row."""
     with records.plain(step, state.plan_id, "rollout", "write", 0):
         records.run.write_rollout(step, generation.rollout_columns(r, scores))
 

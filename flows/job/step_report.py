@@ -1,4 +1,5 @@
-"""Rendering of one step's stage timings as a readable table (for the run logger and the terminal)."""
+"""Rendering of one step's timed rows (metrics/steps.parquet) as a readable table (for the run logger
+and the terminal)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 
 def step_table(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> str:
-    """A plain aligned table: one line per stage with its share of the step, then the totals."""
+    """A plain aligned table: one line per timed row (a model's stage) with its share of the step, then
+    the totals."""
     wall = stats["wall_s"]
     lines = [f"{'model':<10} {'stage':<11} {'seconds':>8} {'share':>6} {'tokens':>7}"]
     for r in rows:
@@ -21,7 +23,7 @@ def step_table(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> str:
         + (f" | kl {stats['kl']:.4f}" if "kl" in stats else "")  # no reference model: no KL
     )
     phases = [k[len("phase_") : -len("_s")] for k in stats if k.startswith("phase_") and k.endswith("_s")]
-    if phases:  # each phase's wall: its pools ran at once, the stages of one pool one after another
+    if phases:  # each phase's wall: its slot groups ran at once, one group's rows in turn
         parts = []
         for kind in phases:
             pools = stats.get(f"phase_{kind}_pools", 1)

@@ -1,12 +1,14 @@
 """Which RL algorithm a job runs, and GRPO's own settings: the ``algorithm:`` section of a config.
 
-Boundary: names and numbers only, validated when built; the formulas live in ``grpo.py`` and
-``ppo.py`` and accept exactly the names checked here (their registries are the lists of valid
-names). The settings both algorithms share have one owner, ``PPOConfig`` (the ``ppo:`` section):
-``clip_ratio`` (GRPO's ``epsilon``), ``ppo_epochs``, ``mini_batches``, the learning rates, the
-temperature, and the KL terms (``kl_coef``/``kl_kind``: a penalty on the reward; ``use_kl_loss``,
-``kl_loss_coef`` (TRL ``beta``), ``kl_loss_kind``: a loss term). This section adds only what a
-critic-free algorithm needs. TRL's ``GRPOConfig`` names are given in each description.
+Boundary: names and numbers only, validated when built; the valid algorithm names and what each
+needs (a critic, a reference, a reward model, groups) are the registry's (``algorithms.py``); the
+formulas live in ``grpo.py`` and ``ppo.py`` and accept exactly the names checked here (their
+registries are the lists of valid names). The settings both algorithms share have one owner,
+``PPOConfig`` (the ``ppo:`` section): ``clip_ratio`` (GRPO's ``epsilon``), ``ppo_epochs``,
+``mini_batches``, the learning rates, the temperature, and the KL terms (``kl_coef``/``kl_kind``:
+a penalty on the reward; ``use_kl_loss``, ``kl_loss_coef`` (TRL ``beta``), ``kl_loss_kind``: a loss
+term). This section adds only what a critic-free algorithm needs. TRL's ``GRPOConfig`` names are
+given in each description.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nereus_core.rl.algorithms import ALGORITHMS, Algorithm, algorithm
 from nereus_core.rl.grpo import BASELINES, LOSS_AGGREGATIONS, SCALE_REWARDS
 from nereus_core.rl.ppo import one_of
 
-ALGORITHMS: tuple[str, ...] = ("ppo", "grpo")
-
 
 class AlgorithmConfig(BaseModel):
-    """``ppo`` (actor, critic, GAE) or ``grpo`` (no critic; advantages from groups of responses)."""
+    """``ppo`` (actor, critic, GAE), ``grpo`` (no critic; advantages from groups of responses) or
+    another entry of the registry (``algorithms.ALGORITHMS``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -68,17 +70,23 @@ class AlgorithmConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_group(self) -> AlgorithmConfig:
-        if self.name == "grpo" and self.group_size < 2:
+        if self.entry.groups and self.group_size < 2:
             raise ValueError(
-                f"grpo compares the responses to one prompt, so group_size must be at least 2 "
+                f"{self.name} compares the responses to one prompt, so group_size must be at least 2 "
                 f"(got {self.group_size}); 4 to 16 is usual"
             )
-        if self.name == "ppo" and self.group_size != 1:
+        if not self.entry.groups and self.group_size != 1:
+            grouped = ", ".join(a.name for a in ALGORITHMS.values() if a.groups)
             raise ValueError(
-                f"algorithm.group_size={self.group_size} is read by grpo only; "
+                f"algorithm.group_size={self.group_size} is read by {grouped} only; "
                 "set algorithm.name: grpo or drop group_size"
             )
         return self
+
+    @property
+    def entry(self) -> Algorithm:
+        """The registry's entry of ``name``: its passes, estimator and objectives."""
+        return algorithm(self.name)
 
     def batch_error(self, batch: int, mini_batches: int) -> str | None:
         """Why ``batch`` sequences per step cannot be sampled as whole groups and trained in
@@ -101,20 +109,20 @@ class AlgorithmConfig(BaseModel):
 
     @property
     def uses_critic(self) -> bool:
-        """PPO trains a critic; GRPO does not."""
-        return self.name == "ppo"
+        """PPO trains a critic; GRPO does not (the entry's objectives say)."""
+        return self.entry.uses_critic
 
     def uses_reference(self, *, kl: bool) -> bool:
         """PPO always runs the reference (its step reports the KL to it even without a KL term, and
         PPO runs have always held it); GRPO only when a KL term is used (``kl``)."""
-        return self.name == "ppo" or kl
+        return self.entry.uses_reference(kl=kl)
 
     @property
     def uses_reward_model(self) -> bool:
         """Where the score comes from. PPO on the count task scores with the reward model fitted to
         the rule (the reward/infer stage; OpenRLHF-style); GRPO scores with the task's rule itself
         (verifiable rewards, as DeepSeekMath and TRL's reward functions): no reward model runs."""
-        return self.name == "ppo"
+        return self.entry.uses_reward_model
 
 
 __all__ = ["ALGORITHMS", "AlgorithmConfig"]

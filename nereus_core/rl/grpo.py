@@ -39,7 +39,7 @@ What is followed, and from where:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 import torch
 
@@ -49,6 +49,27 @@ ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[str, ...] = get_args(ScaleRewards)
 Baseline = Literal["group_mean", "leave_one_out"]
 BASELINES: tuple[str, ...] = get_args(Baseline)
+
+
+class GroupSettings(Protocol):
+    """What GRPO's estimator and loss read of the ``algorithm:`` section (``AlgorithmConfig``, which
+    this module does not import: the config validates against the names here)."""
+
+    @property
+    def group_size(self) -> int: ...
+    @property
+    def baseline(self) -> str: ...
+    @property
+    def scale_rewards(self) -> str: ...
+    @property
+    def loss_agg_mode(self) -> str: ...
+    @property
+    def clip_ratio_high(self) -> float | None: ...
+    @property
+    def loss_scale_tokens(self) -> int | None: ...
+    @property
+    def kl_ratio_weighted(self) -> bool: ...
+
 
 # TRL divides by std + 1e-4 (GRPOTrainer._generate_and_score_completions), not std + 1e-8.
 _STD_EPS = 1e-4

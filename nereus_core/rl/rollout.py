@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from nereus_core.rl import grpo, ppo
-from nereus_core.rl.algorithm import AlgorithmConfig
+from nereus_core.rl.grpo import GroupSettings
 
 
 @dataclass
@@ -153,7 +153,7 @@ def grouped(prompts_pp: torch.Tensor, group_size: int) -> torch.Tensor:
     return prompts_pp.repeat_interleave(group_size, dim=0)
 
 
-def compute_group_advantages(rollout: Rollout, algorithm: AlgorithmConfig, settings: ppo.PPOConfig) -> None:
+def compute_group_advantages(rollout: Rollout, algorithm: GroupSettings, settings: ppo.PPOConfig) -> None:
     """Fill rewards and advantages for GRPO: a response's reward is its score minus, with
     ``settings.kl_coef`` > 0, the KL penalty summed over its tokens (verl's ``use_kl_in_reward``:
     token rewards from ``ppo.shaped_rewards``, summed per response); its advantage is
@@ -195,7 +195,7 @@ def grpo_objective(
     batch: dict[str, torch.Tensor],
     *,
     settings: ppo.PPOConfig,
-    algorithm: AlgorithmConfig,
+    algorithm: GroupSettings,
 ) -> ppo.LossAndStats:
     """The actor's GRPO loss on a micro-batch (``grpo.grpo_loss``): the clipped surrogate with
     ``settings.clip_ratio`` (and DAPO's ``algorithm.clip_ratio_high``), aggregated over tokens as

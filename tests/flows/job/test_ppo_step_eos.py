@@ -1,4 +1,4 @@
-"""One PPO step (flows/job/rl_step.ppo_step) with stop ids: variable-length responses end to end.
+"""One PPO step (flows/job/rl_step.run_step) with stop ids: variable-length responses end to end.
 
 The stage tasks run as plain functions (their ``.fn``) on a real device pool: this is about the
 step's data (responses, masks, losses), not its orchestration, which tests/flows/test_ppo_job.py
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from flows.job import rl_step
+from flows.job.data import JobData
 from flows.job.records import JobRecords
+from flows.job.step_context import StepContext
 from nereus_core import job
 from nereus_core.config import parse_config
 from nereus_core.model.weights import init_full_state
@@ -55,7 +57,8 @@ def test_a_ppo_step_with_stop_ids_has_variable_lengths_masks_and_finite_losses(m
     with DevicePool(2) as pool:
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward_state)
         source = CountSource(cfg.job.task_settings, cfg.job.batch_size, cfg.job.seed, stopping=STOP)
-        stats, lengths = rl_step.ppo_step(pool, state, JobRecords(run), 0, source)
+        ctx = StepContext(pool, state, JobRecords(run), JobData(train=source))
+        stats, lengths = rl_step.run_step(ctx)
     rollout = run.read_rollout(0)
     responses, mask = torch.tensor(rollout["responses"]), torch.tensor(rollout["mask"])
     assert rollout["response_length"] == lengths == mask.sum(1).long().tolist()
