@@ -3,7 +3,9 @@
 Boundary: pure (no Prefect, Dask or files). The flow (flows/job/rl_job.py) runs the
 steps, the transitions and the checkpoints, and asks this module what follows:
 
-    after_step(state, observation) -> Keep | Switch | Fail     (the controller decides)
+    observation(state, step, ...)  -> what the controller sees after a step
+    after_step(state, observation) -> Keep | Switch | Fail     (the controller decides; a Switch
+                                      carries plan B and the move schedule it was priced on)
     commit(state, switch, status)  -> the state in force next  (the controller advances
                                       only when the switch committed)
     resume_point(record, journals, devices) -> where a restarted driver carries on
@@ -31,6 +33,7 @@ from nereus_core.controller.decide import (
     calibrated_on,
     decide,
 )
+from nereus_core.controller.moves import MoveSchedule
 from nereus_core.controller.transition_schedule import JOB_CONTROLLER
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.stage_cost import Workload
@@ -41,7 +44,6 @@ from nereus_core.plan import (
     ModelStage,
     copies,
     default_plan,
-    plan_id,
     problems,
     slots_needed,
 )
@@ -52,18 +54,24 @@ SwitchStatus = Literal["committed", "aborted", "refused"]
 @dataclass(frozen=True)
 class JobState:
     """What the driver knows between steps. ``config`` is the job's config as it is now (scenario
-    events change its devices and response length); ``devices`` is the size of the device world in
-    force (it differs from ``config.cluster.devices`` only while a device change is pending)."""
+    events change its devices and response length); ``plan`` is the plan in force; ``devices`` is the
+    size of the device world in force (it differs from ``config.cluster.devices`` only while a device
+    change is pending)."""
 
     config: NereusConfig
-    layouts: Mapping[ModelStage, Layout]
+    plan: GlobalPlan
     devices: int
     controller: ControllerState
     last_transition: TransitionTiming | None = None
 
     @property
+    def layouts(self) -> Mapping[ModelStage, Layout]:
+        """The plan in force's layout of each model-stage (what the step runs on)."""
+        return self.plan.layouts
+
+    @property
     def plan_id(self) -> str:
-        return plan_id(self.layouts)
+        return self.plan.plan_id
 
     @property
     def aliased(self) -> frozenset[ModelStage]:
@@ -81,17 +89,24 @@ class Keep:
 
 @dataclass(frozen=True)
 class Switch:
-    """Move to ``layouts`` on ``devices`` slots; ``pending`` is the controller once it commits."""
+    """Move to ``plan`` on ``devices`` slots; ``pending`` is the controller once it commits. ``moves``:
+    the schedule the controller priced (a switch on the same devices), which the transition runs after
+    re-checking the pool it assumed; None for a new world (every stage rehydrates from the checkpoint)."""
 
-    layouts: Mapping[ModelStage, Layout]
+    plan: GlobalPlan
     devices: int
     reason: str
     decision: Decision = field(repr=False)
     pending: ControllerState = field(repr=False)
+    moves: MoveSchedule | None = field(default=None, repr=False)
+
+    @property
+    def layouts(self) -> Mapping[ModelStage, Layout]:
+        return self.plan.layouts
 
     @property
     def plan_id(self) -> str:
-        return plan_id(self.layouts)
+        return self.plan.plan_id
 
 
 @dataclass(frozen=True)
@@ -113,17 +128,17 @@ def controller_settings(config: NereusConfig) -> ControllerSettings:
 
 def start(config: NereusConfig, layouts: Mapping[str, Layout] | None = None) -> JobState:
     """The state of a job starting on ``layouts`` (default: the config's plan, completed)."""
-    plan = default_plan(config.plan if layouts is None else layouts, config.stages)
+    plan = GlobalPlan.of(default_plan(config.plan if layouts is None else layouts, config.stages))
     devices = config.cluster.devices
     controller = ControllerState.initial(
         config.models,
         get_profile(config.job.profile),
         controller_settings(config),
         stages=config.stages,
-        plan=GlobalPlan.of(plan),
+        plan=plan,
         devices=devices,
     )
-    return JobState(config=config, layouts=plan, devices=devices, controller=controller)
+    return JobState(config=config, plan=plan, devices=devices, controller=controller)
 
 
 def stage_timings(
@@ -177,16 +192,20 @@ def after_step(state: JobState, obs: Observation) -> tuple[Outcome, Decision, Jo
         return Fail(f"{decision.reason}; give the job more devices or memory"), decision, state
     wanted = state.config.cluster.devices
     if decision.action == "switch" and decision.plan is not None:
-        layouts = dict(decision.plan.layouts)
-        refused = problems(layouts, state.config.plan_rules(wanted))
+        refused = problems(decision.plan.layouts, state.config.plan_rules(wanted))
         if not refused:
-            return Switch(layouts, wanted, decision.reason, decision, decision.state), decision, state
+            moves = decision.moves if wanted == state.devices else None  # a new world has no moves
+            return (
+                Switch(decision.plan, wanted, decision.reason, decision, decision.state, moves),
+                decision,
+                state,
+            )
         reason = f"the controller's plan is refused: {refused[0]}"
     else:
         reason = decision.reason
     if wanted != state.devices:  # the devices changed and the plan stays: the same plan in a new world
         pending = _not_switched(decision.state, state.controller).model_copy(update={"devices": wanted})
-        return Switch(state.layouts, wanted, reason, decision, pending), decision, state
+        return Switch(state.plan, wanted, reason, decision, pending), decision, state
     kept = _not_switched(decision.state, state.controller)
     return Keep(reason), decision, replace(state, controller=kept)
 
@@ -200,7 +219,7 @@ def commit(
     if status == "committed":
         return replace(
             state,
-            layouts=dict(switch.layouts),
+            plan=switch.plan,
             devices=switch.devices,
             controller=switch.pending,
             last_transition=timing,
@@ -322,7 +341,7 @@ def resumed(
     decision = decide(observation(state, step=max(point.step - 1, 0)), state.controller)
     if decision.plan is None:
         raise JobFailed(f"resume on {point.devices} devices: {decision.reason}")
-    return replace(state, layouts=dict(decision.plan.layouts), controller=decision.state)
+    return replace(state, plan=decision.plan, controller=decision.state)
 
 
 # ------------------------------------------------------------------------- per model-stage settings

@@ -154,7 +154,7 @@ def _resume(pool: DevicePool, run: RunDir, state: job.JobState, point: job.Resum
     )
     start = time.perf_counter()
     read = rehydrate_all(
-        pool, state.config, str(run.root), journal, dict(state.layouts), point.step, pool.size
+        pool, state.config, str(run.root), journal, state.plan, point.step, pool.size
     )
     journal.record("transition", COMMIT, seconds=time.perf_counter() - start, bytes_moved=read)
     run.write_plan(state.plan_id, new)

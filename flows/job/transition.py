@@ -1,5 +1,7 @@
 """The transition subflow: switch the running job from plan A to plan B, journaled.
 
+    the controller's priced schedule (``Switch.moves``), its pool re-checked against the live one:
+      changed -> journal: abort, the switch refused in one line, plan A stays (never re-planned)
     journal: transition start (plans, reason, route, the executed schedule, the checkpoint)
       same devices: the GTG (nereus_core.gtg) orders the ops so no device overflows; the executor
         runs them grouped into units (nereus_core.gtg.execution), wave by wave, after replaying
@@ -29,14 +31,15 @@ from prefect import flow, get_run_logger
 
 from nereus_core import faults
 from nereus_core.config import NereusConfig
-from nereus_core.controller.transition_schedule import move_capacities, plan_moves
+from nereus_core.controller.moves import MoveBasis, MoveSchedule, Planned
+from nereus_core.controller.transition_schedule import plan_moves
 from nereus_core.cost.stage_cost import engine_kv_bytes
 from nereus_core.engine.shard import drop_all
 from nereus_core.gtg import TransitionGraph, TransitionInfeasible
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule
 from nereus_core.job import model_config, optimizer_settings
 from nereus_core.layout import Layout
-from nereus_core.plan import ModelStage, StageLayouts, copies, own_state
+from nereus_core.plan import GlobalPlan, ModelStage, StageLayouts, copies, own_state
 from storage.journal import ABORT, COMMIT, DONE, FAILED, START, Journal
 from storage.run_dir import RunDir
 from tasks import model_ops
@@ -95,14 +98,14 @@ def rehydrate_all(
     cfg: NereusConfig,
     run_dir: str,
     journal: Journal,
-    plan: StageLayouts,
+    new: GlobalPlan,
     checkpoint_step: int,
     devices: int,
 ) -> int:
     """Drop every shard, resize the pool to ``devices`` (a new world), load every model-stage of
-    ``plan`` from the checkpoint and relink the inference copies; returns bytes read. A device
+    ``new`` from the checkpoint and relink the inference copies; returns bytes read. A device
     lost during rehydration costs one world rebuild and a second pass (then it raises)."""
-    logger = get_run_logger()
+    logger, plan = get_run_logger(), new.layouts
     _run_op(journal, "drop:all", _drop_all, pool)
     if devices != pool.size:
         _run_op(journal, f"resize:{pool.size}->{devices}", _resize, pool, devices)
@@ -145,27 +148,76 @@ def _resize(pool: DevicePool, devices: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start, "resize_s": resized - start}
 
 
+def live_basis(pool: DevicePool, cfg: NereusConfig, devices: int | None = None) -> MoveBasis:
+    """The pool a switch's moves would run on now: its slots (the larger world while it resizes to
+    ``devices``), the config's memory per slot and the KV cache plan A's vLLM engines hold."""
+    slots = max(pool.size, pool.size if devices is None else devices)
+    memory = int(cfg.cluster.memory_per_device)
+    return MoveBasis(slots=slots, memory_per_device=memory, engine_kv_bytes=engine_kv_bytes(cfg))
+
+
+def _planned(
+    pool: DevicePool,
+    cfg: NereusConfig,
+    old: GlobalPlan,
+    new: GlobalPlan,
+    moves: MoveSchedule | None,
+    *,
+    target: int,
+    step: int,
+) -> Planned | str:
+    """The GTG and schedule to run, or the one line that refuses the switch before any move.
+
+    On the same devices: the schedule the controller priced (``moves``), after its basis is checked
+    against the live pool; it is never planned again here. A new world is the durable path: the
+    controller priced it as every stage rehydrated and carries no schedule, so the durable GTG is
+    planned here for the journal's schedule and the memory check of plan B."""
+    if target != pool.size:
+        caps = live_basis(pool, cfg, target).capacities(old.layouts, cfg.models)
+        try:
+            planned = plan_moves(old.layouts, new.layouts, cfg.models, caps, live=False)
+        except (TransitionInfeasible, NoStageSchedule) as err:
+            return str(err)
+        why = f"the device set changes ({pool.size} -> {target} slots): the world is rebuilt"
+        return Planned(planned.graph, planned.schedule, why)
+    if moves is None:
+        raise ValueError(
+            "a switch on the same devices runs the schedule the controller priced: give moves "
+            "(transition_schedule.schedule_moves)"
+        )
+    if moves.old != old or moves.new != new:
+        raise ValueError(
+            f"the moves were priced for {moves.old.plan_id} -> {moves.new.plan_id}, not "
+            f"{old.plan_id} -> {new.plan_id}; give this switch's schedule"
+        )
+    changed = moves.changed(live_basis(pool, cfg))
+    if changed:
+        return f"{changed}: the controller decides again after step {step + 1}"
+    return moves.planned if moves.planned is not None else moves.refused
+
+
 @flow(name="nereus-transition", validate_parameters=False)
 def transition_flow(
     pool: DevicePool,
     cfg: NereusConfig,
     run_dir: str,
     transition_id: str,
-    old: StageLayouts,
-    new: StageLayouts,
+    old: GlobalPlan,
+    new: GlobalPlan,
     *,
     step: int,
     reason: str,
+    moves: MoveSchedule | None = None,
     path: str = "live",
     checkpoint_step: int | None = None,
     devices: int | None = None,
 ) -> dict[str, Any]:
     """Move every model-stage whose layout differs from ``old`` to ``new``; returns the figures.
 
-    ``checkpoint_step``: every model's state at this step is committed in the run directory
-    (``state/<model>/step=N``, plan A's state): durable units rehydrate from it, and ``nereus
-    resume`` finishes an interrupted switch from it. ``devices``: the pool's size under plan B (a
-    change rebuilds the world; it needs the checkpoint). ``path``: the reshard path of live units.
+    ``moves``: the schedule the controller priced (``Switch.moves``; needed on the same devices).
+    ``checkpoint_step``: plan A's state of every model is committed at this step in the run directory:
+    durable units rehydrate from it, ``nereus resume`` finishes an interrupted switch from it.
+    ``devices``: the pool's size under plan B (a change rebuilds the world). ``path``: live units'.
     """
     logger = get_run_logger()
     journal = Journal(run_dir, transition_id)
@@ -173,61 +225,21 @@ def transition_flow(
     resize = target != pool.size
     if resize and checkpoint_step is None:
         raise ValueError("changing the device set rebuilds the world: give checkpoint_step")
-    capacities = move_capacities(
-        old,
-        cfg.models,
-        capacity=int(cfg.cluster.memory_per_device),
-        devices=max(pool.size, target),
-        engine_kv_bytes=engine_kv_bytes(cfg),
-    )
-    try:
-        planned = plan_moves(old, new, cfg.models, capacities, live=not resize)
-        graph, schedule, route_reason = planned.graph, planned.schedule, planned.reason
-    except (TransitionInfeasible, NoStageSchedule) as err:
-        journal.record("transition", ABORT, step=step, reason=reason, error=str(err))
-        logger.warning("transition %s refused before any move: %s", transition_id, err)
-        return {"seconds": 0.0, "bytes_moved": 0, "operations": 0, "status": "refused", "error": str(err)}
-    route = "durable" if resize else graph.route
-    if resize:
-        route_reason = f"the device set changes ({pool.size} -> {target} slots): the world is rebuilt"
-    if schedule.waves and any(u.startswith("load:") for u in schedule.order) and checkpoint_step is None:
-        raise ValueError(f"{route_reason}: durable units rehydrate from a checkpoint; give checkpoint_step")
-    journal.record(
-        "transition",
-        START,
-        step=step,
-        reason=reason,
-        path=path,
-        route=route,
-        route_reason=route_reason,
-        critical_path_s=graph.critical_path_s,
-        schedule=[list(w) for w in schedule.waves],
-        checkpoint_step=checkpoint_step,
-        devices_before=pool.size,
-        devices=target,
-        old={k: v.model_dump(mode="json") for k, v in old.items()},
-        new={k: v.model_dump(mode="json") for k, v in new.items()},
-    )
-    logger.info(
-        "GTG: route %s (%s), %d ops in %d units", route, route_reason, len(graph.ops), len(schedule.order)
-    )
+    planned = _planned(pool, cfg, old, new, moves, target=target, step=step)
+    if isinstance(planned, str):
+        journal.record("transition", ABORT, step=step, reason=reason, error=planned)
+        logger.warning("transition %s refused before any move: %s", transition_id, planned)
+        return {"seconds": 0.0, "bytes_moved": 0, "operations": 0, "status": "refused", "error": planned}
+    route = "durable" if resize else planned.graph.route
+    _announce(journal, planned, route, old, new, step, reason, path, checkpoint_step, (pool.size, target))
     start = time.perf_counter()
     try:
         if resize:
             moved = rehydrate_all(pool, cfg, run_dir, journal, new, checkpoint_step, target)  # type: ignore[arg-type]
-            units = len(new)
+            units = len(new.layouts)
         else:
-            moved = _run_schedule(
-                pool, cfg, run_dir, journal, graph, schedule, old, new, path, step, checkpoint_step
-            )
-            changed = [c for c, s in copies(new).items() if old[c] != new[c] or old[s] != new[s]]
-            if changed and faults.armed("kill-driver:move"):  # every unit ran in one wave: die before relinks
-                get_run_logger().warning("fault injection: the driver dies with the copies still to relink")
-                os.kill(os.getpid(), signal.SIGKILL)
-            for copy in changed:
-                model_ops.unload_model(pool, old[copy], name=copy)
-            moved += _relink(pool, cfg, journal, new, changed)
-            units = len(schedule.order) + len(changed)
+            args = (pool, cfg, run_dir, journal, planned, old, new, path, step, checkpoint_step)
+            moved, units = _same_world(*args)
     except BaseException as err:
         journal.record("transition", ABORT, error=f"{type(err).__name__}: {err}"[:500])
         raise
@@ -241,9 +253,74 @@ def transition_flow(
         "operations": units,
         "status": "committed",
         "route": route,
-        "gtg_critical_path_s": graph.critical_path_s,
-        "peak_bytes": max(schedule.peak_bytes.values(), default=0),
+        "gtg_critical_path_s": planned.graph.critical_path_s,
+        "peak_bytes": max(planned.schedule.peak_bytes.values(), default=0),
     }
+
+
+def _announce(
+    journal: Journal,
+    planned: Planned,
+    route: str,
+    old: GlobalPlan,
+    new: GlobalPlan,
+    step: int,
+    reason: str,
+    path: str,
+    checkpoint_step: int | None,
+    devices: tuple[int, int],
+) -> None:
+    """The journal's start line: the plans, the route and the schedule about to run (what ``nereus
+    resume`` reads to finish or roll back the switch); ``devices``: the pool's size before and after."""
+    graph, schedule = planned.graph, planned.schedule
+    if schedule.waves and any(u.startswith("load:") for u in schedule.order) and checkpoint_step is None:
+        raise ValueError(f"{planned.reason}: durable units rehydrate from a checkpoint; give checkpoint_step")
+    journal.record(
+        "transition",
+        START,
+        step=step,
+        reason=reason,
+        path=path,
+        route=route,
+        route_reason=planned.reason,
+        critical_path_s=graph.critical_path_s,
+        schedule=[list(w) for w in schedule.waves],
+        checkpoint_step=checkpoint_step,
+        devices_before=devices[0],
+        devices=devices[1],
+        old=old.as_json(),
+        new=new.as_json(),
+    )
+    get_run_logger().info(
+        "GTG: route %s (%s), %d ops in %d units", route, planned.reason, len(graph.ops), len(schedule.order)
+    )
+
+
+def _same_world(
+    pool: DevicePool,
+    cfg: NereusConfig,
+    run_dir: str,
+    journal: Journal,
+    planned: Planned,
+    old: GlobalPlan,
+    new: GlobalPlan,
+    path: str,
+    step: int,
+    checkpoint_step: int | None,
+) -> tuple[int, int]:
+    """Run the schedule's units, then unload and relink every inference copy whose layout or source
+    changed; returns the bytes moved and the units run."""
+    a, b = old.layouts, new.layouts
+    args = (pool, cfg, run_dir, journal, planned.graph, planned.schedule, a, b, path, step, checkpoint_step)
+    moved = _run_schedule(*args)
+    changed = [c for c, s in copies(b).items() if a[c] != b[c] or a[s] != b[s]]
+    if changed and faults.armed("kill-driver:move"):  # every unit ran in one wave: die before relinks
+        get_run_logger().warning("fault injection: the driver dies with the copies still to relink")
+        os.kill(os.getpid(), signal.SIGKILL)
+    for copy in changed:
+        model_ops.unload_model(pool, a[copy], name=copy)
+    moved += _relink(pool, cfg, journal, b, changed)
+    return moved, len(planned.schedule.order) + len(changed)
 
 
 def _run_schedule(

@@ -55,6 +55,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from nereus_core.controller.moves import MoveSchedule
 from nereus_core.controller.state import Alternative, ControllerSettings, Observation, Reason
 from nereus_core.cost.plan_estimate import PlanEstimate
 from nereus_core.cost.transition_cost import TransitionEstimate
@@ -77,6 +78,7 @@ class Option(NamedTuple):
     ratio: float | None  # its measured/predicted step time on this workload if it ran here
     left_for: str | None  # set: it was left for that plan, which measured faster (not a candidate)
     tight: bool = False  # fits the forecast workload, but not with the choosing margin
+    moves: MoveSchedule | None = None  # the schedule ``move`` priced (schedule pricing, same devices)
 
     @property
     def charged_s(self) -> float:

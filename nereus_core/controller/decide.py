@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from nereus_core.controller import admission, history, probe
+from nereus_core.controller.moves import MoveSchedule
 from nereus_core.controller.search import Searcher, SearchSpace
 from nereus_core.controller.state import (
     Alternative,
@@ -42,7 +43,7 @@ from nereus_core.controller.state import (
     StageTiming,
     TransitionTiming,
 )
-from nereus_core.controller.transition_schedule import executed_cost
+from nereus_core.controller.transition_schedule import move_basis, priced_moves
 from nereus_core.cost.calibration import Sample, fit_scales
 from nereus_core.cost.plan_estimate import PlanEstimate, fill_cache
 from nereus_core.cost.plan_estimate import evaluate_plan as plan_estimate
@@ -169,33 +170,32 @@ def _transition(
     planner: TransferPlanner | None,
     durable: bool = False,
     observation: Observation | None = None,
-) -> TransitionEstimate:
+) -> tuple[TransitionEstimate, MoveSchedule | None]:
+    """The price of a move from ``current`` to ``new``, and the schedule it priced (schedule pricing
+    on the same devices; None otherwise)."""
     if state.settings.transition_pricing == "schedule" and current is not None and observation is not None:
         ready = observation.ready_devices or state.devices or observation.devices
-        return executed_cost(
-            dict(current.layouts),
-            dict(new.layouts),
+        return priced_moves(
+            current,
+            new,
             state.models,
             state.profile,
-            capacity=observation.memory_per_device,
-            devices=observation.devices,
+            basis=move_basis(observation, state.settings),
             resize=durable,
             cold=max(0, observation.devices - ready),
             scales=state.transition_scales,
             engines=state.settings.rollout_engine == "vllm",
-            engine_kv_bytes=observation.workload.engine_kv_bytes,
         )
     if durable:  # a new world: every stage rehydrates from the checkpoint, whether its layout changes or not
         old = dict(current.layouts) if current is not None else {}
         args = (old, dict(new.layouts), state.models, state.profile, state.transition_scales)
-        return analytic_transition_cost(*args, durable=True)
+        return analytic_transition_cost(*args, durable=True), None
     if current is None or current == new:
-        return TransitionEstimate.of(0.0, 0.0, None, critical_bytes=0, transfers=0, analytic=True)
+        return TransitionEstimate.of(0.0, 0.0, None, critical_bytes=0, transfers=0, analytic=True), None
     if planner is not None:
-        return transition_cost(planner(current, new), state.profile, state.transition_scales)
-    return analytic_transition_cost(
-        dict(current.layouts), dict(new.layouts), state.models, state.profile, state.transition_scales
-    )
+        return transition_cost(planner(current, new), state.profile, state.transition_scales), None
+    args = (dict(current.layouts), dict(new.layouts), state.models, state.profile, state.transition_scales)
+    return analytic_transition_cost(*args), None
 
 
 def _candidates(
@@ -246,11 +246,13 @@ def _option(
     margin = state.settings.workload_margin
     record = history.find(state.records, e.plan.plan_id, observation.workload, observation.devices, margin)
     durable = state.plan is not None and state.devices not in (None, observation.devices)  # a new world
+    move, moves = _transition(state.plan, e.plan, state, planner, durable=durable, observation=observation)
     return admission.Option(
         est=e,
-        move=_transition(state.plan, e.plan, state, planner, durable=durable, observation=observation),
+        move=move,
         ratio=history.ratio(record, _pricing(state)),
         left_for=record.left_for if record is not None else None,
+        moves=moves,
     )
 
 
@@ -283,6 +285,33 @@ def decide(
     here = _record_here(observation, state)
     pricing = _pricing(state)
     basis = admission.Basis(history.ratio(here, pricing) or 1.0, history.spread(here, pricing, state.records))
+    options, rejected, variants = _weigh(
+        observation, state, usable, cache, forced=bool(forced), planner=transfers
+    )
+    horizon = min(observation.remaining_steps, s.horizon)
+    verdict = _verdict(
+        forced, options, rejected, state, current=current, basis=basis, horizon=horizon, usable=usable
+    )
+    return _finish(
+        verdict, observation, state, current, basis, history.measured(here), horizon, variants, started
+    )
+
+
+def _weigh(
+    observation: Observation,
+    state: ControllerState,
+    usable: int,
+    cache: dict,
+    *,
+    forced: bool,
+    planner: TransferPlanner | None,
+) -> tuple[list[admission.Option], list, list]:
+    """The candidates admission weighs, each priced with its move; the search's memory rejections
+    and one-stage variants. Chosen for the forecast workload with ``choose_headroom`` to spare; plans
+    that fit only without it are weighed too (charged a second move) when forced, or when the search
+    saw a plan ``min_tight_gain`` faster than the best it kept; when forced and nothing fits the
+    forecast, a plan that fits today beats stopping the job."""
+    s = state.settings
     choosing = history.forecast(observation.workload, state.highs, s.forecast_steps)
     cache_choose = cache if choosing == observation.workload else {}
     budget = int(usable * (1.0 - s.choose_headroom))
@@ -291,8 +320,6 @@ def decide(
     )
     tight: list[PlanEstimate] = []
     if budget < usable and (forced or _tight_may_pay(exact, rejected, s.min_tight_gain)):
-        # Plans that fit the forecast but not with the margin: admission weighs them too, charged a
-        # second move; unforced only when the search saw a plan that much faster than the best it kept.
         loose, loose_rejected, loose_variants = _candidates(
             observation.devices, choosing, state, usable, usable, cache_choose
         )
@@ -301,15 +328,30 @@ def decide(
         if not exact:
             rejected, variants = loose_rejected, loose_variants
     if forced and not exact and not tight and (budget < usable or choosing != observation.workload):
-        # Nothing fits with the margin: a plan that fits today beats stopping the job.
         exact, rejected, variants = _candidates(
             observation.devices, observation.workload, state, usable, usable, cache
         )
-    horizon = min(observation.remaining_steps, s.horizon)
-    options = [_option(e, observation, state, transfers) for e in exact]
-    options += [_option(e, observation, state, transfers)._replace(tight=True) for e in tight]
+    options = [_option(e, observation, state, planner) for e in exact]
+    options += [_option(e, observation, state, planner)._replace(tight=True) for e in tight]
+    return options, rejected, variants
+
+
+def _verdict(
+    forced: str,
+    options: list[admission.Option],
+    rejected: list,
+    state: ControllerState,
+    *,
+    current: PlanEstimate | None,
+    basis: admission.Basis,
+    horizon: int,
+    usable: int,
+) -> admission.Verdict:
+    """The admission rules' verdict: a forced move takes the best plan that fits; an unforced one
+    must pay for itself over the horizon (``admission``)."""
+    s = state.settings
     if forced:
-        verdict = admission.forced(
+        return admission.forced(
             forced,
             options,
             rejected,
@@ -319,19 +361,15 @@ def decide(
             usable=usable,
             tight_gain=s.min_tight_gain,
         )
-    else:
-        assert current is not None
-        verdict = admission.admit(
-            options,
-            rejected,
-            current=current,
-            basis=basis,
-            horizon=horizon,
-            settings=s,
-            steps_since_switch=state.steps_since_switch,
-        )
-    return _finish(
-        verdict, observation, state, current, basis, history.measured(here), horizon, variants, started
+    assert current is not None
+    return admission.admit(
+        options,
+        rejected,
+        current=current,
+        basis=basis,
+        horizon=horizon,
+        settings=s,
+        steps_since_switch=state.steps_since_switch,
     )
 
 
@@ -362,6 +400,7 @@ def _finish(
         }
     )
     gain = basis.gain(current, chosen) if (current is not None and chosen) else 0.0
+    moving = chosen is not None and (action == "switch" or verdict.forced)
     probes = (
         probe.requests(plan, observation.workload, new_state) if probe.due(state, observation.step) else ()
     )
@@ -377,7 +416,8 @@ def _finish(
         gain_per_step_s=gain,
         current_measured_s=current_measured,
         horizon_steps=horizon,
-        transition=chosen.move if chosen and (action == "switch" or verdict.forced) else None,
+        transition=chosen.move if moving else None,
+        moves=chosen.moves if moving else None,
         alternatives=tuple(alternatives[: state.settings.max_alternatives]),
         probes=probes,
         state=new_state,

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, InstanceOf, model_validator
 
 from nereus_core.config import ModelConfig, NereusConfig
+from nereus_core.controller.moves import MoveSchedule
 from nereus_core.cost.calibration import CalibrationSettings, Sample
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.plan_estimate import PlanEstimate
@@ -320,6 +321,13 @@ class Decision(Frozen):
     )
     horizon_steps: int
     transition: TransitionEstimate | None
+    moves: InstanceOf[MoveSchedule] | None = Field(
+        default=None,
+        exclude=True,
+        repr=False,
+        description="The move schedule ``transition`` priced (the job's pricing, same devices): the "
+        "switch carries it and the transition runs it.",
+    )
     alternatives: tuple[Alternative, ...]
     probes: tuple[ProbeRequest, ...] = Field(
         default=(), description="Probes to time before the next decision (``controller.probe``)."

@@ -1,9 +1,13 @@
 """A transition as the executor runs it, and what that costs: the prediction the controller trusts.
 
-    move_capacities(old, models, ...) -> bytes each slot can give the moves: its capacity less what
-        plan A's vLLM engines hold there (they stop only after the commit)
+    move_basis(observation, settings) -> MoveBasis: the pool a switch is priced on (slots, memory
+        per slot, the KV cache plan A's vLLM engines hold through the moves: ``moves.move_capacities``)
     plan_moves(old, new, models, capacities, live) -> Planned: the GTG and the schedule of units
-        the transition flow runs (flows/job/transition.py calls this very function)
+    schedule_moves(old, new, models, basis) -> MoveSchedule: plan_moves on that basis, memoised
+    priced_moves(old, new, ...) -> (TransitionEstimate, MoveSchedule): the price and the schedule
+        it priced; the controller's switch carries that schedule and the transition flow runs it
+        after re-checking its basis against the live pool (flows/job/transition.py), never
+        planning it again
     executed_cost(old, new, ...) -> TransitionEstimate of that schedule, in four unscaled terms
         that the job's measured transitions calibrate (``TransitionScales``, controller.observe):
           wire     per byte: each wave's busiest port (the GTG's transfer list) over the link,
@@ -27,11 +31,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import lru_cache
 
 from nereus_core.config import ModelConfig
-from nereus_core.controller.state import ControllerSettings
+from nereus_core.controller.moves import MoveBasis, MoveSchedule, Planned
+from nereus_core.controller.state import ControllerSettings, Observation
 from nereus_core.cost.calibration import CalibrationSettings
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.transition_cost import (
@@ -41,10 +45,10 @@ from nereus_core.cost.transition_cost import (
     engine_rebuild_seconds,
 )
 from nereus_core.emu import bytes_per_device, plan_reshard, shard_map
-from nereus_core.gtg import TransitionGraph, TransitionInfeasible, build_gtg
-from nereus_core.gtg.execution import NoStageSchedule, StageSchedule, stage_schedule
+from nereus_core.gtg import TransitionInfeasible, build_gtg
+from nereus_core.gtg.execution import NoStageSchedule, stage_schedule
 from nereus_core.layout import Layout
-from nereus_core.plan import GENERATE, ModelStage, StageLayouts, copies, own_state
+from nereus_core.plan import GlobalPlan, ModelStage, StageLayouts, copies, own_state
 
 # The controller of a job on a device pool: moves priced as the transition flow runs them, and each
 # measured transition moving the transition scales halfway (in log) at first: a job makes few
@@ -52,32 +56,6 @@ from nereus_core.plan import GENERATE, ModelStage, StageLayouts, copies, own_sta
 JOB_CONTROLLER = ControllerSettings(
     transition_pricing="schedule", transition_calibration=CalibrationSettings(prior=1.0)
 )
-
-
-@dataclass(frozen=True)
-class Planned:
-    """The GTG of a transition on one device set, the schedule of units the executor runs, and why."""
-
-    graph: TransitionGraph
-    schedule: StageSchedule
-    reason: str
-
-
-def move_capacities(
-    old: StageLayouts, models: Mapping[str, ModelConfig], *, capacity: int, devices: int, engine_kv_bytes: int
-) -> dict[int, int]:
-    """Bytes each of ``devices`` slots can give a switch's moves. With vLLM engines
-    (``engine_kv_bytes`` > 0: each engine's KV cache per device, ``stage_cost.engine_kv_bytes``), plan
-    A's engines keep their weights and KV cache on actor/generate's devices through the moves: the
-    flow stops them after the commit, once their probe answer is taken (flows/job/engine_switch.py)."""
-    caps = dict.fromkeys(range(devices), capacity)
-    gen = old.get(GENERATE)
-    if engine_kv_bytes and gen is not None:
-        weights = bytes_per_device(models[ModelStage(GENERATE).model], gen, train=False)
-        for d in gen.devices:
-            if d in caps:
-                caps[d] -= weights[d]["params"] + engine_kv_bytes
-    return caps
 
 
 def plan_moves(
@@ -100,6 +78,41 @@ def plan_moves(
     except NoStageSchedule as err:
         graph = build_gtg(a, b, stages, capacities, allow_live=False)
         return Planned(graph, stage_schedule(graph, capacities), f"durable: {err}")
+
+
+def move_basis(observation: Observation, settings: ControllerSettings) -> MoveBasis:
+    """The pool the controller prices a switch on: the observation's slots and memory, and the
+    engines' KV cache when generation runs on vLLM."""
+    kv = observation.workload.engine_kv_bytes if settings.rollout_engine == "vllm" else 0
+    return MoveBasis(
+        slots=observation.devices, memory_per_device=observation.memory_per_device, engine_kv_bytes=kv
+    )
+
+
+def schedule_moves(
+    old: GlobalPlan, new: GlobalPlan, models: Mapping[str, ModelConfig], basis: MoveBasis
+) -> MoveSchedule:
+    """The live move schedule from ``old`` to ``new`` on ``basis`` (memoised: the controller prices
+    the same pairs step after step)."""
+    return _schedule(_key(old.layouts), _key(new.layouts), tuple(sorted(models.items())), basis)
+
+
+@lru_cache(maxsize=1024)
+def _schedule(
+    old_key: tuple[tuple[str, Layout], ...],
+    new_key: tuple[tuple[str, Layout], ...],
+    models_key: tuple[tuple[str, ModelConfig], ...],
+    basis: MoveBasis,
+) -> MoveSchedule:
+    old = GlobalPlan.of({ModelStage(k): v for k, v in old_key})
+    new = GlobalPlan.of({ModelStage(k): v for k, v in new_key})
+    models = dict(models_key)
+    caps = basis.capacities(old.layouts, models)
+    try:
+        planned = plan_moves(old.layouts, new.layouts, models, caps, live=True)
+    except (TransitionInfeasible, NoStageSchedule) as err:
+        return MoveSchedule(old=old, new=new, basis=basis, capacities=caps, planned=None, refused=str(err))
+    return MoveSchedule(old=old, new=new, basis=basis, capacities=caps, planned=planned)
 
 
 class _Tally:
@@ -223,15 +236,38 @@ def executed_cost(
     how many of its workers were not started and warmed ahead. ``capacity``: bytes per slot.
     ``engines``: actor/generate runs on vLLM engines, rebuilt when its layout changes, each holding
     ``engine_kv_bytes`` of KV cache per device through the moves (``move_capacities``)."""
+    basis = MoveBasis(
+        slots=devices, memory_per_device=capacity, engine_kv_bytes=engine_kv_bytes if engines else 0
+    )
+    args = (GlobalPlan.of(old), GlobalPlan.of(new), models, profile)
+    return priced_moves(
+        *args, basis=basis, resize=resize, cold=cold, costs=costs, scales=scales, engines=engines
+    )[0]
+
+
+def priced_moves(
+    old: GlobalPlan,
+    new: GlobalPlan,
+    models: Mapping[str, ModelConfig],
+    profile: HardwareProfile,
+    *,
+    basis: MoveBasis,
+    resize: bool = False,
+    cold: int = 0,
+    costs: TransitionCosts | None = None,
+    scales: TransitionScales | None = None,
+    engines: bool = False,
+) -> tuple[TransitionEstimate, MoveSchedule | None]:
+    """``executed_cost`` with the schedule it priced (None for a new world: ``resize``, every stage
+    rehydrated, or no memory-safe live schedule on the basis)."""
     costs = costs or profile.transitions
-    keys = (_key(old), _key(new), tuple(sorted(models.items())))
-    kv = engine_kv_bytes if engines else 0
-    terms = _terms(*keys, profile.intra_bw, capacity, devices, resize, cold, costs, kv)
-    wire, ops, durable, link_bytes, calls = terms
-    engine = engine_rebuild_seconds(old, new, costs, resize=resize) if engines else 0.0
-    return TransitionEstimate.of(
+    keys = (_key(old.layouts), _key(new.layouts), tuple(sorted(models.items())))
+    wire, ops, durable, link_bytes, calls, moves = _terms(*keys, profile.intra_bw, basis, resize, cold, costs)
+    engine = engine_rebuild_seconds(old.layouts, new.layouts, costs, resize=resize) if engines else 0.0
+    estimate = TransitionEstimate.of(
         wire, ops, scales, durable, engine, critical_bytes=link_bytes, transfers=calls, analytic=False
     )
+    return estimate, moves
 
 
 def _key(plan: StageLayouts) -> tuple[tuple[str, Layout], ...]:
@@ -244,37 +280,20 @@ def _terms(
     new_key: tuple[tuple[str, Layout], ...],
     models_key: tuple[tuple[str, ModelConfig], ...],
     bandwidth: float,
-    capacity: int,
-    devices: int,
+    basis: MoveBasis,
     resize: bool,
     cold: int,
     costs: TransitionCosts,
-    engine_kv_bytes: int,
-) -> tuple[float, float, float, int, int]:
+) -> tuple[float, float, float, int, int, MoveSchedule | None]:
+    if old_key == new_key and not resize:
+        return (0.0, 0.0, 0.0, 0, 0, None)
     old = {ModelStage(k): v for k, v in old_key}
     new = {ModelStage(k): v for k, v in new_key}
     models = dict(models_key)
-    if old == new and not resize:
-        return (0.0, 0.0, 0.0, 0, 0)
     tally = _Tally(bandwidth, costs, set() if resize else {v.key for v in old.values()})
-    try:
-        planned = (
-            None
-            if resize
-            else plan_moves(
-                old,
-                new,
-                models,
-                move_capacities(
-                    old, models, capacity=capacity, devices=devices, engine_kv_bytes=engine_kv_bytes
-                ),
-                live=True,
-            )
-        )
-    except TransitionInfeasible:  # the flow refuses it before anything moves; priced as a new world
-        planned = None
-    if planned is None:
+    moves = None if resize else _schedule(old_key, new_key, models_key, basis)
+    if moves is None or moves.planned is None:  # the flow refuses an unsafe one: priced as a new world
         _new_world(tally, new, models, cold if resize else 0)
     else:
-        _same_world(tally, planned, old, new, models)
-    return (tally.wire, tally.ops, tally.durable, tally.link_bytes, tally.calls)
+        _same_world(tally, moves.planned, old, new, models)
+    return (tally.wire, tally.ops, tally.durable, tally.link_bytes, tally.calls, moves)

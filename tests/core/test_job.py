@@ -15,6 +15,8 @@ import yaml
 from nereus_core import job as job_rules
 from nereus_core.config import NereusConfig, ScenarioEvent, parse_config
 from nereus_core.controller.decide import decide
+from nereus_core.controller.moves import MoveBasis
+from nereus_core.controller.transition_schedule import priced_moves
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, GlobalPlan, plan_id
 
@@ -51,6 +53,23 @@ def test_a_needed_switch_is_asked_for_and_only_commit_moves_the_controller() -> 
     assert after.layouts == outcome.layouts and after.plan_id == outcome.plan_id
     assert after.controller.plan == GlobalPlan.of(outcome.layouts)
     assert after.controller.steps_since_switch == 0
+
+
+def test_a_switch_carries_the_move_schedule_the_controller_priced() -> None:
+    """The switch's moves are the very schedule behind the decision's price (one object, never planned
+    again), on the pool the observation described: the transition re-checks that pool and runs them."""
+    state = cramped()
+    obs = job_rules.observation(state, step=0)
+    outcome, decision, _ = job_rules.after_step(state, obs)
+    assert isinstance(outcome, job_rules.Switch) and outcome.devices == state.devices
+    moves = outcome.moves
+    assert moves is not None and moves is decision.moves
+    assert moves.old == state.plan and moves.new == outcome.plan
+    assert moves.basis == MoveBasis(slots=2, memory_per_device=obs.memory_per_device)
+    c = state.controller
+    estimate, again = priced_moves(state.plan, outcome.plan, c.models, c.profile, basis=moves.basis)
+    assert again is moves and decision.transition is not None
+    assert estimate.terms == decision.transition.terms
 
 
 @pytest.mark.parametrize("status", ["aborted", "refused"])

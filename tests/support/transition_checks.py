@@ -10,13 +10,15 @@ from typing import Any
 
 import torch
 
-from flows.job.transition import transition_flow
+from flows.job.transition import live_basis, transition_flow
 from nereus_core import job
 from nereus_core.config import NereusConfig
+from nereus_core.controller.moves import MoveSchedule
+from nereus_core.controller.transition_schedule import schedule_moves
 from nereus_core.engine.train import lm_loss, score_mse_loss
 from nereus_core.layout import Layout
 from nereus_core.model.weights import init_full_state
-from nereus_core.plan import PPO_STAGES, own_state
+from nereus_core.plan import PPO_STAGES, GlobalPlan, own_state
 from tasks import job_ops, model_ops
 from tasks.reshard import gather_state
 from tasks.runtime.device_pool import DevicePool
@@ -58,7 +60,8 @@ def gathered(pool: DevicePool, cfg: NereusConfig, plan: dict[str, Layout]) -> St
 @dataclass(frozen=True)
 class Moved:
     """What a transition to plan B left: the state before and after, the actor's log-probs before and
-    after (and the generation copy's after), the loss of a train step after, the flow's statistics."""
+    after (and the generation copy's after), the loss of a train step after, the flow's statistics and
+    the move schedule it was given (priced as the controller prices a switch)."""
 
     before: StageStates
     after: StageStates
@@ -67,6 +70,7 @@ class Moved:
     logp_gen: torch.Tensor
     loss_after: float
     stats: dict[str, Any]
+    moves: MoveSchedule
 
 
 def train_then_move_to_plan_b(cfg: NereusConfig, run_dir: Path, transition_id: str) -> Moved:
@@ -82,7 +86,11 @@ def train_then_move_to_plan_b(cfg: NereusConfig, run_dir: Path, transition_id: s
         )
         before = gathered(pool, cfg, plan_a)
         logp_before = model_ops.forward(pool, plan_a["actor/train"], ids, name="actor/train")
-        stats = transition_flow(pool, cfg, str(run_dir), transition_id, plan_a, PLAN_B, step=1, reason="test")
+        a, b = GlobalPlan.of(plan_a), GlobalPlan.of(PLAN_B)
+        moves = schedule_moves(a, b, cfg.models, live_basis(pool, cfg))
+        stats = transition_flow(
+            pool, cfg, str(run_dir), transition_id, a, b, step=1, reason="test", moves=moves
+        )
         after = gathered(pool, cfg, PLAN_B)
         logp_after = model_ops.forward(pool, PLAN_B["actor/train"], ids, name="actor/train")
         # The generation copy follows the trained actor after the transition.
@@ -90,7 +98,7 @@ def train_then_move_to_plan_b(cfg: NereusConfig, run_dir: Path, transition_id: s
         loss_after = model_ops.train(
             pool, PLAN_B["actor/train"], {"ids": ids}, name="actor/train", loss_fn=lm_loss
         )
-    return Moved(before, after, logp_before, logp_after, logp_gen, loss_after, stats)
+    return Moved(before, after, logp_before, logp_after, logp_gen, loss_after, stats, moves)
 
 
 def assert_same_state(before: StageStates, after: StageStates, what: str) -> None:

@@ -11,7 +11,8 @@ import yaml
 from nereus_core import job
 from nereus_core.config import parse_config
 from nereus_core.controller.decide import TransitionTiming, calibrated_on
-from nereus_core.controller.transition_schedule import executed_cost, move_capacities, plan_moves
+from nereus_core.controller.moves import move_capacities
+from nereus_core.controller.transition_schedule import executed_cost, plan_moves
 from nereus_core.cost.hardware import CPU_WORKERS
 from nereus_core.cost.transition_cost import TransitionCosts
 from nereus_core.emu import bytes_per_device, plan_reshard, shard_map

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from flows.job import rl_job as rl_job_module
+from flows.job import switch as switch_module
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config, vllm_installed
 from nereus_core.layout import Layout
@@ -63,7 +63,7 @@ def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-vllm-run")
     with pytest.MonkeyPatch.context() as patch:
         targets = {0: {"actor/generate": TP2}, 1: {"actor/generate": DP2}}
-        patch.setattr(rl_job_module, "controller_step", forced_controller(targets))
+        patch.setattr(switch_module, "controller_step", forced_controller(targets))
         rl_job(config=parse_config(data), out_dir=str(out))
     return out
 

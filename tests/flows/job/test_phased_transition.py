@@ -11,7 +11,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from flows.job import rl_job as rl_job_module
+from flows.job import switch as switch_module
 from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from nereus_core.plan import plan_id
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against 
 def test_colocated_to_phased_and_back_keeps_every_state_bitwise(tmp_path, monkeypatch) -> None:
     phased, colocated = layouts(PHASED_PLAN), layouts(COLOCATED_PLAN)
     monkeypatch.setenv("NEREUS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(rl_job_module, "controller_step", forced_controller({0: phased, 1: colocated}))
+    monkeypatch.setattr(switch_module, "controller_step", forced_controller({0: phased, 1: colocated}))
     data = phased_job(COLOCATED_PLAN, steps=3, adapt=True, verify_transitions=True)
     out = tmp_path / "run"
     rl_job(config=parse_config(data), out_dir=str(out))
