@@ -20,7 +20,7 @@ simulator, then, at the last step, with the scales calibrated on everything the 
 - ``run``: the calibrated scales, the run's mean true step time, the generation layouts it used
   and the step at which generation's TP first changed.
 
-Targets (the issue): Spearman >= 0.7 and regret <= 3%.
+Targets: Spearman >= 0.7 and regret <= 3%.
 
 Figures, dated and with their commands, are in docs/results/ (the index there names the latest).
 
