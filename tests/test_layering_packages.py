@@ -47,10 +47,7 @@ GUIDED_ROOTS = (*PACKAGES, "benchmarks")  # tests are exempt: a test's table of 
 PENDING_LONG_FUNCTIONS: frozenset[str] = frozenset(
     {
         "flows/job/rl_job.py:rl_job",
-        "flows/job/switch.py:decide_and_switch",
-        "flows/job/transition.py:transition_flow",
         "flows/cli/main.py:build_parser",
-        "benchmarks/bench_trl.py:run_trl",
     }
 )
 

@@ -88,8 +88,3 @@ def _called(task: Any, kwargs: Mapping[str, Any]) -> Ran:
     start = time.perf_counter()
     result = task(**kwargs)
     return Ran(result, start, time.perf_counter() - start)
-
-
-# The old names, for flows/job/step_parts.py until it is renamed there.
-pools_of = slot_groups_of
-run_pools = run_slot_groups
