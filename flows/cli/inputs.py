@@ -14,10 +14,13 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nereus_core.config import ConfigError, NereusConfig, parse_config, shown, with_overrides
 from nereus_core.config.from_yaml import parse_yaml
+
+if TYPE_CHECKING:  # the data's loaders are imported only when a run is checked
+    from flows.job.data import Prepared
 
 SCHEDULER_ENV = "NEREUS_SCHEDULER_ADDRESS"
 MAX_DEVICES_ENV = "NEREUS_MAX_LOCAL_DEVICES"  # an explicit ceiling on a local cluster's slots
@@ -154,13 +157,13 @@ def run_dir_problem(root: Path, *, resuming: bool) -> str | None:
     return None
 
 
-def check_run_inputs(cfg: NereusConfig) -> None:
+def check_run_inputs(cfg: NereusConfig) -> Prepared:
     """What ``nereus run`` checks before anything starts, each problem one ``ConfigError`` line: the
     machine's bounds, the trackers' packages, and the model's files, the data, the tokenizer and the
-    reward (``flows.job.data.prepare``, whose prompt sources the flow then takes)."""
+    reward (``flows.job.data.prepare``); returns the job data so made, for the flow's ``prepared``."""
     from flows.job import tracking
     from flows.job.data import prepare
 
     check_bounds(cfg)
     tracking.require(cfg.trainer.logger)
-    prepare(cfg)
+    return prepare(cfg)

@@ -40,13 +40,13 @@ from flows.cli.inputs import (
 )
 from nereus_core import __version__, faults
 from nereus_core.config import ConfigError, parse_config
+from nereus_core.plan import MODELS
 
 __all__ = ["FAULT_ENV", "MAX_DEVICES_ENV", "SCHEDULER_ENV", "build_parser", "main"]
 
 FAULT_ENV = "NEREUS_FAULT"  # fault-injection tests: <point>[,<point>...] (nereus_core.faults.POINTS)
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader has gone
-MODELS = ("actor", "critic", "reference", "reward")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,8 +124,8 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
     the flow; everything up to the flow call is quick and ends bad input in one line."""
     try:
         cfg = load_config(args.config, sets=args.set, steps=args.steps)
-        if bounded:
-            check_run_inputs(cfg)  # bounds, trackers, model files, data, reward: one line, nothing started
+        # bounds, trackers, model files, data, reward: one line, nothing started; the data made once
+        prepared = {"prepared": check_run_inputs(cfg)} if bounded else {}
     except ConfigError as err:
         return _fail(args.config, str(err))
     out = args.out or default_out_dir(cfg)
@@ -139,7 +139,7 @@ def _run_flow(args: argparse.Namespace, module: str, flow_name: str, what: str, 
     flow = getattr(importlib.import_module(module), flow_name)
     what = what.format(algorithm=cfg.algorithm.name.upper())
     print(f"nereus: {cfg.name}: {what} on {cfg.cluster.devices} device slots -> {out}")
-    return _drive(flow, out, args.config, config=cfg)
+    return _drive(flow, out, args.config, config=cfg, **prepared)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -271,6 +271,9 @@ def _run_dir_arg(cmd: argparse.ArgumentParser, what: str) -> None:
     cmd.add_argument("run_dir", type=Path, metavar="DIR", help=f"{what} (the --out of a nereus run)")
 
 
+_Command = Callable[[str, Callable[[argparse.Namespace], int], str, str], argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; each help line fits one line of ``nereus --help``."""
     parser = _Parser(
@@ -288,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(handler=handler)
         return cmd
 
+    _job_commands(command)
+    _offline_commands(command)
+    cli_data.add_data_command(sub, fail=_fail)
+    return parser
+
+
+def _job_commands(command: _Command) -> None:
+    """run, resume, plan and selfcheck: the commands about a job of CONFIG."""
     run = command(
         "run",
         cmd_run,
@@ -328,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flow_args(check, out="output folder (default runs/NAME-TIMESTAMP)", steps="check")
 
+
+def _offline_commands(command: _Command) -> None:
+    """simulate, report and export: the commands that start no device pool."""
     simulate = command(
         "simulate",
         cmd_simulate,
@@ -353,9 +367,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--hf", required=True, type=Path, metavar="OUT", help="folder to write the model into (required)"
     )
-
-    cli_data.add_data_command(sub, fail=_fail)
-    return parser
 
 
 def _quiet_broken_pipe() -> int:

@@ -52,23 +52,26 @@ class JobData:
     val: prompt_source.DatasetSource | None = None
 
 
-# What ``prepare`` made, by the config's JSON: the CLI prepares before the flow starts (so that bad
-# data ends in one line before Prefect and Dask do), and the flow in the same process takes it.
-_PREPARED: dict[str, JobData] = {}
+class Prepared:
+    """The job data the CLI prepared before the flow started (so that bad data ends in one line before
+    Prefect and Dask do), handed to the flow as its ``prepared`` parameter so that it is made once.
+
+    Slots and no ``__dict__``: Prefect stores a flow's parameters as JSON and gives up on this one
+    at once (a placeholder) instead of copying every prompt and tokenizer into its encoder."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: JobData) -> None:
+        self.data = data
 
 
-def _key(cfg: NereusConfig) -> str:
-    return cfg.model_dump_json(include={"model", "data", "reward", "validation", "algorithm", "job"})
-
-
-def prepare(cfg: NereusConfig, log: Callable[[str], None] = _LOG.info) -> None:
-    """Check the model's files and make the prompt sources now; the next ``job_data(cfg)`` takes
-    them. ConfigError in one line."""
+def prepare(cfg: NereusConfig, log: Callable[[str], None] = _LOG.info) -> Prepared:
+    """Check the model's files and make the prompt sources now, for the flow's ``prepared``
+    parameter. ConfigError in one line."""
     problem = model_files_problem(cfg)
     if problem:
         raise ConfigError(problem)
-    _PREPARED.clear()
-    _PREPARED[_key(cfg)] = job_data(cfg, log)
+    return Prepared(job_data(cfg, log))
 
 
 def model_files_problem(cfg: NereusConfig) -> str | None:
@@ -85,12 +88,17 @@ def model_files_problem(cfg: NereusConfig) -> str | None:
 
 
 def job_data(
-    cfg: NereusConfig, log: Callable[[str], None] = _LOG.info, *, run_dir: str | None = None
+    cfg: NereusConfig,
+    log: Callable[[str], None] = _LOG.info,
+    *,
+    run_dir: str | None = None,
+    prepared: Prepared | None = None,
 ) -> JobData:
-    """The prompt sources of ``cfg`` (see the module docstring), or those ``prepare`` made for it;
-    ConfigError in one line. With ``run_dir``, a user's reward function's worker writes what it prints
-    to ``run_dir/logs/reward_worker.log`` from its next start (before: a temp file)."""
-    ready = _PREPARED.pop(_key(cfg), None)
+    """The prompt sources of ``cfg`` (see the module docstring), or ``prepared``'s when given (the
+    CLI made them for this config); ConfigError in one line. With ``run_dir``, a user's reward
+    function's worker writes what it prints to ``run_dir/logs/reward_worker.log`` from its next start
+    (before: a temp file)."""
+    ready = prepared.data if prepared is not None else None
     if ready is None and cfg.data is None:
         return JobData(prompt_source.CountSource(cfg.job.task_settings, prompts_per_step(cfg), cfg.job.seed))
     try:
