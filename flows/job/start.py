@@ -153,9 +153,7 @@ def _resume(pool: DevicePool, run: RunDir, state: job.JobState, point: job.Resum
         "transition", START, step=point.step, reason=why, route="durable", checkpoint_step=point.step, new=new
     )
     start = time.perf_counter()
-    read = rehydrate_all(
-        pool, state.config, str(run.root), journal, state.plan, point.step, pool.size
-    )
+    read = rehydrate_all(pool, state.config, str(run.root), journal, state.plan, point.step, pool.size)
     journal.record("transition", COMMIT, seconds=time.perf_counter() - start, bytes_moved=read)
     run.write_plan(state.plan_id, new)
     expected = run.read_checkpoint(point.step).get("live_digests")

@@ -11,7 +11,7 @@ Normalisation (``normalize``), in verl's order: drop line breaks and ``\\!``; ``
 ``\\$``, units (everything from ``\\text{ `` on), ``\\%``; ``.5`` -> ``0.5``; drop a short
 ``k = `` prefix; ``\\sqrt3`` -> ``\\sqrt{3}``; drop spaces; ``\\frac12`` -> ``\\frac{1}{2}``;
 ``0.5`` -> ``\\frac{1}{2}``; ``3/4`` -> ``\\frac{3}{4}``; an integer loses its leading zeros. One rule
-is added to verl's: trailing periods are dropped (``\\boxed{5.}`` is 5), as the issue asks and as
+is added to verl's: trailing periods are dropped (``\\boxed{5.}`` is 5), as
 verl's newer Qwen-math variant does. Equivalence is string equality of the normalised forms:
 ``\\frac{1}{2}`` and ``\\frac{2}{4}`` differ, as they do in verl.
 

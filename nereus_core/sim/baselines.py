@@ -21,7 +21,7 @@ waves, verl's dynamic batch size) are re-picked every step at the true cost.
   own GPUs, the default), ``paired`` (actor+reference, critic+reward) and ``colocated``
   (all models and vLLM time-share every GPU). Slot-group sizes are powers of two. Weight sync
   after every update: NCCL broadcast into the vLLM ranks one parameter at a time
-  (disaggregated; the per-tensor cost the issues measure), CUDA IPC when colocated.
+  (disaggregated; the per-tensor cost OpenRLHF's issue threads measure), CUDA IPC when colocated.
   Within a step: generation, then the inference stages, then training;
   models on different GPUs run those phases concurrently (OpenRLHF calls their Ray
   actors together), models sharing GPUs one after another, and groups idle otherwise.
