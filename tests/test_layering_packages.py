@@ -25,7 +25,7 @@ from tests.support.source_imports import PACKAGES, ROOT, imported_modules, proje
 # Sub-package -> module prefixes it must never import (lazy imports included).
 SUBPACKAGE_FORBIDDEN: dict[str, tuple[str, ...]] = {
     # The Dask runtime is plain Dask: Prefect's tasks and flows sit above it.
-    "tasks.runtime": ("prefect", "flows", "tasks.stages", "tasks.job_ops", "tasks.transition_ops"),
+    "tasks.runtime": ("prefect", "flows", "tasks.step_tasks", "tasks.job_ops", "tasks.transition_ops"),
     # The RL maths is pure tensor code: no device runtime, no model engine, no controller.
     "nereus_core.rl": ("nereus_core.engine", "nereus_core.controller", "nereus_core.gtg", "deepspeed"),
     # The cost model prices plans; the controller that decides with it sits above it.
@@ -67,7 +67,7 @@ def test_subpackages_keep_their_boundaries(module: str) -> None:
     ("module", "source"),
     [
         ("tasks.runtime.device_pool", "from prefect import task"),
-        ("tasks.runtime.cluster", "def f():\n    from tasks.stages import generate"),
+        ("tasks.runtime.cluster", "def f():\n    from tasks.step_tasks import generate"),
         ("nereus_core.rl.ppo", "from nereus_core.engine.train import train_step"),
         ("nereus_core.cost.stage_cost", "from nereus_core.controller.state import ControllerState"),
         ("nereus_core.config.job", "from nereus_core.cost.hardware import H100_SXM"),

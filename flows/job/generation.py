@@ -7,7 +7,7 @@
                 -> mean per data source, under verl's names (val-core/<data_source>/reward/mean@1)
 
 Boundary: the flow's side of generation (timing, what is recorded); prompts and scoring are the
-source's (nereus_core/prompt_source.py), the model-stage tasks tasks/stages.py's.
+source's (nereus_core/prompt_source.py), the model-stage tasks tasks/step_tasks.py's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from nereus_core.config.data import ValidationConfig
 from nereus_core.engine.sampling import SamplingRequest
 from nereus_core.plan import ModelStage
 from nereus_core.rl.rollout import Rollout, Stopping, response_mask
-from tasks import rollout_engines, spans, stages
+from tasks import rollout_engines, spans, step_tasks
 from tasks.runtime.device_pool import DevicePool
 
 
@@ -46,7 +46,7 @@ def _generate(
         request = SamplingRequest(
             max_new_tokens=max_new, temperature=temperature, stop_ids=stopping.eos_ids, seed=seed
         )
-        responses, logp = stages.generate_on_engines(
+        responses, logp = step_tasks.generate_on_engines(
             pool,
             engines,
             batch.prompts,
@@ -56,7 +56,7 @@ def _generate(
             pad_id=stopping.pad_id,
         )
         return responses, logp
-    responses = stages.generate(
+    responses = step_tasks.generate(
         pool,
         state.layouts[ModelStage.ACTOR_GENERATE],
         batch.prompts,

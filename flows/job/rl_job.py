@@ -13,7 +13,7 @@
 Where things live: the job's state and its rules (what follows a step, when a switch commits,
 where to resume) in nereus_core/job.py; a switch in flows/job/switch.py, its transition in
 flows/job/transition.py (the GTG's schedule); checkpoints in flows/job/checkpoints.py;
-the stages in tasks/stages.py; checkpoints and verification in tasks/job_ops.py.
+the stages in tasks/step_tasks.py; checkpoints and verification in tasks/job_ops.py.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from nereus_core.plan import ModelStage, layouts_json
 from storage.journal import ABORT, COMMIT, START, Journal, journals
 from storage.lock import run_lock
 from storage.run_dir import TRANSITIONS_TABLE, RunDir
-from tasks import job_ops, model_ops, stages
+from tasks import job_ops, model_ops, step_tasks
 from tasks.runtime.device_pool import DevicePool
 
 
@@ -113,10 +113,10 @@ def bring_up(
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, None)
         return state, {"fit": {}}
     cache_dir = reward_fit_cache_dir()
-    fit = stages.fit_reward_model(pool, reward, cfg, stages.reward_fit_key(cfg), cache_dir)
+    fit = step_tasks.fit_reward_model(pool, reward, cfg, step_tasks.reward_fit_key(cfg), cache_dir)
     if not Path(fit["path"]).exists():  # the cache outlived its file: fit again
-        fit = stages.fit_reward_model.with_options(refresh_cache=True)(
-            pool, reward, cfg, stages.reward_fit_key(cfg), cache_dir
+        fit = step_tasks.fit_reward_model.with_options(refresh_cache=True)(
+            pool, reward, cfg, step_tasks.reward_fit_key(cfg), cache_dir
         )
     logger.info(
         "reward model fitted: mse %s -> %s (%s)",
@@ -124,7 +124,7 @@ def bring_up(
         rounded(fit["last_loss"]),
         fit["path"],
     )
-    job_ops.load_models(pool, cfg, state.layouts, state.aliased, stages.load_reward_state(fit["path"]))
+    job_ops.load_models(pool, cfg, state.layouts, state.aliased, step_tasks.load_reward_state(fit["path"]))
     return state, {"fit": fit}
 
 

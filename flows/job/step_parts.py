@@ -26,7 +26,7 @@ from nereus_core.plan import ModelStage, copies, model_of
 from nereus_core.rl import rollout
 from nereus_core.rl.algorithms import Objective
 from nereus_core.rl.ppo import masked_mean
-from tasks import rollout_engines, spans, stages
+from tasks import rollout_engines, spans, step_tasks
 from tasks.runtime.device_pool import DevicePool
 
 
@@ -52,7 +52,7 @@ def forward_passes(
     ]
     out: dict[str, torch.Tensor] = {}
     with records.phase("infer", len(groups)), spans.recording() as log:
-        for (ran,) in phases.run_slot_groups(stages.experience, calls):
+        for (ran,) in phases.run_slot_groups(step_tasks.experience, calls):
             call = TaskCall()
             for key in ran.result:
                 timed = log[key]
@@ -98,11 +98,11 @@ def train_stages(
     groups = phases.slot_groups_of({str(s): plan[s] for s in objectives})
     trained: dict[str, dict[str, float]] = {}
     with records.phase("train", len(groups)), spans.recording() as log:
-        done = phases.run_slot_groups(stages.train, [[kwargs(ModelStage(s)) for s in g] for g in groups])
+        done = phases.run_slot_groups(step_tasks.train, [[kwargs(ModelStage(s)) for s in g] for g in groups])
         for group, ran_group in zip(groups, done, strict=True):
             for source, ran in zip(group, ran_group, strict=True):
                 model, timed = model_of(source), log[source]
-                synced = log.get(stages.sync_span(source))  # None: no copy to sync
+                synced = log.get(step_tasks.sync_span(source))  # None: no copy to sync
                 trained[model] = ran.result
                 call = TaskCall()
                 call.add(model, "train", n_tok * cfg.ppo.ppo_epochs, timed.seconds, timed.start)
@@ -125,8 +125,8 @@ def sync_engines(
     if engines is None:
         return
     with records.task_call(step, state.plan_id) as call, spans.recording() as log:
-        stages.sync_engines(pool, engines, state.layouts[ModelStage.ACTOR_TRAIN])
-        call.add("actor", "sync", 0, log[stages.sync_span("actor/train")].seconds)
+        step_tasks.sync_engines(pool, engines, state.layouts[ModelStage.ACTOR_TRAIN])
+        call.add("actor", "sync", 0, log[step_tasks.sync_span("actor/train")].seconds)
 
 
 def write_rollout(

@@ -1,4 +1,4 @@
-"""tasks/stages.train with GRPO's objective (algorithms.grpo_actor_objective): GRPO's loss over epochs of
+"""tasks/step_tasks.train with GRPO's objective (algorithms.grpo_actor_objective): GRPO's loss over epochs of
 whole-group mini-batches, statistics
 averaged over optimizer steps as PPO's."""
 
@@ -14,7 +14,7 @@ from nereus_core.rl import algorithms
 from nereus_core.rl.algorithm import AlgorithmConfig
 from nereus_core.rl.ppo import PPOConfig
 from nereus_core.rl.rollout import Rollout, grouped, grpo_objective
-from tasks import model_ops, spans, stages
+from tasks import model_ops, spans, step_tasks
 
 
 def test_train_actor_keeps_groups_whole_and_averages_statistics(monkeypatch: Any) -> None:
@@ -31,7 +31,7 @@ def test_train_actor_keeps_groups_whole_and_averages_statistics(monkeypatch: Any
     algorithm = AlgorithmConfig(name="grpo", group_size=4)
     settings = PPOConfig(ppo_epochs=2, mini_batches=2)
     with spans.recording() as log:
-        stats = stages.train.fn(
+        stats = step_tasks.train.fn(
             None,
             Layout.contiguous(),
             rollout,

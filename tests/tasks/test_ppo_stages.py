@@ -1,4 +1,4 @@
-"""tasks/stages.train's statistics: each the mean over optimizer steps (mini-batches x epochs); its
+"""tasks/step_tasks.train's statistics: each the mean over optimizer steps (mini-batches x epochs); its
 times are spans (tasks/spans.py), not part of what it returns."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from nereus_core.layout import Layout
 from nereus_core.rl import algorithms
 from nereus_core.rl.ppo import PPOConfig
 from nereus_core.rl.rollout import Rollout
-from tasks import model_ops, spans
-from tasks import stages as ppo_stages
+from tasks import model_ops, spans, step_tasks
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
@@ -34,7 +33,7 @@ def test_train_averages_each_statistic_over_optimizer_steps(monkeypatch: Any, cr
     )
     settings = PPOConfig(ppo_epochs=2, mini_batches=2)
     with spans.recording() as log:
-        stats = ppo_stages.train.fn(
+        stats = step_tasks.train.fn(
             None,
             Layout.contiguous(),
             rollout,

@@ -12,8 +12,7 @@ import torch
 from nereus_core.emu import min_bytes, shard_map
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
-from tasks import model_ops
-from tasks import stages as ppo_stages
+from tasks import model_ops, step_tasks
 from tasks.reshard import gather_state, sync_copy
 from tasks.runtime.device_pool import DevicePool, DeviceRunError
 from tests.support.runtime_setup import GQA_MODEL
@@ -106,7 +105,7 @@ def test_the_step_sync_never_gathers_the_state_to_the_driver(
         model_ops.train(pool, train, {"ids": IDS}, name=TRAIN)
         for name in ("full_state", "push_weights", "load_model"):
             monkeypatch.setattr(model_ops, name, refuse)
-        ppo_stages.sync_inference_copy(pool, train, copy, src_name=TRAIN, dst_name=COPY, config=CONFIG)
+        step_tasks.sync_inference_copy(pool, train, copy, src_name=TRAIN, dst_name=COPY, config=CONFIG)
         monkeypatch.undo()
         assert not _differing(_params(pool, train, TRAIN), _params(pool, copy, COPY))
     finally:

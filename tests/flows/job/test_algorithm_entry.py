@@ -28,7 +28,7 @@ from nereus_core.rl.grpo import GroupSettings
 from nereus_core.rl.ppo import PPOConfig
 from nereus_core.rl.rollout import Rollout
 from storage.run_dir import RunDir
-from tasks import job_ops, stages
+from tasks import job_ops, step_tasks
 from tasks.runtime.device_pool import DevicePool
 from tests.support.job_configs import SMALL_MODEL
 
@@ -81,15 +81,15 @@ def test_one_step_of_a_registered_variant_trains_on_its_own_advantages(
     registered: algorithms.Algorithm, monkeypatch: Any, tmp_path: Any
 ) -> None:
     trained_on: list[torch.Tensor] = []
-    train_fn = stages.train.fn
+    train_fn = step_tasks.train.fn
 
     def train(**kwargs: Any) -> dict[str, float]:
         trained_on.append(kwargs["rollout"].advantages.clone())  # what the train stage is handed
         return train_fn(**kwargs)
 
     for name in ("generate", "experience"):
-        monkeypatch.setattr(stages, name, getattr(stages, name).fn)
-    monkeypatch.setattr(stages, "train", train)
+        monkeypatch.setattr(step_tasks, name, getattr(step_tasks, name).fn)
+    monkeypatch.setattr(step_tasks, "train", train)
     cfg = parse_config(CONFIG)
     state = job.start(cfg)
     run = RunDir.create(tmp_path / "run", cfg.model_dump(mode="json"))

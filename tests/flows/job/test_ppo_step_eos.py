@@ -22,7 +22,7 @@ from nereus_core.model.weights import init_full_state
 from nereus_core.prompt_source import CountSource
 from nereus_core.rl.rollout import Stopping, response_mask
 from storage.run_dir import RunDir
-from tasks import job_ops, stages
+from tasks import job_ops, step_tasks
 from tasks.runtime.device_pool import DevicePool
 from tests.support.job_configs import SMALL_MODEL
 
@@ -49,7 +49,7 @@ CONFIG = {
 @pytest.mark.timeout(400)
 def test_a_ppo_step_with_stop_ids_has_variable_lengths_masks_and_finite_losses(monkeypatch, tmp_path):
     for name in ("generate", "experience", "train"):
-        monkeypatch.setattr(stages, name, getattr(stages, name).fn)
+        monkeypatch.setattr(step_tasks, name, getattr(step_tasks, name).fn)
     cfg = parse_config(CONFIG)
     state = job.start(cfg)
     run = RunDir.create(tmp_path / "run", cfg.model_dump(mode="json"))
