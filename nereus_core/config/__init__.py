@@ -5,6 +5,7 @@
     data.py       data, reward and validation sections
     errors.py     pydantic's errors turned into one line naming the field and the fix
     rollout.py    the rollout section: Nereus's sampler or vLLM engines for actor/generate
+    passes.py     the passes section: packed sequences and token-budget micro-batches
     job.py        ``NereusConfig``, the job's whole config, and ``parse_config``
     from_yaml.py  YAML text -> ``NereusConfig``, with limits on what the text may hold
 
@@ -22,6 +23,7 @@ from nereus_core.config.job import (
     parse_config,
     with_overrides,
 )
+from nereus_core.config.passes import PassesConfig
 from nereus_core.config.rollout import RolloutConfig, vllm_installed
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "NereusConfig",
+    "PassesConfig",
     "RolloutConfig",
     "RopeScaling",
     "ScenarioEvent",

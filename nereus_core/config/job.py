@@ -40,6 +40,7 @@ from nereus_core.config.errors import one_line
 from nereus_core.config.model import LLAMA_3_8B as LLAMA_3_8B
 from nereus_core.config.model import ModelConfig
 from nereus_core.config.model import RopeScaling as RopeScaling
+from nereus_core.config.passes import PassesConfig
 from nereus_core.config.rollout import RolloutConfig
 from nereus_core.count_task import MIN_VOCAB, TaskSettings
 from nereus_core.frozen import Frozen
@@ -161,6 +162,7 @@ class NereusConfig(Frozen):
     )
     critic: CriticConfig = CriticConfig()
     rollout: RolloutConfig = RolloutConfig()
+    passes: PassesConfig = PassesConfig()
 
     @property
     def uses_reward_model(self) -> bool:
