@@ -109,10 +109,19 @@ def rows(positions: torch.Tensor, mask: torch.Tensor | None, mb: slice) -> dict[
 
 @torch.no_grad()
 def forward_outputs(
-    ctx: DeviceContext, ids_bs: torch.Tensor, attention_mask_bs: torch.Tensor | None = None, *, name: str
+    ctx: DeviceContext,
+    ids_bs: torch.Tensor,
+    attention_mask_bs: torch.Tensor | None = None,
+    *,
+    name: str,
+    pack: bool = False,
+    max_tokens: int | None = None,
 ) -> torch.Tensor | None:
     """``head_outputs`` for this replica's ids ``[b, s]`` (padded where ``attention_mask_bs`` is 0),
-    micro-batch by micro-batch."""
+    micro-batch by micro-batch. ``pack`` runs each micro-batch's real tokens as one packed row
+    (``packing``), at most ``max_tokens`` real tokens each; the outputs are padded alike."""
+    if pack:
+        raise NotImplementedError("packed forward passes are not implemented yet")
     shard = get_shard(ctx, name)
     groups = shard.groups
     ids_bs = ids_bs.to(ctx.device)

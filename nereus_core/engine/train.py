@@ -58,6 +58,8 @@ def train_step(
     name: str,
     loss_fn: LossFn = lm_loss,
     with_entropy: bool = False,
+    pack: bool = False,
+    max_tokens: int | None = None,
 ) -> dict[str, float] | None:
     """One optimizer step on this replica's ``batch`` (``batch['ids']`` ``[b, s]`` plus per-sequence extras;
     ``batch['attention_mask']`` ``[b, s]``, when present, marks the padding, as ``forward.padding``).
@@ -70,6 +72,8 @@ def train_step(
     micro-batches (the caller averages replicas, as DeepSpeed averages gradients over DP), and
     ``grad_norm``: the global gradient norm before clipping, over every rank of the layout.
     """
+    if pack:
+        raise NotImplementedError("packed train steps are not implemented yet")
     shard = get_shard(ctx, name)
     if shard.engine is None:
         raise RuntimeError(
