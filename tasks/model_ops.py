@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, PassesConfig
 from nereus_core.emu import shard_map
 from nereus_core.engine import dispatch
 from nereus_core.engine.device import DeviceContext
@@ -83,6 +83,21 @@ def unload_model(pool: DevicePool, layout: Layout, *, name: str) -> None:
     pool.run(layout, drop_shard, name=name)
 
 
+# The passes section's defaults: every pass on the padded batch as given (the config's own default).
+PADDED = PassesConfig()
+
+
+def _deadline_tokens(
+    layout: Layout, attention_mask: torch.Tensor | None, rows: dispatch.Rows | None, passes: PassesConfig
+) -> int | None:
+    """The tokens a device's deadline counts (``DevicePool.scope``): packed, the real tokens of the
+    fullest replica (what it computes); padded, None (the pool counts the ids it sends, pads included)."""
+    if not passes.pack or attention_mask is None:
+        return None
+    blocks = dispatch.replica_rows(layout, attention_mask.shape[0]) if rows is None else rows
+    return max(int(attention_mask[block].sum()) for block in blocks)
+
+
 def forward(
     pool: DevicePool,
     layout: Layout,
@@ -90,12 +105,23 @@ def forward(
     *,
     name: str,
     attention_mask: torch.Tensor | None = None,
+    passes: PassesConfig = PADDED,
 ) -> torch.Tensor:
     """Per-token outputs of ``name`` on ``ids_bs`` (padded where ``attention_mask`` is 0): log-probs
-    ``[b, s-1]`` (lm head) or values ``[b, s]``."""
+    ``[b, s-1]`` (lm head) or values ``[b, s]``; packed or in token-budget micro-batches as ``passes``
+    says (the outputs are the padded ones either way)."""
     rows = None if attention_mask is None else dispatch.balanced_rows(layout, attention_mask.sum(dim=1))
     args = dispatch.per_device_args(layout, ids_bs, attention_mask, rows=rows)
-    return dispatch.collect(layout, pool.run(layout, forward_outputs, args, name=name), rows)
+    with pool.scope(name, tokens=_deadline_tokens(layout, attention_mask, rows, passes)):
+        results = pool.run(
+            layout,
+            forward_outputs,
+            args,
+            name=name,
+            pack=passes.pack,
+            max_tokens=passes.max_tokens_per_device,
+        )
+    return dispatch.collect(layout, results, rows)
 
 
 def sample(
@@ -136,9 +162,10 @@ def train(
     *,
     name: str,
     loss_fn: LossFn = lm_loss,
+    passes: PassesConfig = PADDED,
 ) -> float:
     """One optimizer step of ``name`` on ``batch``; returns the mean loss over replicas."""
-    return train_stats(pool, layout, batch, name=name, loss_fn=loss_fn)["loss"]
+    return train_stats(pool, layout, batch, name=name, loss_fn=loss_fn, passes=passes)["loss"]
 
 
 def train_stats(
@@ -149,15 +176,25 @@ def train_stats(
     name: str,
     loss_fn: LossFn = lm_loss,
     with_entropy: bool = False,
+    passes: PassesConfig = PADDED,
 ) -> dict[str, float]:
-    """One optimizer step of ``name`` on ``batch``; the loss, the loss function's statistics and
-    ``grad_norm`` (``engine.train.train_step``), each the mean over replicas."""
+    """One optimizer step of ``name`` on ``batch``, packed or in token-budget micro-batches as
+    ``passes`` says; the loss, the loss function's statistics and ``grad_norm``
+    (``engine.train.train_step``), each the mean over replicas."""
     mask = batch.get("attention_mask")
     rows = None if mask is None else dispatch.balanced_rows(layout, mask.sum(dim=1))
     parts = dispatch.per_device_batch(layout, batch, rows)
-    results = pool.run(
-        layout, train_step, [(p,) for p in parts], name=name, loss_fn=loss_fn, with_entropy=with_entropy
-    )
+    with pool.scope(name, tokens=_deadline_tokens(layout, mask, rows, passes)):
+        results = pool.run(
+            layout,
+            train_step,
+            [(p,) for p in parts],
+            name=name,
+            loss_fn=loss_fn,
+            with_entropy=with_entropy,
+            pack=passes.pack,
+            max_tokens=passes.max_tokens_per_device,
+        )
     rows = [r for r in results if r is not None]
     return {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
 

@@ -21,7 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from safetensors.torch import load_file, save_file
 
-from nereus_core.config import ModelConfig, NereusConfig
+from nereus_core.config import ModelConfig, NereusConfig, PassesConfig
 from nereus_core.count_task import make_prompts, rule_score, synthetic_responses
 from nereus_core.engine.sampling import SamplingRequest
 from nereus_core.engine.shard import OptimizerSettings
@@ -84,7 +84,11 @@ def fit_reward_model(
             length = lens[step % len(lens)]
             responses = synthetic_responses(prompts, length, gen, config.model.vocab_size)
             batch = {"ids": torch.cat([prompts, responses], 1), "score": rule_score(prompts, responses)}
-            losses.append(model_ops.train(pool, layout, batch, name="reward/fit", loss_fn=score_mse_loss))
+            losses.append(
+                model_ops.train(
+                    pool, layout, batch, name="reward/fit", loss_fn=score_mse_loss, passes=config.passes
+                )
+            )
         state = model_ops.full_state(pool, layout, name="reward/fit", config=value_config)
     finally:
         model_ops.unload_model(pool, layout, name="reward/fit")
@@ -167,16 +171,20 @@ def experience(
     layouts: dict[str, Layout],
     ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    passes: PassesConfig = model_ops.PADDED,
 ) -> dict[str, torch.Tensor]:
     """The forward passes over the rollout of one slot group in one task, each model-stage its own span:
     ``layouts`` maps the model-stage to run (reward/infer, reference/infer, actor/train for the old
     log-probs, critic/infer) to its layout. One task per slot group instead of one per pass: a task costs
     ~10 ms here, a forward pass of the demo's models ~50 ms (OpenRLHF groups the same passes as
-    ``make_experience``). Returns the outputs by model-stage."""
+    ``make_experience``); ``passes``: packed or padded (the job's ``passes:`` section). Returns the
+    outputs by model-stage."""
     outputs = {}
     for name, layout in layouts.items():
         with span(name):
-            outputs[name] = model_ops.forward(pool, layout, ids, name=name, attention_mask=attention_mask)
+            outputs[name] = model_ops.forward(
+                pool, layout, ids, name=name, attention_mask=attention_mask, passes=passes
+            )
     return outputs
 
 
@@ -189,6 +197,7 @@ def train_epochs(
     objective: Objective,
     settings: PPOConfig,
     seed: int,
+    passes: PassesConfig = model_ops.PADDED,
 ) -> dict[str, float]:
     """``settings.ppo_epochs`` passes of optimizer steps over ``settings.mini_batches`` seeded
     mini-batches (of whole groups of ``objective.group_size`` rows) with the loss ``objective``;
@@ -208,6 +217,7 @@ def train_epochs(
                     name=name,
                     loss_fn=objective.loss,
                     with_entropy=objective.with_entropy,
+                    passes=passes,
                 )
             )
     return {key: sum(step[key] for step in steps) / len(steps) for key in objective.keys if key in steps[0]}
@@ -224,14 +234,22 @@ def train(
     settings: PPOConfig,
     seed: int,
     sync: tuple[Layout, str, ModelConfig] | None = None,
+    passes: PassesConfig = model_ops.PADDED,
 ) -> dict[str, float]:
     """A train model-stage (actor/train or critic/train, the algorithm's ``objective``): epochs over
     shuffled mini-batches (span ``name``), then (``sync``: the inference copy's layout, name and
-    config) the new weights into the inference layout (span ``sync_span(name)``). Returns the mean
-    loss and statistics over the optimizer steps (``objective.keys``)."""
+    config) the new weights into the inference layout (span ``sync_span(name)``); ``passes``: packed
+    or padded. Returns the mean loss and statistics over the optimizer steps (``objective.keys``)."""
     with span(name):
         stats = train_epochs(
-            pool, layout, rollout, name=name, objective=objective, settings=settings, seed=seed
+            pool,
+            layout,
+            rollout,
+            name=name,
+            objective=objective,
+            settings=settings,
+            seed=seed,
+            passes=passes,
         )
     if sync is not None:
         dst, dst_name, config = sync

@@ -47,7 +47,15 @@ def forward_passes(
     n_tok = int(r.attention_mask.sum())
     groups = phases.slot_groups_of(run)
     calls = [
-        [dict(pool=pool, layouts={k: run[k] for k in g}, ids=r.ids, attention_mask=r.attention_mask)]
+        [
+            dict(
+                pool=pool,
+                layouts={k: run[k] for k in g},
+                ids=r.ids,
+                attention_mask=r.attention_mask,
+                passes=state.config.passes,
+            )
+        ]
         for g in groups
     ]
     out: dict[str, torch.Tensor] = {}
@@ -93,6 +101,7 @@ def train_stages(
             settings=cfg.ppo,
             seed=cfg.job.seed + step,
             sync=sync,
+            passes=cfg.passes,
         )
 
     groups = phases.slot_groups_of({str(s): plan[s] for s in objectives})
