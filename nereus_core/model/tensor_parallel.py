@@ -16,6 +16,14 @@ see Maddison et al., 2014, arXiv:1411.0052) with the noise drawn for the full
 vocab from a generator in the same state on every tp rank, so the ranks agree
 without exchanging anything but the per-rank best.
 
+Log-probs keep no ``[..., V]`` softmax for backward, on one rank or many: the autograd
+function saves the logits it was given (which the graph would hold anyway) and the max and
+log-sum-exp per row, and backward recomputes softmax a chunk of rows at a time straight into
+the gradient; the forward, too, runs over chunks of rows. This is NeMo-RL's
+``ChunkedDistributedGatherLogprob`` and the memory saving of TRL's ``selective_log_softmax``:
+the actor's peak holds the logits and their gradient, not also a log-softmax and the
+gradient of the gather.
+
 Entropy over the split vocab is ``H = log Z - sum_j softmax_j(z) * z_j`` with the logits
 shifted by their global max: one max and one two-value sum all-reduce per token, the same
 pattern as the log-probs, so the statistic costs no gather either.
@@ -31,12 +39,15 @@ a layout's tp index differs from that (torch orders group ranks by world rank).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 Group = dist.ProcessGroup | None
 
@@ -193,45 +204,116 @@ def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) ->
     return x
 
 
+# fp32 elements in one chunk of logit rows: a log-prob or entropy pass holds a few such
+# chunks (64 MiB each) at a time, never a temporary as large as the whole ``[..., V]`` logits.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _row_blocks(lead: tuple[int, ...], rows: int) -> Iterator[tuple[int | slice, ...]]:
+    """Indices over the leading dims ``lead`` of ``[*lead, V]`` logits, each selecting at most ``rows``
+    rows (at least one): basic indices, so every block is a view, even of a strided slice such as
+    ``out[:, :-1]`` that flattening would copy."""
+    if not lead:
+        yield ()
+        return
+    inner = math.prod(lead[1:])
+    if inner <= rows:
+        step = max(1, rows // max(inner, 1))
+        for start in range(0, lead[0], step):
+            yield (slice(start, start + step),)
+        return
+    for i in range(lead[0]):
+        for rest in _row_blocks(lead[1:], rows):
+            yield (i, *rest)
+
+
+def _blocks(logits: torch.Tensor) -> Iterator[tuple[int | slice, ...]]:
+    """Chunks of ``logits`` rows of about ``_CHUNK_ELEMENTS`` elements each."""
+    return _row_blocks(tuple(logits.shape[:-1]), max(1, _CHUNK_ELEMENTS // max(logits.shape[-1], 1)))
+
+
+def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, fp32: the max of the logits and ``sum exp(z - max)``, one chunk of rows at a time."""
+    row_max = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    sum_exp = torch.empty_like(row_max)
+    for idx in _blocks(logits):
+        z = logits[idx].float()
+        block_max = z.amax(dim=-1)
+        row_max[idx] = block_max
+        sum_exp[idx] = (z - block_max.unsqueeze(-1)).exp_().sum(dim=-1)
+    return row_max, sum_exp
+
+
+def _log_normalizer(logits_local: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row over the whole vocab: the max ``m`` and ``log sum exp(z - m)``, so ``log Z`` is their sum.
+
+    Over tp shards each rank rescales its sum to the global max, ``s_r * exp(m_r - m)``, and one
+    max and one sum all-reduce of ``[...]`` finish it: one pass over the logits, as flash-attention's
+    online softmax (Milakov & Gimelshein, 2018, arXiv:1805.02867).
+    """
+    row_max, sum_exp = _row_stats(logits_local)
+    if group_size(group) > 1:
+        local_max = row_max
+        row_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
+        sum_exp = _all_reduce(sum_exp.mul_((local_max - row_max).exp_()), dist.ReduceOp.SUM, group)
+    return row_max, sum_exp.log_()
+
+
+def _target_logits(
+    logits_local: torch.Tensor, targets: torch.Tensor, group: Group, tp_rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``z_target`` per row (fp32), the local column index of each target and, over tp shards, whether
+    the target is in this rank's columns (None on one rank: every target is, and a bad id raises)."""
+    if group_size(group) == 1:
+        return logits_local.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float(), targets, None
+    part = logits_local.shape[-1]
+    local_targets = targets - tp_rank * part
+    inside = (local_targets >= 0) & (local_targets < part)
+    index = local_targets.masked_fill(~inside, 0)
+    target_logit = logits_local.gather(-1, index.unsqueeze(-1)).squeeze(-1).float().masked_fill(~inside, 0.0)
+    return _all_reduce(target_logit, dist.ReduceOp.SUM, group), index, inside
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
-    """log p(target) = z_target - max - log(sum exp(z - max)), each term reduced over the vocab shards."""
+    """log p(target) = (z_target - max) - log(sum exp(z - max)), each term reduced over the vocab shards.
+
+    Saves the logits it was given (the caller's tensor, no copy) and two fp32 numbers per row;
+    backward recomputes the softmax one chunk of rows at a time, straight into the gradient.
+    """
 
     @staticmethod
     def forward(
-        ctx: Any, logits_local: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup, tp_rank: int
+        ctx: Any, logits_local: torch.Tensor, targets: torch.Tensor, group: Group, tp_rank: int
     ) -> torch.Tensor:
-        z = logits_local.float()
-        part = z.shape[-1]
-        global_max = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-        shifted = z - global_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
-        local_targets = targets - tp_rank * part
-        inside = (local_targets >= 0) & (local_targets < part)
-        index = local_targets.masked_fill(~inside, 0).unsqueeze(-1)
-        target_logit = shifted.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
-        target_logit = _all_reduce(target_logit, dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, inside)
-        ctx.input_dtype = logits_local.dtype
-        return target_logit - sum_exp.log()
+        row_max, log_sum = _log_normalizer(logits_local, group)
+        target_logit, index, inside = _target_logits(logits_local, targets, group, tp_rank)
+        ctx.save_for_backward(logits_local, row_max, log_sum, index, inside)
+        return (target_logit - row_max).sub_(log_sum)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         # d log p(t) / d z_j = onehot_j(t) - softmax_j(z), restricted to this shard's columns.
-        softmax_local, index, inside = ctx.saved_tensors
+        logits, row_max, log_sum, index, inside = ctx.saved_tensors
         grad = grad.float()
-        grad_logits = softmax_local * -grad.unsqueeze(-1)
-        grad_logits.scatter_add_(-1, index, (grad * inside).unsqueeze(-1))
-        return grad_logits.to(ctx.input_dtype), None, None, None
+        target_grad = grad if inside is None else grad * inside
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for idx in _blocks(logits):
+            block = logits[idx].float() - row_max[idx].unsqueeze(-1)
+            block.sub_(log_sum[idx].unsqueeze(-1)).exp_().mul_(grad[idx].unsqueeze(-1).neg())
+            block.scatter_add_(-1, index[idx].unsqueeze(-1), target_grad[idx].unsqueeze(-1))
+            grad_logits[idx] = block
+        return grad_logits, None, None, None
 
 
 def vocab_parallel_logprobs(
     logits_local: torch.Tensor, targets: torch.Tensor, group: Group, *, tp_rank: int | None = None
 ) -> torch.Tensor:
-    """log p(targets) in fp32 from vocab-split logits ``[..., V/tp]`` and global target ids ``[...]``."""
-    if group_size(group) == 1:
-        logprobs = torch.log_softmax(logits_local.float(), dim=-1)
-        return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    """log p(targets) in fp32 from vocab-split logits ``[..., V/tp]`` and global target ids ``[...]``.
+
+    Keeps no ``[..., V]`` log-softmax for backward (see ``_VocabParallelLogprobs``); the gradient
+    has the dtype of ``logits_local``.
+    """
     return _VocabParallelLogprobs.apply(logits_local, targets, group, _tp_rank(group, tp_rank))
 
 
@@ -240,19 +322,25 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group: Group) -> torch.Te
     """Entropy (nats, fp32) of softmax over the full vocab from vocab-split logits ``[..., V/tp]``.
 
     A statistic, not a loss: no gradient. Equals the single-device entropy of the gathered logits.
+    Computed one chunk of rows at a time, as verl's ``entropy_from_logits_with_chunking``.
     """
-    z = logits_local.float()
+    entropy = torch.empty(logits_local.shape[:-1], dtype=torch.float32, device=logits_local.device)
     if group_size(group) == 1:
-        logp = torch.log_softmax(z, dim=-1)
-        return -(logp.exp() * logp).sum(dim=-1)
-    global_max = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-    shifted = z - global_max.unsqueeze(-1)
-    exp = shifted.exp()
-    # [..., 2]: sum exp(z') and sum exp(z') * z', reduced together in one all-reduce.
-    sums = _all_reduce(
-        torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)], dim=-1), dist.ReduceOp.SUM, group
-    )
-    sum_exp, sum_exp_z = sums.unbind(dim=-1)
+        for idx in _blocks(logits_local):
+            logp = torch.log_softmax(logits_local[idx].float(), dim=-1)
+            entropy[idx] = -(logp.exp() * logp).sum(dim=-1)
+        return entropy
+    row_max = torch.empty_like(entropy)
+    for idx in _blocks(logits_local):
+        row_max[idx] = logits_local[idx].float().amax(dim=-1)
+    row_max = _all_reduce(row_max, dist.ReduceOp.MAX, group)
+    # [..., 2]: sum exp(z') and sum exp(z') * z' (z' = z - global max), reduced in one all-reduce.
+    sums = torch.empty((*entropy.shape, 2), dtype=torch.float32, device=logits_local.device)
+    for idx in _blocks(logits_local):
+        shifted = logits_local[idx].float() - row_max[idx].unsqueeze(-1)
+        exp = shifted.exp()
+        sums[idx] = torch.stack([exp.sum(dim=-1), exp.mul_(shifted).sum(dim=-1)], dim=-1)
+    sum_exp, sum_exp_z = _all_reduce(sums, dist.ReduceOp.SUM, group).unbind(dim=-1)
     return sum_exp.log() - sum_exp_z / sum_exp
 
 
