@@ -17,7 +17,8 @@ Boundary: recording only; the flow decides what happens (flows/job/rl_job.py) an
 are nereus_core.job's. Timing: a task times its model-stages as spans (tasks/spans.py) that the
 step reads into a ``TaskCall``'s timed rows; ``task_call`` times a Prefect task call from outside (its
 rows get the task's orchestration overhead), ``plain`` times a driver-side call, ``record_call``
-records a task call timed elsewhere (one of a phase's pools, run at once), ``phase`` times a phase
+records a task call timed elsewhere (one of a phase's pools, run at once), ``reused`` records a
+stage whose result another's stood in for (no time), ``phase`` times a phase
 (``nereus_core.plan.PHASES``: generation, the forward passes, the train stages) from its first
 task's start to its last one's end.
 """
@@ -196,6 +197,14 @@ class JobRecords:
         yield
         seconds = time.perf_counter() - start
         self._row(step, plan_id, TimedRow(model, stage, tokens, seconds), start, seconds)
+
+    def reused(self, step: int, plan_id: str, model: str, stage: str, tokens: int) -> None:
+        """A model's stage the step did not run because another's result is the same (the actor's old
+        log-probs: its train step's own, ``Algorithm.reuses_old_logp``): a row of 0 seconds marked
+        ``reused``, which the step's table shows instead of a time."""
+        now = time.perf_counter()
+        self._row(step, plan_id, TimedRow(model, stage, tokens, 0.0), now, 0.0)
+        self.rows[-1]["reused"] = True
 
     @contextmanager
     def phase(self, kind: str, pools: int = 1) -> Iterator[None]:

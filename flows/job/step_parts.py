@@ -23,7 +23,7 @@ from flows.job import generation, phases
 from flows.job.records import JobRecords, TaskCall
 from nereus_core import job, prompt_source
 from nereus_core.plan import ModelStage, copies, model_of
-from nereus_core.rl import rollout
+from nereus_core.rl import algorithms, rollout
 from nereus_core.rl.algorithms import Objective
 from nereus_core.rl.ppo import masked_mean
 from tasks import rollout_engines, spans, step_tasks
@@ -37,11 +37,13 @@ def forward_passes(
     step: int,
     r: rollout.Rollout,
     passes: Iterable[ModelStage],
+    reused: Iterable[ModelStage] = (),
 ) -> dict[ModelStage, torch.Tensor]:
     """Those of ``passes`` the plan in force has, over the rollout ``r``: one task per slot group of
     their layouts (``phases.slot_groups_of``; actor/train's for the old log-probs among them), the
     slot groups at once, each pass recorded as its model's ``infer`` over the rollout's tokens;
-    their outputs by model-stage."""
+    their outputs by model-stage. Those of ``reused`` the plan has (passes whose result the train
+    step computes itself) are recorded as ``reused`` rows, not run."""
     plan, pid = state.layouts, state.plan_id
     run = {str(k): plan[k] for k in passes if k in plan}
     n_tok = int(r.attention_mask.sum())
@@ -67,6 +69,8 @@ def forward_passes(
                 call.add(model_of(key), "infer", n_tok, timed.seconds, timed.start)
             records.record_call(step, pid, call, ran.start, ran.seconds)
             out.update(ran.result)
+        for stage in (s for s in reused if s in plan):
+            records.reused(step, pid, model_of(stage), "infer", n_tok)
     return {ModelStage(k): out[k] for k in run}
 
 
@@ -155,8 +159,13 @@ def step_stats(
 ) -> dict[str, Any]:
     """What every step reports: scores, the KL to the reference (when the job runs it), tokens, each
     trained model's statistics (``<model>_<name>``, in ``trained``'s order), response lengths and the
-    reward function's extras (``reward_<name>``)."""
-    kl = {"kl": float(masked_mean(r.old_logp - r.ref_logp, r.mask))} if r.ref_logp is not None else {}
+    reward function's extras (``reward_<name>``). With the old log-prob pass reused the KL is the
+    actor's train step's (``algorithms.REF_KL``, the same token-mean on the same log-probs)."""
+    trained = {model: dict(stats) for model, stats in trained.items()}
+    ref_kl = trained.get("actor", {}).pop(algorithms.REF_KL, None)
+    kl = {}
+    if r.ref_logp is not None:
+        kl["kl"] = float(masked_mean(r.old_logp - r.ref_logp, r.mask)) if r.old_logp is not None else ref_kl
     return {
         "step": step,
         "plan_id": state.plan_id,

@@ -25,6 +25,7 @@ and a new estimator or loss one function, as verl's ``core_algos`` registries
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from nereus_core.plan import ModelStage
-from nereus_core.rl import rollout
+from nereus_core.rl import ppo, rollout
 from nereus_core.rl.grpo import GroupSettings
 from nereus_core.rl.ppo import PPOConfig
 from nereus_core.rl.rollout import Rollout
@@ -43,6 +44,9 @@ from nereus_core.rl.rollout import Rollout
 ACTOR_STATS = ("loss", "clip_frac", "approx_kl", "entropy", "grad_norm")
 CRITIC_STATS = ("loss", "value_clip_frac", "grad_norm")
 GRPO_ACTOR_STATS = (*ACTOR_STATS, "kl_loss")
+# With the old log-prob pass reused (``current_as_old``), the actor's train step reports the KL to the
+# reference that the step would otherwise take from the old log-probs (``masked_mean(old - ref)``).
+REF_KL = "ref_kl"
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,33 @@ def ppo_critic(settings: PPOConfig, algorithm: GroupSettings) -> Objective:
     return ppo_objective(settings, critic=True)
 
 
+def current_as_old(
+    logp_full: torch.Tensor, batch: dict[str, torch.Tensor], *, loss: Callable[..., Any]
+) -> ppo.LossAndStats:
+    """The actor objective ``loss`` with the current policy's log-probs, detached, as the old ones, as
+    TRL's GRPOTrainer (``old_per_token_logps = per_token_logps.detach()`` when ``num_iterations`` is
+    1): the ratio is 1 in value with its gradient intact, so the loss, its gradient and the update
+    are those the old log-prob pass would give (it computes the same log-probs), and ``clip_frac``
+    and ``approx_kl`` are 0, as TRL reports them then. With the reference's log-probs in ``batch``
+    it adds ``REF_KL``: the token-mean of ``logp - ref_logp``, weighted as the loss (the step's KL)."""
+    mask = batch["mask"]
+    logp = rollout.response_logp(logp_full, mask.shape[1]).detach()
+    out = loss(logp_full, {**batch, "old_logp": logp})
+    value, stats = (out, {}) if isinstance(out, torch.Tensor) else out
+    if "ref_logp" in batch:
+        share = ppo.minibatch_share(mask, batch.get("tokens_per_row"))
+        stats = {**stats, REF_KL: ppo.masked_mean(logp - batch["ref_logp"], mask) * share}
+    return value, stats
+
+
+def reusing_current_logp(objective: Objective) -> Objective:
+    """``objective`` (actor/train's) on ``current_as_old``, reporting ``REF_KL`` too."""
+    loss = functools.partial(current_as_old, loss=objective.loss)
+    return dataclasses.replace(objective, loss=loss, keys=(*objective.keys, REF_KL))
+
+
 # A forward pass's output (the head's full ``[b, s-1]`` log-probs or ``[b, s]`` values) into the
-# rollout, ``response_len`` the generation's max new tokens.
+# rollout, ``response_len`` its response columns (``Rollout.response_len``).
 Fill = Callable[[Rollout, torch.Tensor, int], None]
 
 
@@ -166,6 +195,23 @@ class Algorithm:
         """A reward/infer pass scores the responses; without one the rule's score is the reward."""
         return ModelStage.REWARD_INFER in self._stages
 
+    def reuses_old_logp(self, settings: PPOConfig, *, engine_logp: bool) -> bool:
+        """Whether the step skips the old log-prob pass (actor/train's forward before training) and
+        the actor's loss takes the current log-probs, detached, as the old ones (``current_as_old``).
+
+        The pass changes nothing then: the batch trains in one optimizer step (``ppo_epochs`` 1,
+        ``mini_batches`` 1), so the only update starts from the weights the pass would run, as TRL's
+        GRPOTrainer with ``num_iterations`` 1 and ``steps_per_generation`` 1; nothing reads the old
+        log-probs before training (the estimators read them only for a KL penalty in the reward,
+        ``kl_coef`` > 0); and no rollout engine's log-probs (``engine_logp``: vLLM's) are compared
+        with them (TRL computes them with vLLM too)."""
+        return (
+            OLD_LOGP in self.passes
+            and (settings.ppo_epochs, settings.mini_batches) == (1, 1)
+            and settings.kl_coef == 0
+            and not engine_logp
+        )
+
     def fill(self, r: Rollout, outputs: Mapping[ModelStage, torch.Tensor], response_len: int) -> None:
         """The rollout's fields from the passes that ran (``outputs``); the rule's score is the reward
         unless a score pass (a reward model) ran."""
@@ -175,10 +221,20 @@ class Algorithm:
                 p.fill(r, outputs[p.stage], response_len)
 
     def train_objectives(
-        self, settings: PPOConfig, algorithm: GroupSettings, stages: Collection[ModelStage]
+        self,
+        settings: PPOConfig,
+        algorithm: GroupSettings,
+        stages: Collection[ModelStage],
+        *,
+        old_logp_reused: bool = False,
     ) -> dict[ModelStage, Objective]:
-        """The objective of each train model-stage among ``stages`` (the job's), in the entry's order."""
-        return {s: of(settings, algorithm) for s, of in self.objectives.items() if s in stages}
+        """The objective of each train model-stage among ``stages`` (the job's), in the entry's order;
+        actor/train's on the current log-probs as the old ones when ``old_logp_reused``
+        (``reuses_old_logp``)."""
+        out = {s: of(settings, algorithm) for s, of in self.objectives.items() if s in stages}
+        if old_logp_reused and ModelStage.ACTOR_TRAIN in out:
+            out[ModelStage.ACTOR_TRAIN] = reusing_current_logp(out[ModelStage.ACTOR_TRAIN])
+        return out
 
 
 # name -> entry; AlgorithmConfig accepts exactly these names (a live view: an entry registered

@@ -12,6 +12,10 @@ Padding, as verl: prompts are left-padded (``prompt_mask`` 0 on the pads) and re
 right-padded (``mask`` 1 up to and including the stop token, 0 after), so the alignment above
 holds for every row. ``attention_mask`` is both masks side by side; every loss, estimator and
 statistic reads only the tokens ``mask`` marks.
+Responses are cut to the batch's longest one (``cut_to_longest``) before any pass: the columns
+after every row's end are pads that no pass, loss or statistic reads (TRL's GRPOTrainer pads
+completions to the batch's longest one alike), so ``T`` is that length, at most the generation's
+max new tokens.
 GRPO's batch is ``prompts * group_size`` rows, the ``group_size`` responses to one prompt next to
 each other (``grouped``); its advantages are one per response (``grpo.group_advantages``) spread over
 the response's tokens, so the rollout keeps one type and the train stage one batch layout.
@@ -19,7 +23,7 @@ the response's tokens, so the rollout keeps one type and the train stage one bat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -59,7 +63,8 @@ class Rollout:
 
     @property
     def response_len(self) -> int:
-        """The response columns ``T`` (the max new tokens); a row's own length is in ``lengths``."""
+        """The response columns ``T`` (the max new tokens, or the longest response once cut by
+        ``cut_to_longest``); a row's own length is in ``lengths``."""
         return self.responses.shape[1]
 
     @property
@@ -88,6 +93,32 @@ class Rollout:
             if value is not None:
                 batch[name] = value[rows]
         return batch
+
+
+# The fields aligned with the response columns ``[b, T]``: what ``cut_to_longest`` cuts.
+RESPONSE_FIELDS = (
+    "responses",
+    "mask",
+    "old_logp",
+    "rollout_logp",
+    "ref_logp",
+    "values",
+    "rewards",
+    "advantages",
+    "returns",
+)
+
+
+def cut_to_longest(r: Rollout) -> Rollout:
+    """``r`` with its response columns cut to its longest response (at least one column): the
+    columns after it hold only pads (``mask`` 0 on every row), so every pass, loss and statistic
+    gives the same on the cut rollout and computes less. A rollout already that wide is returned
+    as is."""
+    width = max(int(r.lengths.max()), 1) if r.mask.numel() else r.response_len
+    if width >= r.response_len:
+        return r
+    cut = {name: getattr(r, name)[:, :width] for name in RESPONSE_FIELDS if getattr(r, name) is not None}
+    return replace(r, **cut)
 
 
 def response_logp(logp_full: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -134,11 +165,22 @@ def response_mask(responses_bt: torch.Tensor, eos_ids: tuple[int, ...] = ()) -> 
     return (stops_before_bt == 0).float()
 
 
+def token_rewards(rollout: Rollout, settings: ppo.PPOConfig) -> torch.Tensor:
+    """``[b, T]``: each response's score on its last real token, less ``settings.kl_coef`` times the
+    per-token KL to the reference (``ppo.shaped_rewards``) when ``kl_coef`` > 0; without a KL penalty
+    the old log-probs are not read (they may be unset: ``Algorithm.reuses_old_logp``)."""
+    score_b, mask_bt = rollout.score, rollout.mask
+    if settings.kl_coef > 0:
+        return ppo.shaped_rewards(
+            score_b, rollout.old_logp, rollout.ref_logp, mask_bt, settings.kl_coef, settings.kl_kind
+        )
+    no_kl_bt = torch.zeros_like(mask_bt)  # KL(p || p) = 0 under every estimator
+    return ppo.shaped_rewards(score_b, no_kl_bt, no_kl_bt, mask_bt, 0.0)
+
+
 def compute_advantages(rollout: Rollout, settings: ppo.PPOConfig) -> None:
     """Fill rewards, advantages and returns (KL-shaped reward, GAE, optional whitening)."""
-    rollout.rewards = ppo.shaped_rewards(
-        rollout.score, rollout.old_logp, rollout.ref_logp, rollout.mask, settings.kl_coef, settings.kl_kind
-    )
+    rollout.rewards = token_rewards(rollout, settings)
     estimator = ppo.ADVANTAGE_ESTIMATORS[settings.advantage_estimator]
     advantages, returns = estimator(
         rollout.rewards, rollout.values, rollout.mask, settings.gamma, settings.lam
@@ -158,15 +200,8 @@ def compute_group_advantages(rollout: Rollout, algorithm: GroupSettings, setting
     ``settings.kl_coef`` > 0, the KL penalty summed over its tokens (verl's ``use_kl_in_reward``:
     token rewards from ``ppo.shaped_rewards``, summed per response); its advantage is
     ``grpo.group_advantages`` of those rewards, the same on every real token. No returns: no critic."""
-    score_b, mask_bt = rollout.score, rollout.mask
-    if settings.kl_coef > 0:
-        rewards_bt = ppo.shaped_rewards(
-            score_b, rollout.old_logp, rollout.ref_logp, mask_bt, settings.kl_coef, settings.kl_kind
-        )
-    else:
-        rewards_bt = torch.zeros_like(mask_bt).scatter_add(
-            1, ppo.last_token_index(mask_bt).clamp_min(0)[:, None], score_b[:, None].to(mask_bt.dtype)
-        )
+    mask_bt = rollout.mask
+    rewards_bt = token_rewards(rollout, settings)
     advantages_b = grpo.group_advantages(
         rewards_bt.sum(dim=1),
         algorithm.group_size,
