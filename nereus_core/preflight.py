@@ -1,6 +1,7 @@
-"""Bounds a run must meet before anything starts: devices the pool can supply, a rollout batch that
-fits in the driver's memory, an initial plan that fits each device slot's memory and, on a local
-cluster, the machine's memory (its slots are worker processes on this machine).
+"""Bounds a run must meet before anything starts: sequences that fit the models' positions and the
+passes' token budget, devices the pool can supply, a rollout batch that fits in the driver's memory,
+an initial plan that fits each device slot's memory and, on a local cluster, the machine's memory
+(its slots are worker processes on this machine).
 
 Boundary: pure checks of a validated ``NereusConfig`` against facts about the machine that the
 caller passes in (``Machine``: CPU count, memory available to the driver). Reading those facts,
@@ -22,7 +23,7 @@ from nereus_core.controller.decide import ControllerState, evaluate_plan
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import memory_per_device
 from nereus_core.cost.stage_cost import Workload
-from nereus_core.plan import GlobalPlan, default_plan
+from nereus_core.plan import GlobalPlan, default_plan, model_of
 
 if TYPE_CHECKING:
     from nereus_core.job import JobState
@@ -127,6 +128,58 @@ def batch_problem(cfg: NereusConfig, machine: Machine) -> str | None:
     )
 
 
+def longest_sequence(cfg: NereusConfig) -> tuple[int, str]:
+    """The longest sequence the job can produce (prompt + new tokens, at the longest response it or a
+    scenario event sets) and the config keys it comes from."""
+    job = cfg.job
+    prompt_key, response_key = (
+        ("job.prompt_len", "job.response_len")
+        if cfg.data is None
+        else ("data.max_prompt_length", "data.max_response_length")
+    )
+    longest = max(job.response_lens())
+    events = [e for e in job.scenario if e.response_len == longest and longest != job.response_len]
+    if events:
+        response_key = f"job.scenario (step {events[0].step}) response_len"
+    return job.prompt_len + longest, f"{prompt_key} {job.prompt_len} + {response_key} {longest}"
+
+
+def sequence_problem(cfg: NereusConfig) -> str | None:
+    """Why a sequence the job can produce does not fit, or None: longer than a model's positions
+    (``max_position_embeddings``; the config refuses its own lengths, a scenario event's longer
+    responses are checked here), or than the token budget of a packed micro-batch
+    (``passes.max_tokens_per_device``: a sequence is never split across micro-batches, as in verl's
+    dynamic batching)."""
+    tokens, parts = longest_sequence(cfg)
+    positions, key = min(_positions(cfg))
+    if tokens > positions:
+        return (
+            f"the job's longest sequence is {tokens} tokens ({parts}), more than {key}="
+            f"{positions}; shorten the prompts or responses"
+        )
+    budget = cfg.passes.max_tokens_per_device
+    if budget is not None and budget < tokens:
+        return (
+            f"passes.max_tokens_per_device={budget} is less than the job's longest sequence, {tokens} "
+            f"tokens ({parts}); raise it to at least {tokens} or shorten the sequences"
+        )
+    return None
+
+
+def _positions(cfg: NereusConfig) -> list[tuple[int, str]]:
+    """(max_position_embeddings, the key that sets it) of each model the job runs."""
+    models, used = cfg.models, {model_of(stage) for stage in cfg.stages}
+    own = {"critic": ("critic.path", cfg.critic.path)}
+    if cfg.reward is not None:
+        own["reward"] = ("reward.model_path", cfg.reward.model_path)
+    out = []
+    for name in sorted(used):
+        key, path = own.get(name, ("model", None))
+        where = f"the {key} model's " if path is not None else "model."
+        out.append((models[name].max_position_embeddings, f"{where}max_position_embeddings"))
+    return out
+
+
 def plan_memory_problem(cfg: NereusConfig) -> str | None:
     """Why the plan the run starts on (the config's plan, defaults for what it leaves out) does not fit
     ``cluster.memory_per_device``, by the memory model ``nereus plan`` and the controller use; or None.
@@ -211,7 +264,11 @@ def problems(
 
     ``resume``: the run continues from a checkpoint whose plan the controller re-plans for the
     devices at hand, so the config's initial plan is not checked."""
-    found = [devices_problem(cfg, machine, devices=devices), batch_problem(cfg, machine)]
+    found = [
+        sequence_problem(cfg),
+        devices_problem(cfg, machine, devices=devices),
+        batch_problem(cfg, machine),
+    ]
     if not resume and not any(found):  # the plan checks assume sizes that fit a machine
         found.append(plan_memory_problem(cfg))
         if not any(found):
@@ -237,7 +294,9 @@ __all__ = [
     "devices_problem",
     "host_memory_problem",
     "host_memory_warning",
+    "longest_sequence",
     "plan_memory_problem",
     "problems",
     "rollout_bytes",
+    "sequence_problem",
 ]

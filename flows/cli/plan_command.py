@@ -99,7 +99,21 @@ def _plan_header(cfg: NereusConfig, profile: str, obs: Any, headroom: float) -> 
     return (
         f"nereus plan: {cfg.name} on {obs.devices} slots x {gib:.2f} GiB ({profile} profile, "
         f"{headroom:.0%} headroom)\nworkload: batch {w.batch}, prompt {w.prompt_len}, "
-        f"response mean {w.response_mean:g} (high {w.response_high})"
+        f"response mean {w.response_mean:g} (high {w.response_high})" + passes_line(w)
+    )
+
+
+def passes_line(workload: Any) -> str:
+    """What the memory model counts of a packed pass (``passes``), as a line of its own; empty for
+    padded passes, whose output stays as it was."""
+    if not workload.pack:
+        return ""
+    budget = workload.max_tokens_per_device
+    if budget is None:
+        return "\npasses: packed; a micro-batch's activations counted at its real tokens (rows x mean length)"
+    return (
+        f"\npasses: packed, max_tokens_per_device {budget}: a micro-batch's activations counted at "
+        f"its real tokens, at most {budget} per device"
     )
 
 

@@ -40,7 +40,10 @@ sharded over dp, activations (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) byte
 layer in 16-bit, divided by t under TP+SP), KV cache for generation (2*L*kv*d*bytes
 per token; a vLLM engine's instead is the fixed ``Workload.engine_kv_bytes`` it preallocates per
 device and holds between steps, ``engine_cache``). Time uses the mean response length and the
-longest one (generation's stragglers), memory the high quantile. Bytes per value: the profile's
+longest one (generation's stragglers), memory the high quantile. Packed passes (``passes.pack``,
+verl's use_remove_padding) hold a micro-batch's real tokens: rows x (prompt + mean response), or at
+most ``max_tokens_per_device`` (verl's ppo_max_token_len_per_gpu), never less than one longest
+sequence (``cost.terms.pass_tokens``). Bytes per value: the profile's
 for an fp32 model, the model's own for ``model.dtype: bf16`` (``cost.geometry.value_bytes``).
 
 The formulas themselves, vectorized over candidate layouts, are in ``cost.terms``.
@@ -108,6 +111,17 @@ class Workload(Frozen):
         "job (vLLM: rollout.kv_cache_memory_bytes); 0: Nereus's sampler, whose KV cache is sized by the "
         "batch and held only while it generates.",
     )
+    pack: bool = Field(
+        default=False,
+        description="The forward and train passes run packed (``passes.pack``): a micro-batch's activations "
+        "are its real tokens, not its rows x the padded length.",
+    )
+    max_tokens_per_device: int | None = Field(
+        default=None,
+        ge=1,
+        description="Real tokens per micro-batch on one device (``passes.max_tokens_per_device``); None: "
+        "the layout's micro_batches equal slices. Needs pack.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
@@ -121,6 +135,11 @@ class Workload(Frozen):
                 f"response_max={self.response_max} is below response_high={self.response_high}; "
                 "the longest response must be at least the high quantile"
             )
+        if self.max_tokens_per_device is not None and not self.pack:
+            raise ValueError(
+                f"max_tokens_per_device={self.max_tokens_per_device} needs pack=True "
+                "(token-budget micro-batches are packed)"
+            )
         return self
 
     @property
@@ -132,8 +151,9 @@ class Workload(Frozen):
     def from_config(
         cls, config: NereusConfig, lengths: Sequence[int] = (), quantile: float = 0.9
     ) -> Workload:
-        """The job's workload: its batch, prompt length, PPO epochs and mini-batches, and the response
-        lengths generated (mean and ``quantile``; the config's response length until there are any)."""
+        """The job's workload: its batch, prompt length, PPO epochs and mini-batches, the response
+        lengths generated (mean and ``quantile``; the config's response length until there are any)
+        and how its passes lay out their tokens (``passes``)."""
         job, ppo = config.job, config.ppo
         mean, high = (
             _mean_and_high(lengths, quantile) if len(lengths) else (job.response_len, job.response_len)
@@ -147,6 +167,8 @@ class Workload(Frozen):
             ppo_epochs=ppo.ppo_epochs,
             mini_batches=ppo.mini_batches,
             engine_kv_bytes=engine_kv_bytes(config),
+            pack=config.passes.pack,
+            max_tokens_per_device=config.passes.max_tokens_per_device,
         )
 
     @classmethod

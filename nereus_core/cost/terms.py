@@ -57,6 +57,7 @@ __all__ = [
     "layout_geometry",
     "model_stats",
     "pass_collectives_s",
+    "pass_rows",
     "pipeline_split",
     "slots",
     "split_arrays",
@@ -85,6 +86,10 @@ class WorkloadLike(Protocol):
     def ppo_epochs(self) -> int: ...
     @property
     def engine_kv_bytes(self) -> int: ...
+    @property
+    def pack(self) -> bool: ...
+    @property
+    def max_tokens_per_device(self) -> int | None: ...
 
 
 def ring_bytes(nbytes: Num, n: Num) -> Num:
@@ -328,10 +333,10 @@ def _pass_memory(
 ) -> None:
     """A pass's activations per device: one micro-batch's (infer), or those of the micro-batches in
     flight under the pipeline schedule (train), with the fp32 log-softmax input on the last stage."""
-    tp, pp, m, layers = geo.tp, geo.pp, geo.m, geo.stage_layers
-    bm = np.ceil(np.ceil(work.batch / geo.dp) / m)
+    tp, pp, layers = geo.tp, geo.pp, geo.stage_layers
     act = value_bytes(stats, profile).activation
     seq_high = work.prompt_len + work.response_high
+    bm, m = pass_rows(work, np.ceil(work.batch / geo.dp), geo.m)
     per_layer = korthikanti_bytes(stats, bm, seq_high, act, profile.activation_recompute) / tp
     logits = bm * seq_high * stats.logit_width / tp * 4.0  # fp32 log-softmax input on the last stage
     if not train:
@@ -339,6 +344,31 @@ def _pass_memory(
         return
     in_flight = m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp)
     _set(mem, MEMORY_PARTS, activations=in_flight * layers * per_layer + 2.0 * logits)
+
+
+def pass_rows(work: WorkloadLike, rows: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The activation rows of one micro-batch of a forward or train pass, in sequences of the high
+    quantile's length (prompt + ``response_high``, what the padded pass holds per row), and the
+    micro-batches a replica's ``rows`` make, as the pipeline schedule counts those in flight.
+
+    Padded: ``ceil(rows / m)`` rows of the layout's ``m`` micro-batches. Packed (``pack``, verl's
+    use_remove_padding): the micro-batch's real tokens, rows/m x (prompt + mean response); with a
+    budget (``max_tokens_per_device``, verl's ppo_max_token_len_per_gpu with use_dynamic_bsz) at
+    most the budget, and the micro-batches the replica's real tokens over that (not whole: GPipe
+    then holds the replica's real tokens, not a whole number of full budgets). Never less than one
+    longest sequence: it lies whole in one micro-batch. The attention part of Korthikanti's formula
+    stays at the high quantile's length, an upper bound of each packed sequence's."""
+    bm = np.ceil(rows / m)
+    if not work.pack:
+        return bm, m
+    seq_high = work.prompt_len + work.response_high
+    real = work.prompt_len + work.response_mean
+    budget = work.max_tokens_per_device
+    if budget is None:
+        return np.maximum(bm * real, seq_high) / seq_high, m
+    replica = np.maximum(rows * real, seq_high)
+    tokens = np.maximum(np.minimum(replica, budget), seq_high)
+    return tokens / seq_high, replica / tokens
 
 
 def _optimizer_step(

@@ -1,0 +1,119 @@
+"""The memory model's activations of a forward or train pass: padded, a micro-batch holds its rows at
+the high quantile's length; packed (``passes.pack``, verl's use_remove_padding), its real tokens;
+with a token budget (``passes.max_tokens_per_device``, verl's ppo_max_token_len_per_gpu), at most
+the budget. Expected figures are Korthikanti et al. 2022's per-layer formula written out here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from nereus_core.config import LLAMA_3_8B, parse_config
+from nereus_core.cost.hardware import H100_SXM
+from nereus_core.cost.stage_cost import Workload, estimate
+from nereus_core.cost.terms import layout_geometry, model_stats
+from nereus_core.layout import Layout
+
+# Llama-3-8B on the H100 profile: selective recomputation (34 values per token per layer), 16-bit
+# activations, 1F1B; an lm head's fp32 log-softmax input of vocab values per token.
+HIDDEN, LAYERS, VOCAB, ACT_BYTES = 4096, 32, 128256, 2
+WORK = Workload(batch=1024, prompt_len=512, response_mean=2000, response_high=6000)
+SEQ_HIGH, REAL = 512 + 6000, 512 + 2000
+
+
+def _infer_bytes(tokens: float, tp: int = 1) -> float:
+    """One layer's stored activations (no grad: one layer at a time) and the last stage's logits."""
+    return tokens * HIDDEN * 34 * ACT_BYTES / 2 / tp + tokens * VOCAB * 4 / tp
+
+
+def _activations(stage: str, layout: Layout, work: Workload) -> int:
+    return estimate(stage, layout, work, LLAMA_3_8B, H100_SXM).memory.activations
+
+
+def _packed(budget: int | None = None) -> Workload:
+    return WORK.model_copy(update={"pack": True, "max_tokens_per_device": budget})
+
+
+def test_padded_passes_hold_rows_at_the_high_length_and_packed_ones_their_real_tokens() -> None:
+    layout = Layout.contiguous(dp=4, micro_batches=8)
+    rows = math.ceil(1024 / 4 / 8)
+    padded = _activations("reference/infer", layout, WORK)
+    packed = _activations("reference/infer", layout, _packed())
+    assert padded == pytest.approx(_infer_bytes(rows * SEQ_HIGH), rel=1e-9)
+    assert packed == pytest.approx(_infer_bytes(rows * REAL), rel=1e-9)
+    assert packed / padded == pytest.approx(REAL / SEQ_HIGH, rel=1e-9)
+
+
+def test_packing_sequences_of_one_length_holds_what_padding_holds() -> None:
+    even = WORK.model_copy(update={"response_mean": 6000})
+    layout = Layout.contiguous(tp=2, micro_batches=16)
+    for stage in ("actor/train", "critic/infer"):
+        packed = even.model_copy(update={"pack": True})
+        assert _activations(stage, layout, packed) == _activations(stage, layout, even)
+
+
+@pytest.mark.parametrize("budget", [8192, 16384, 32768])
+def test_a_budget_sets_a_micro_batch_s_tokens_whatever_the_layout_s_micro_batches(budget: int) -> None:
+    for m in (1, 4):
+        layout = Layout.contiguous(tp=2, micro_batches=m)
+        got = _activations("reference/infer", layout, _packed(budget))
+        assert got == pytest.approx(_infer_bytes(budget, tp=2), rel=1e-9)
+
+
+def test_the_predicted_activations_scale_with_the_budget() -> None:
+    layout = Layout.contiguous(tp=1, pp=2, dp=1, micro_batches=1)
+    for stage in ("actor/train", "reference/infer"):
+        small, large = (_activations(stage, layout, _packed(b)) for b in (16384, 32768))
+        assert large / small == pytest.approx(2.0, rel=1e-6)
+
+
+def test_train_holds_the_budget_s_micro_batches_in_flight_under_1f1b() -> None:
+    # 1F1B holds min(m, pp) micro-batches per stage; a budget far under the replica's tokens makes many.
+    layout = Layout.contiguous(pp=2, micro_batches=1)
+    # the busiest stage's layers as the runtime splits them (the first stage takes the head's share)
+    stage_layers = int(layout_geometry(model_stats(LLAMA_3_8B), H100_SXM, layout).stage_layers[0])
+    assert stage_layers in (LAYERS // 2, LAYERS // 2 + 1)
+    one_layer = 16384 * HIDDEN * 34 * ACT_BYTES / 2
+    logits = 16384 * VOCAB * 4
+    expected = 2 * stage_layers * one_layer + 2 * logits
+    assert _activations("actor/train", layout, _packed(16384)) == pytest.approx(expected, rel=1e-9)
+    # a budget that takes the replica's tokens whole: one micro-batch in flight, at those tokens
+    whole = 1024 * REAL
+    tokens_one = _activations("actor/train", layout, _packed(4 * whole))
+    assert tokens_one == pytest.approx(
+        stage_layers * whole * HIDDEN * 34 * ACT_BYTES / 2 + 2 * whole * VOCAB * 4, rel=1e-9
+    )
+
+
+def test_a_micro_batch_holds_at_least_one_longest_sequence() -> None:
+    layout = Layout.contiguous(dp=1024)  # one row a replica
+    assert _activations("reference/infer", layout, _packed()) == pytest.approx(_infer_bytes(SEQ_HIGH))
+    small = _packed(1000)  # under the longest sequence: preflight refuses it; the model holds one anyway
+    assert _activations("reference/infer", layout, small) == pytest.approx(_infer_bytes(SEQ_HIGH))
+
+
+def test_the_job_s_workload_carries_the_passes_section_under_verl_s_names() -> None:
+    base = {"job": {"batch_size": 8, "prompt_len": 8, "response_len": 8}}
+    assert not Workload.from_config(parse_config(base)).pack
+    verl = {**base, "passes": {"use_remove_padding": True, "ppo_max_token_len_per_gpu": 4096}}
+    work = Workload.from_config(parse_config(verl))
+    assert work.pack and work.max_tokens_per_device == 4096
+
+
+def test_a_workload_refuses_a_budget_without_packing() -> None:
+    with pytest.raises(ValueError, match=r"max_tokens_per_device=64 needs pack=True \(token-budget"):
+        Workload(**{**WORK.model_dump(), "max_tokens_per_device": 64})
+
+
+def test_gpipe_holds_the_replica_s_real_tokens_whatever_the_budget() -> None:
+    # GPipe runs every forward before any backward: all the replica's micro-batches are in flight,
+    # together its real tokens (rows x mean length), however the budget cuts them.
+    gpipe = H100_SXM.model_copy(update={"pipeline_schedule": "gpipe"})
+    layout = Layout.contiguous(pp=2, dp=4)
+    stage_layers = int(layout_geometry(model_stats(LLAMA_3_8B), gpipe, layout).stage_layers[0])
+    replica = 1024 // 4 * REAL
+    for budget in (16384, 100_000):
+        got = estimate("actor/train", layout, _packed(budget), LLAMA_3_8B, gpipe).memory.activations
+        expected = stage_layers * replica * HIDDEN * 34 * ACT_BYTES / 2 + 2 * budget * VOCAB * 4
+        assert got == pytest.approx(expected, rel=1e-9)
