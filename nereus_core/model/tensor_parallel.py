@@ -204,9 +204,11 @@ def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) ->
     return x
 
 
-# fp32 elements in one chunk of logit rows: a log-prob or entropy pass holds a few such
-# chunks (64 MiB each) at a time, never a temporary as large as the whole ``[..., V]`` logits.
-_CHUNK_ELEMENTS = 1 << 24
+# A log-prob or entropy pass works on one chunk of logit rows at a time: 1/32 of the rows, or
+# 4M elements (16 MiB in fp32) when that is more, so its temporaries are a few percent of the
+# ``[..., V]`` logits and the chunks few enough that their kernel launches do not count.
+_CHUNKS = 32
+_MIN_CHUNK_ELEMENTS = 1 << 22
 
 
 def _row_blocks(lead: tuple[int, ...], rows: int) -> Iterator[tuple[int | slice, ...]]:
@@ -228,8 +230,10 @@ def _row_blocks(lead: tuple[int, ...], rows: int) -> Iterator[tuple[int | slice,
 
 
 def _blocks(logits: torch.Tensor) -> Iterator[tuple[int | slice, ...]]:
-    """Chunks of ``logits`` rows of about ``_CHUNK_ELEMENTS`` elements each."""
-    return _row_blocks(tuple(logits.shape[:-1]), max(1, _CHUNK_ELEMENTS // max(logits.shape[-1], 1)))
+    """Chunks of ``logits`` rows, ``_CHUNKS`` of them or ``_MIN_CHUNK_ELEMENTS`` elements each."""
+    lead = tuple(logits.shape[:-1])
+    rows = max(1, -(-math.prod(lead) // _CHUNKS), _MIN_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+    return _row_blocks(lead, rows)
 
 
 def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +245,7 @@ def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block_max = z.amax(dim=-1)
         row_max[idx] = block_max
         sum_exp[idx] = (z - block_max.unsqueeze(-1)).exp_().sum(dim=-1)
+        del z  # before the next chunk is made, not after: one chunk alive at a time
     return row_max, sum_exp
 
 
@@ -303,6 +308,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             block.sub_(log_sum[idx].unsqueeze(-1)).exp_().mul_(grad[idx].unsqueeze(-1).neg())
             block.scatter_add_(-1, index[idx].unsqueeze(-1), target_grad[idx].unsqueeze(-1))
             grad_logits[idx] = block
+            del block
         return grad_logits, None, None, None
 
 
@@ -329,6 +335,7 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group: Group) -> torch.Te
         for idx in _blocks(logits_local):
             logp = torch.log_softmax(logits_local[idx].float(), dim=-1)
             entropy[idx] = -(logp.exp() * logp).sum(dim=-1)
+            del logp
         return entropy
     row_max = torch.empty_like(entropy)
     for idx in _blocks(logits_local):
@@ -340,6 +347,7 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group: Group) -> torch.Te
         shifted = logits_local[idx].float() - row_max[idx].unsqueeze(-1)
         exp = shifted.exp()
         sums[idx] = torch.stack([exp.sum(dim=-1), exp.mul_(shifted).sum(dim=-1)], dim=-1)
+        del shifted, exp
     sum_exp, sum_exp_z = _all_reduce(sums, dist.ReduceOp.SUM, group).unbind(dim=-1)
     return sum_exp.log() - sum_exp_z / sum_exp
 

@@ -49,7 +49,7 @@ def _chunked(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor)
 def test_logprobs_and_grads_match_log_softmax_gather(
     monkeypatch: pytest.MonkeyPatch, chunk: int, scale: float, dtype: torch.dtype
 ) -> None:
-    monkeypatch.setattr(tensor_parallel, "_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(tensor_parallel, "_MIN_CHUNK_ELEMENTS", chunk)
     logits, targets, weights = _case(scale, dtype)
     ref_logp, ref_grad = _reference(logits, targets, weights)
     logp, grad = _chunked(logits, targets, weights)
@@ -102,7 +102,7 @@ class _LargestOutputs(TorchDispatchMode):
 
 
 def test_no_full_width_temporary_but_the_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tensor_parallel, "_CHUNK_ELEMENTS", 4 * VOCAB)
+    monkeypatch.setattr(tensor_parallel, "_MIN_CHUNK_ELEMENTS", 4 * VOCAB)
     logits, targets, weights = _case(3.0, torch.float32)
     x = logits[:, :-1].detach().requires_grad_(True)  # a strided view: chunks must not copy it whole
     full = x.numel()
@@ -122,7 +122,7 @@ def test_no_full_width_temporary_but_the_gradient(monkeypatch: pytest.MonkeyPatc
 def test_chunked_entropy_equals_one_pass(monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
     logits = _case(scale, torch.float32, seed=3)[0][:, :-1]
     whole = vocab_parallel_entropy(logits, None)
-    monkeypatch.setattr(tensor_parallel, "_CHUNK_ELEMENTS", 2 * VOCAB)
+    monkeypatch.setattr(tensor_parallel, "_MIN_CHUNK_ELEMENTS", 2 * VOCAB)
     chunked = vocab_parallel_entropy(logits, None)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
     p = torch.softmax(logits.double(), dim=-1)
@@ -130,11 +130,20 @@ def test_chunked_entropy_equals_one_pass(monkeypatch: pytest.MonkeyPatch, scale:
     torch.testing.assert_close(chunked.double(), exact, rtol=1e-5, atol=1e-6)
 
 
+def test_chunks_are_a_thirty_second_of_the_rows_or_the_minimum() -> None:
+    """Shapes only (meta tensors): a Qwen-sized vocab over 4 x 1024 tokens, strided as ``out[:, :-1]``."""
+    big = torch.empty(4, 1025, 152064, device="meta")[:, :-1]
+    blocks = list(tensor_parallel._blocks(big))
+    assert len(blocks) == 32 and {big[idx].shape[:-1].numel() for idx in blocks} == {128}
+    small = torch.empty(2, 10, 152064, device="meta")
+    assert list(tensor_parallel._blocks(small)) == [(slice(0, 2),)]  # 27-row minimum: one chunk
+
+
 # --- tp=2 over gloo ------------------------------------------------------------------------
 
 
 def _tp_logprobs(rank: int, world: int, cases: list[tuple[float, torch.dtype]]) -> list[dict[str, Any]]:
-    tensor_parallel._CHUNK_ELEMENTS = 2 * VOCAB // world + 1  # several chunks, not whole rows
+    tensor_parallel._MIN_CHUNK_ELEMENTS = 2 * VOCAB // world + 1  # several chunks, not whole rows
     part = VOCAB // world
     results = []
     for scale, dtype in cases:
