@@ -8,7 +8,10 @@ sequence; the outputs come back as the padded per-sequence tensors they replace.
 replica's rows into micro-batches of at most that many real tokens instead of the layout's
 ``micro_batches`` equal slices; the loss stays the token-mean over the mini-batch.
 
-Boundary: what the section may hold. The engine (``engine.packing``) does the packing.
+Boundary: what the section may hold. The engine (``engine.packing``) does the packing; the memory
+model counts a packed micro-batch's real tokens (``cost.terms.pass_rows``); a budget under the job's
+longest sequence is refused before anything starts (``preflight.sequence_problem``): the section
+alone does not know the job's lengths.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class PassesConfig(Frozen):
         ge=1,
         le=16 * 1024 * 1024,
         description="Real tokens per micro-batch on one device (verl's ppo_max_token_len_per_gpu); "
-        "None: the layout's micro_batches equal slices. Needs pack: true.",
+        "None: the layout's micro_batches equal slices. Needs pack: true and at least the job's longest "
+        "sequence (prompt + response).",
     )
 
     @model_validator(mode="before")
