@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nereus_core.engine import packing
 from nereus_core.engine.device import DeviceContext, RankGroups
 from nereus_core.engine.exchange import recv_activation, send_activation
 from nereus_core.engine.shard import ModelShard, get_shard
@@ -63,11 +64,14 @@ def stage_forward(
     cache: object | None = None,
     attention_mask: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    segments: torch.Tensor | None = None,
+    last_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Receive this stage's input (or take the ids), run the stage, send the output on.
 
     Returns ``(stage input, stage output)``; the input is a leaf that requires grad
     on non-first stages when grad is enabled, so training can send its grad back.
+    ``segments`` (a packed row's ``cu_seqlens``) and ``last_only`` go to the stage (``LlamaStage``).
     """
     groups = shard.groups
     if groups.is_first_stage:
@@ -76,10 +80,12 @@ def stage_forward(
         shape = (ids.shape[0], ids.shape[1], shard.config.hidden_size)
         x = recv_activation(shape, dtype or shard.dtype, groups.prev_rank, ids.device)
         x.requires_grad_(torch.is_grad_enabled())
-    if attention_mask is not None:
-        out = shard.module(x, positions, cache, attention_mask=attention_mask)
+    if segments is not None:
+        out = shard.module(x, positions, segments=segments)
+    elif attention_mask is not None:
+        out = shard.module(x, positions, cache, attention_mask=attention_mask, last_only=last_only)
     elif cache is not None:
-        out = shard.module(x, positions, cache)
+        out = shard.module(x, positions, cache, last_only=last_only)
     else:
         out = shard.module(x, positions)
     if not groups.is_last_stage:
@@ -97,6 +103,14 @@ def head_outputs(shard: ModelShard, out: torch.Tensor, ids_bs: torch.Tensor) -> 
         return out
     groups = shard.groups
     return vocab_parallel_logprobs(out[:, :-1], ids_bs[:, 1:], groups.tp_group, tp_rank=groups.coord.tp)
+
+
+def packed_head_outputs(shard: ModelShard, out: torch.Tensor, packed: packing.Packed) -> torch.Tensor:
+    """``head_outputs`` of a packed micro-batch, padded back to its rows: log-probs
+    ``[rows, s-1]`` (0 where t or t+1 is not a real token of the row) or values ``[rows, s]``."""
+    if shard.config.head == "value":
+        return packing.unpack_tokens(packed, out)
+    return packing.unpack_targets(packed, head_outputs(shard, out, packed.ids))
 
 
 def rows(positions: torch.Tensor, mask: torch.Tensor | None, mb: slice) -> dict[str, torch.Tensor | None]:
@@ -120,11 +134,17 @@ def forward_outputs(
     """``head_outputs`` for this replica's ids ``[b, s]`` (padded where ``attention_mask_bs`` is 0),
     micro-batch by micro-batch. ``pack`` runs each micro-batch's real tokens as one packed row
     (``packing``), at most ``max_tokens`` real tokens each; the outputs are padded alike."""
-    if pack:
-        raise NotImplementedError("packed forward passes are not implemented yet")
     shard = get_shard(ctx, name)
     groups = shard.groups
     ids_bs = ids_bs.to(ctx.device)
+    if pack:
+        outs = []
+        counts = {"micro_batches": groups.layout.micro_batches, "max_tokens": max_tokens}
+        for packed in packing.micro_batches(ids_bs, attention_mask_bs, **counts):
+            _, out = stage_forward(shard, packed.ids, packed.positions, segments=packed.cu_seqlens)
+            if groups.is_last_stage:
+                outs.append(packed_head_outputs(shard, out, packed))
+        return torch.cat(outs).cpu() if _returns(groups) else None
     positions, mask = padding(attention_mask_bs, ids_bs.shape[1], ctx.device)
     outs = []
     for mb in micro_batches(ids_bs.shape[0], groups.layout.micro_batches):
@@ -155,7 +175,8 @@ def generate(
     """Sample up to ``max_new_tokens`` after each left-padded prompt of this replica; returns
     ``[b, max_new_tokens]``, each row padded with ``pad_id`` after its first id in ``eos_ids``.
 
-    Prefill runs the whole prompt through the pipeline, then one token per step; the last stage
+    Prefill runs the whole prompt through the pipeline, then one token per step (the head runs on
+    the last position only: no logits for the rest of the prompt); the last stage
     samples and, with pipeline stages, broadcasts the tokens to the others so that every stage
     knows which rows stopped and when all have (then the loop ends). A stopped row keeps being fed
     ``pad_id`` with its mask at 1, as transformers does; its outputs are discarded.
@@ -173,7 +194,7 @@ def generate(
     running_b = torch.ones(b, dtype=torch.bool, device=ctx.device)
     ids, tokens = prompt_bs, []
     for step in range(max_new_tokens):
-        _, out = stage_forward(shard, ids, positions, cache=cache, attention_mask=mask)
+        _, out = stage_forward(shard, ids, positions, cache=cache, attention_mask=mask, last_only=True)
         if step + 1 == max_new_tokens:
             if groups.is_last_stage:
                 tokens.append(_next_token(shard, out, temperature, gen, running_b, pad_id))

@@ -6,18 +6,37 @@ loaded. The pipeline schedule is ours (GPipe, Huang et al. 2019): all micro-batc
 forward, then all backward in reverse order. Non-last stages backpropagate the
 surrogate ``sum(out * grad_out)``, whose gradient equals the true one, through
 ``engine.backward`` without the 1/GAS scaling the last stage already applied.
+
+Packed steps (``pack``, ``engine.packing``) run each micro-batch's real tokens as one row and
+hand the loss function the same padded outputs. With a token budget the number of micro-batches
+varies from step to step while DeepSpeed's ``gradient_accumulation_steps`` is fixed, so the step
+drives the accumulation boundary itself (``set_gradient_accumulation_boundary``) and weights each
+micro-batch's loss by its rows' share of the replica's batch (``scale_wrt_gas=False``): with equal
+slices that is DeepSpeed's 1/GAS, and the PPO loss stays the token-mean over the mini-batch
+(``ppo.minibatch_share``), as verl's dynamic batch size weights by each micro-batch's share.
+Data-parallel replicas run the most micro-batches any of them needs (ZeRO-2 reduces gradients
+at every micro-batch, a collective all replicas must join).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from nereus_core.engine import packing
 from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.exchange import recv_activation, send_activation
-from nereus_core.engine.forward import head_outputs, micro_batches, padding, rows, stage_forward
+from nereus_core.engine.forward import (
+    head_outputs,
+    micro_batches,
+    packed_head_outputs,
+    padding,
+    rows,
+    stage_forward,
+)
 from nereus_core.engine.shard import ModelShard, get_shard
 from nereus_core.model.tensor_parallel import vocab_parallel_entropy
 from nereus_core.rl.ppo import last_value, minibatch_share
@@ -68,12 +87,12 @@ def train_step(
     (``forward.head_outputs``: log-probs ``[b, s-1]`` or values ``[b, s]``); a loss function may
     return statistics beside it. ``with_entropy`` (lm head only) adds ``entropy`` ``[b, s-1]`` to
     each micro-batch: the policy's entropy over the full vocab, aligned with the log-probs.
+    ``pack`` runs packed micro-batches (at most ``max_tokens`` real tokens each, when given); the
+    loss function sees the same padded tensors, 0 at pads.
     The last stage's tp-rank-0 device returns the loss and each statistic as their mean over
     micro-batches (the caller averages replicas, as DeepSpeed averages gradients over DP), and
     ``grad_norm``: the global gradient norm before clipping, over every rank of the layout.
     """
-    if pack:
-        raise NotImplementedError("packed train steps are not implemented yet")
     shard = get_shard(ctx, name)
     if shard.engine is None:
         raise RuntimeError(
@@ -81,6 +100,8 @@ def train_step(
         )
     if with_entropy and shard.config.head == "value":
         raise ValueError(f"model-stage {name!r} has a value head: it has no entropy; pass with_entropy=False")
+    if pack:
+        return _packed_step(ctx, shard, batch, loss_fn, with_entropy, max_tokens)
     engine, groups = shard.engine, shard.groups
     ids_bs = batch["ids"].to(ctx.device)
     positions, mask = padding(batch.get("attention_mask"), ids_bs.shape[1], ctx.device)
@@ -103,6 +124,55 @@ def train_step(
     return None
 
 
+def _packed_micro_batches(
+    shard: ModelShard, batch: dict[str, torch.Tensor], max_tokens: int | None, device: torch.device
+) -> list[packing.Packed]:
+    """This replica's packed micro-batches; with a budget, as many as the replica needing most."""
+    groups = shard.groups
+    ids_bs, mask = batch["ids"].to(device), batch.get("attention_mask")
+    counts = {"micro_batches": groups.layout.micro_batches, "max_tokens": max_tokens}
+    packed = packing.micro_batches(ids_bs, mask, **counts)
+    if max_tokens is not None and groups.layout.dp > 1:
+        most = torch.tensor(len(packed), device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=groups.dp_group)
+        if int(most) > len(packed):
+            packed = packing.micro_batches(ids_bs, mask, **counts, count=int(most))
+    return packed
+
+
+def _packed_step(
+    ctx: DeviceContext,
+    shard: ModelShard,
+    batch: dict[str, torch.Tensor],
+    loss_fn: LossFn,
+    with_entropy: bool,
+    max_tokens: int | None,
+) -> dict[str, float] | None:
+    """``train_step`` on packed micro-batches, each loss weighted by its rows' share."""
+    groups = shard.groups
+    packed_mbs = _packed_micro_batches(shard, batch, max_tokens, ctx.device)
+    weights = [p.row_count / batch["ids"].shape[0] for p in packed_mbs]
+    shard.engine.train()
+    saved, stats = [], []
+    for packed, weight in zip(packed_mbs, weights, strict=True):
+        x, out = stage_forward(shard, packed.ids, packed.positions, segments=packed.cu_seqlens)
+        if groups.is_last_stage:
+            mb_batch = _slice(batch, packed.rows, ctx.device)
+            if with_entropy:
+                entropy = vocab_parallel_entropy(out[:, :-1].detach(), groups.tp_group)
+                mb_batch["entropy"] = packing.unpack_targets(packed, entropy)
+            loss, mb_stats = _loss_and_stats(loss_fn(packed_head_outputs(shard, out, packed), mb_batch))
+            stats.append({"loss": loss.detach(), **mb_stats})
+            out = loss * weight
+        saved.append((x, out))
+    grad_norm = _backward_and_step(shard, saved, ctx.device, weighted=True)
+    if groups.is_last_stage and groups.coord.tp == 0:
+        w = torch.tensor(weights, dtype=torch.float64, device=ctx.device)
+        means = torch.stack([(torch.stack([s[k] for s in stats]).double() * w).sum() for k in stats[0]])
+        return {**dict(zip(stats[0], means.tolist(), strict=True)), "grad_norm": grad_norm}
+    return None
+
+
 def _loss_and_stats(
     result: torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -113,10 +183,15 @@ def _loss_and_stats(
 
 
 def _backward_and_step(
-    shard: ModelShard, saved: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    shard: ModelShard,
+    saved: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    *,
+    weighted: bool = False,
 ) -> float:
     """GPipe's backward, micro-batches in reverse order, then the optimizer step; returns the
-    global gradient norm of the step (before clipping)."""
+    global gradient norm of the step (before clipping). ``weighted``: the losses carry their own
+    weights and the step marks its last micro-batch as the accumulation boundary (``_boundary``)."""
     engine, groups = shard.engine, shard.groups
     # ZeRO-1/2 compute the norm of the reduced, partitioned gradients in their step, over the DP
     # group and the mpu's tp x pp group (``optimizer.LayoutMpu``), before they clip; without ZeRO
@@ -124,8 +199,10 @@ def _backward_and_step(
     zero = engine.zero_optimization_stage() > 0
     norm_sq = torch.zeros((), dtype=torch.float64, device=device)
     for i, (x, out) in enumerate(reversed(saved)):
+        if weighted:
+            engine.set_gradient_accumulation_boundary(i == len(saved) - 1)
         if groups.is_last_stage:
-            engine.backward(out)
+            engine.backward(out, scale_wrt_gas=not weighted)
         else:
             grad = recv_activation(tuple(out.shape), out.dtype, groups.next_rank, device)
             engine.backward((out * grad).sum(), scale_wrt_gas=False)
@@ -134,6 +211,8 @@ def _backward_and_step(
         if not zero and i == len(saved) - 1:
             norm_sq = _tp_grad_norm_sq(shard, device)
         engine.step()  # DeepSpeed steps the optimizer at the last micro-batch only
+    if weighted:
+        _release_boundary(engine)
     if zero:
         norm = engine.get_global_grad_norm()
         if norm is None:
@@ -145,6 +224,14 @@ def _backward_and_step(
         # Each stage holds its own layers: the global squared norm is the sum over stages.
         dist.all_reduce(norm_sq, group=groups.pp_group)
     return float(norm_sq.sqrt())
+
+
+def _release_boundary(engine: Any) -> None:
+    """Hand the accumulation boundary back to DeepSpeed's micro-step count, realigned to a
+    multiple of ``gradient_accumulation_steps`` so that a following padded step's last
+    micro-batch is the boundary again."""
+    engine.set_gradient_accumulation_boundary(None)
+    engine.micro_steps += -engine.micro_steps % engine.gradient_accumulation_steps()
 
 
 def _tp_grad_norm_sq(shard: ModelShard, device: torch.device) -> torch.Tensor:
