@@ -15,7 +15,8 @@ from nereus_core.config.passes import PassesConfig
 from nereus_core.engine import packing
 from nereus_core.engine.forward import position_ids
 from nereus_core.engine.shard import OptimizerSettings
-from nereus_core.engine.train import lm_loss
+from nereus_core.engine.train import lm_loss, train_step
+from nereus_core.layout import Layout
 from nereus_core.model.weights import init_full_state
 from nereus_core.rl.ppo import minibatch_share, policy_loss
 from tasks import model_ops
@@ -156,3 +157,32 @@ def test_a_budget_makes_a_different_number_of_micro_batches() -> None:
     batch = _train_batch()
     mbs = packing.micro_batches(batch["ids"], batch["attention_mask"], micro_batches=2, max_tokens=16)
     assert len(mbs) > 2 and all(p.tokens <= 16 for p in mbs)
+
+
+def _replica_steps(pool, packs: list[bool]) -> dict[str, torch.Tensor]:
+    """Train steps on two data-parallel replicas of two micro-batches under ZeRO-2 (it reduces
+    gradients at every micro-batch). With at most 12 real tokens per micro-batch, replica 0's rows
+    (12, 10, 2, 12 real tokens) make three micro-batches and replica 1's (6, 6, 10, 2) two: a packed
+    step must run three on both, and DeepSpeed's count of two per step must hold again after it."""
+    layout, cfg = Layout.contiguous(tp=1, pp=1, dp=2, micro_batches=2), MODELS["llama"]
+    batch = _train_batch()
+    parts = [{k: v[rows] for k, v in batch.items()} for rows in ([0, 2, 3, 7], [1, 6, 5, 4])]
+    assert packing.real_lengths(parts[0]["attention_mask"]).tolist() == [12, 10, 2, 12]
+    optimizer = OptimizerSettings(lr=1e-3, eps=1e-6, weight_decay=0.01, zero_stage=2)
+    model_ops.load_model(pool, layout, name="actor/train", config=cfg, optimizer=optimizer)
+    try:
+        for pack in packs:
+            pool.run(layout, train_step, [(p,) for p in parts], name="actor/train", pack=pack, max_tokens=12)
+        return model_ops.full_state(pool, layout, name="actor/train", config=cfg)
+    finally:
+        model_ops.unload_model(pool, layout, name="actor/train")
+
+
+def test_replicas_with_different_budget_splits_then_a_padded_step(pool) -> None:
+    """A packed step whose replicas need different micro-batch counts, then a padded step (DeepSpeed
+    counts micro-batches again), lands where two padded steps do."""
+    padded = _replica_steps(pool, [False, False])
+    packed_first = _replica_steps(pool, [True, False])
+    init = init_full_state(MODELS["llama"])
+    assert max((padded[k] - init[k]).abs().max().item() for k in padded) > 1e-4
+    assert max((packed_first[k] - padded[k]).abs().max().item() for k in padded) <= 1e-5
