@@ -260,7 +260,10 @@ def _log_normalizer(logits_local: torch.Tensor, group: Group) -> tuple[torch.Ten
     if group_size(group) > 1:
         local_max = row_max
         row_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
-        sum_exp = _all_reduce(sum_exp.mul_((local_max - row_max).exp_()), dist.ReduceOp.SUM, group)
+        scale = (local_max - row_max).exp_()
+        # A shard whose row is all -inf (masked columns) has sum NaN and adds nothing.
+        sum_exp = torch.where(scale > 0, sum_exp * scale, 0.0)
+        sum_exp = _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
     return row_max, sum_exp.log_()
 
 
