@@ -13,6 +13,8 @@ hides pad keys, and positions count from each row's first real token (``position
 batch without padding (no mask, or all ones) runs the plain causal path, bit for bit as
 before. Generation stops a row at its first stop id (EOS) and fills the rest with ``pad_id``,
 as transformers' ``generate``; it ends early once every row of the replica has stopped.
+Packed passes (``pack``, ``packing``) keep this boundary: they run each micro-batch's real
+tokens as one row and return the same padded outputs, 0 where the padded path read pads.
 """
 
 from __future__ import annotations
