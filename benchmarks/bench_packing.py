@@ -11,8 +11,8 @@ train step (``train_step``, ``lm_loss`` over the responses) padded, then packed 
 optionally ``--max-tokens`` per micro-batch); tokens/s counts real tokens. Before timing, the
 packed log-probs are checked against the padded ones on every real target.
 
-Peak memory is measured in this process, on one replica's rows through a single ``LlamaStage``
-(forward, ``lm_loss``, backward), with ``torch.profiler`` allocation events as
+Peak memory is measured in this process, on one replica's rows as one micro-batch through a
+single ``LlamaStage`` (forward, ``lm_loss``, backward), with ``torch.profiler`` allocation events as
 ``bench_logprob_memory.peak_bytes``: the most bytes held at once beyond the weights and inputs.
 
 ``physical_limit`` is real tokens / padded tokens: the share of the padded work that is real, so

@@ -9,6 +9,9 @@ import torch
 
 from nereus_core.engine import packing
 from nereus_core.engine.forward import position_ids
+from nereus_core.model.llama import LlamaStage
+from nereus_core.model.weights import init_full_state
+from tests.support.model_configs import TWO_HEADS
 
 LEFT_PADS, REAL = (0, 3, 1, 6), (12, 6, 10, 2)  # prompt pads and real tokens of each row of 12
 
@@ -96,3 +99,35 @@ def test_no_mask_packs_every_token() -> None:
     (packed,) = packing.micro_batches(ids, None, micro_batches=1)
     assert packed.cu_seqlens.tolist() == [0, 12, 24, 36, 48]
     assert torch.equal(packed.positions[0], torch.arange(12).repeat(4))
+
+
+def _stage() -> LlamaStage:
+    cfg = TWO_HEADS
+    stage = LlamaStage(cfg, layers=range(cfg.num_hidden_layers), first=True, last=True)
+    stage.load_full_state(init_full_state(cfg))
+    return stage
+
+
+def test_segments_attend_within_each_sequence_only() -> None:
+    """A packed row's logits equal each sequence run alone (positions from 0)."""
+    stage, gen = _stage(), torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, TWO_HEADS.vocab_size, (1, n), generator=gen) for n in (5, 1, 9)]
+    ids = torch.cat(seqs, dim=1)
+    positions = torch.cat([torch.arange(s.shape[1]) for s in seqs])[None]
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    with torch.no_grad():
+        packed = stage(ids, positions, segments=cu)
+        alone = torch.cat([stage(s, torch.arange(s.shape[1])) for s in seqs], dim=1)
+        unsegmented = stage(ids, positions)
+    assert (packed - alone).abs().max().item() <= 1e-5
+    assert (unsegmented - alone).abs().max().item() > 1e-3  # without segments the sequences mix
+
+
+def test_last_only_is_the_last_column_of_the_full_head() -> None:
+    stage = _stage()
+    ids = torch.randint(0, TWO_HEADS.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = stage(ids, torch.arange(7))
+        last = stage(ids, torch.arange(7), last_only=True)
+    assert last.shape == (2, 1, full.shape[-1])
+    assert (last - full[:, -1:]).abs().max().item() <= 1e-6  # one matmul row vs many: rounding only
