@@ -14,9 +14,9 @@ def step_table(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> str:
     lines = [f"{'model':<10} {'stage':<11} {'seconds':>8} {'share':>6} {'tokens':>7}"]
     for r in rows:
         share = r["duration_s"] / wall if wall else 0.0
-        lines.append(
-            f"{r['model']:<10} {r['stage']:<11} {r['duration_s']:>8.3f} {share:>6.1%} {r['tokens']:>7}"
-        )
+        # A pass skipped because its result equals one the step has (old log-probs with one update).
+        seconds = f"{'reused':>8} {'':>6}" if r.get("reused") else f"{r['duration_s']:>8.3f} {share:>6.1%}"
+        lines.append(f"{r['model']:<10} {r['stage']:<11} {seconds} {r['tokens']:>7}")
     lines.append(
         f"{'step':<10} {'wall':<11} {wall:>8.3f}   overhead {stats['overhead_s']:.3f} s "
         f"({stats['overhead_s'] / wall:.1%}) | score {stats['score']:.3f} rule {stats['rule_score']:.3f}"
