@@ -20,13 +20,15 @@ A packed row (``engine.packing``: several sequences' real tokens concatenated, `
 passes ``segments`` (flash-attn's ``cu_seqlens``): attention is causal within each sequence
 and never across, without a dense ``[T, T]`` mask: flash-attn's ``flash_attn_varlen_func`` on
 CUDA in bf16/fp16 when it is installed (as verl's ``use_remove_padding``), else one causal
-``scaled_dot_product_attention`` per sequence (measured fastest on CPU against one call with a
-block-diagonal mask and SDPA on jagged nested tensors).
+``scaled_dot_product_attention`` per distinct sequence length, the sequences of that length
+batched (measured on CPU against one call with a block-diagonal mask, SDPA on jagged nested tensors
+and FlexAttention; a batch of equal lengths is then the padded path's single call).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -174,18 +176,34 @@ def attention_mask_bool(
 
 @dataclass(frozen=True)
 class Segments:
-    """Packed sequences: sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` of the row."""
+    """Packed sequences: sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` of the row.
+
+    ``by_length`` groups the sequences of one length: ``(length, token index [n, length])`` in order
+    of first appearance; ``restore`` puts the groups' tokens, concatenated, back in row order."""
 
     cu_seqlens: torch.Tensor  # int32 [n+1], on the row's device (flash-attn's)
     bounds: tuple[int, ...]  # the same, on the host
+    by_length: tuple[tuple[int, torch.Tensor], ...]
+    restore: torch.Tensor  # [T]
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, device: torch.device) -> Segments:
-        return cls(cu_seqlens.to(device=device, dtype=torch.int32), tuple(cu_seqlens.tolist()))
+        bounds = tuple(cu_seqlens.tolist())
+        starts: dict[int, list[int]] = {}
+        for a, b in itertools.pairwise(bounds):
+            if b > a:
+                starts.setdefault(b - a, []).append(a)
+        by_length = tuple(
+            (length, (torch.tensor(s, device=device)[:, None] + torch.arange(length, device=device)))
+            for length, s in starts.items()
+        )
+        order = torch.cat([index.reshape(-1) for _, index in by_length]) if by_length else None
+        restore = torch.empty(0, dtype=torch.long, device=device) if order is None else order.argsort()
+        return cls(cu_seqlens.to(device=device, dtype=torch.int32), bounds, by_length, restore)
 
     @property
     def longest(self) -> int:
-        return max((b - a for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True)), default=0)
+        return max((length for length, _ in self.by_length), default=0)
 
 
 _FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -201,15 +219,16 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
             *(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, longest, longest, causal=True
         )
         return out.transpose(0, 1).unsqueeze(0)
-    spans = zip(segments.bounds[:-1], segments.bounds[1:], strict=True)
-    outs = [
-        F.scaled_dot_product_attention(
-            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True
-        )
-        for a, b in spans
-        if b > a
-    ]
-    return torch.cat(outs, dim=2) if outs else q.clone()
+    if not segments.by_length:
+        return q.clone()
+    # One batched causal SDPA per distinct length: [n, H, length, d] gathered from the row.
+    outs = []
+    for _, index in segments.by_length:
+        n, length = index.shape
+        q_n, k_n, v_n = (t[0][:, index].transpose(0, 1) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q_n, k_n, v_n, is_causal=True, enable_gqa=True)
+        outs.append(out.transpose(0, 1).reshape(q.shape[1], n * length, -1))
+    return torch.cat(outs, dim=1)[:, segments.restore].unsqueeze(0)
 
 
 class Attention(nn.Module):
