@@ -139,7 +139,7 @@ def forward_outputs(
     shard = get_shard(ctx, name)
     groups = shard.groups
     ids_bs = ids_bs.to(ctx.device)
-    if pack:
+    if pack and packing.worth_packing(attention_mask_bs, max_tokens):
         outs = []
         counts = {"micro_batches": groups.layout.micro_batches, "max_tokens": max_tokens}
         for packed in packing.micro_batches(ids_bs, attention_mask_bs, **counts):

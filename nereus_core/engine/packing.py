@@ -42,6 +42,13 @@ class Packed:
         return self.rows.stop - self.rows.start
 
 
+def worth_packing(attention_mask_bs: torch.Tensor | None, max_tokens: int | None) -> bool:
+    """Whether packing changes what a pass computes: only a batch with padding, or one cut by a token
+    budget. A batch without padding runs the padded path, which then is the same computation in one
+    batched call (no gather, no scatter)."""
+    return max_tokens is not None or (attention_mask_bs is not None and not bool(attention_mask_bs.all()))
+
+
 def real_lengths(attention_mask_bs: torch.Tensor) -> torch.Tensor:
     """Real tokens per row ``[b]``; refuses a row whose real tokens are not contiguous."""
     real = attention_mask_bs.bool()

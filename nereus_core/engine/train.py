@@ -100,7 +100,7 @@ def train_step(
         )
     if with_entropy and shard.config.head == "value":
         raise ValueError(f"model-stage {name!r} has a value head: it has no entropy; pass with_entropy=False")
-    if pack:
+    if pack and packing.worth_packing(batch.get("attention_mask"), max_tokens):
         return _packed_step(ctx, shard, batch, loss_fn, with_entropy, max_tokens)
     engine, groups = shard.engine, shard.groups
     ids_bs = batch["ids"].to(ctx.device)

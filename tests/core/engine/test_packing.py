@@ -133,3 +133,13 @@ def test_last_only_is_the_last_column_of_the_full_head() -> None:
         last = stage(ids, torch.arange(7), last_only=True)
     assert last.shape == (2, 1, full.shape[-1])
     assert (last - full[:, -1:]).abs().max().item() <= 1e-6  # one matmul row vs many: rounding only
+
+
+def test_only_padding_or_a_budget_is_worth_packing() -> None:
+    full = torch.ones(3, 5, dtype=torch.long)
+    padded = full.clone()
+    padded[1, -2:] = 0
+    assert not packing.worth_packing(None, None)
+    assert not packing.worth_packing(full, None)  # nothing to remove: the padded path's one call
+    assert packing.worth_packing(padded, None)
+    assert packing.worth_packing(full, 64)  # a budget cuts micro-batches by tokens
