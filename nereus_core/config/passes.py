@@ -34,9 +34,10 @@ class PassesConfig(Frozen):
     """Packing and token-budget micro-batches of the forward and train passes."""
 
     pack: bool = Field(
-        default=False,
+        default=True,
         description="Pack each micro-batch's real tokens into one row (no padding computed), as verl's "
-        "use_remove_padding; results equal the padded passes within rounding.",
+        "use_remove_padding; results equal the padded passes within rounding. A batch without "
+        "padding or budget runs as it is.",
     )
     max_tokens_per_device: int | None = Field(
         default=None,

@@ -95,7 +95,8 @@ def test_a_micro_batch_holds_at_least_one_longest_sequence() -> None:
 
 def test_the_job_s_workload_carries_the_passes_section_under_verl_s_names() -> None:
     base = {"job": {"batch_size": 8, "prompt_len": 8, "response_len": 8}}
-    assert not Workload.from_config(parse_config(base)).pack
+    assert Workload.from_config(parse_config(base)).pack  # packed by default
+    assert not Workload.from_config(parse_config({**base, "passes": {"use_remove_padding": False}})).pack
     verl = {**base, "passes": {"use_remove_padding": True, "ppo_max_token_len_per_gpu": 4096}}
     work = Workload.from_config(parse_config(verl))
     assert work.pack and work.max_tokens_per_device == 4096

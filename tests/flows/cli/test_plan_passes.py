@@ -31,7 +31,7 @@ def _gib_per_slot(lines: list[str], stage: str) -> float:
 
 
 def test_plan_names_the_budget_and_the_forward_passes_memory_follows_it(tmp_path, capsys) -> None:
-    padded = _plan(tmp_path, capsys, None)
+    padded = _plan(tmp_path, capsys, {"pack": False})
     assert not any(line.startswith("passes:") for line in padded)
     small = _plan(tmp_path, capsys, {"use_remove_padding": True, "ppo_max_token_len_per_gpu": 64})
     assert small[2] == (
