@@ -225,9 +225,10 @@ def test_decision_time_at_1024_devices_and_six_model_stages() -> None:
         d = decide(obs, state)
         cpu.append(time.process_time() - start)
     assert d.chosen is not None and len(d.plan.devices) <= 1024
-    assert (
-        statistics.median(cpu) < 0.25
-    )  # loose here; benchmarks/bench_controller.py measures the 50 ms target
+    # Loose here (a guard against a several-fold regression): CPU seconds on a 2-core machine whose
+    # other core is busy read 0.18-0.32 for the same code. benchmarks/bench_controller.py measures
+    # the 50 ms target.
+    assert statistics.median(cpu) < 0.5
 
 
 def test_measured_transitions_calibrate_the_transition_cost() -> None:
