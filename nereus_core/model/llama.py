@@ -20,9 +20,9 @@ A packed row (``engine.packing``: several sequences' real tokens concatenated, `
 passes ``segments`` (flash-attn's ``cu_seqlens``): attention is causal within each sequence
 and never across, without a dense ``[T, T]`` mask: flash-attn's ``flash_attn_varlen_func`` on
 CUDA in bf16/fp16 when it is installed (as verl's ``use_remove_padding``), else one causal
-``scaled_dot_product_attention`` per distinct sequence length, the sequences of that length
-batched (measured on CPU against one call with a block-diagonal mask, SDPA on jagged nested tensors
-and FlexAttention; a batch of equal lengths is then the padded path's single call).
+``scaled_dot_product_attention`` per run of consecutive sequences of one length, the run batched as
+a view of the row (measured on CPU against one call with a block-diagonal mask, SDPA on jagged
+nested tensors and FlexAttention).
 """
 
 from __future__ import annotations
@@ -178,32 +178,29 @@ def attention_mask_bool(
 class Segments:
     """Packed sequences: sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` of the row.
 
-    ``by_length`` groups the sequences of one length: ``(length, token index [n, length])`` in order
-    of first appearance; ``restore`` puts the groups' tokens, concatenated, back in row order."""
+    ``runs`` groups consecutive sequences of one length: ``(start, count, length)``, so a run is a
+    contiguous slice of the row that reshapes to ``[count, length]`` without a copy."""
 
     cu_seqlens: torch.Tensor  # int32 [n+1], on the row's device (flash-attn's)
     bounds: tuple[int, ...]  # the same, on the host
-    by_length: tuple[tuple[int, torch.Tensor], ...]
-    restore: torch.Tensor  # [T]
+    runs: tuple[tuple[int, int, int], ...]
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, device: torch.device) -> Segments:
         bounds = tuple(cu_seqlens.tolist())
-        starts: dict[int, list[int]] = {}
+        runs: list[list[int]] = []
         for a, b in itertools.pairwise(bounds):
-            if b > a:
-                starts.setdefault(b - a, []).append(a)
-        by_length = tuple(
-            (length, (torch.tensor(s, device=device)[:, None] + torch.arange(length, device=device)))
-            for length, s in starts.items()
-        )
-        order = torch.cat([index.reshape(-1) for _, index in by_length]) if by_length else None
-        restore = torch.empty(0, dtype=torch.long, device=device) if order is None else order.argsort()
-        return cls(cu_seqlens.to(device=device, dtype=torch.int32), bounds, by_length, restore)
+            if b == a:
+                continue
+            if runs and runs[-1][2] == b - a and runs[-1][0] + runs[-1][1] * runs[-1][2] == a:
+                runs[-1][1] += 1
+            else:
+                runs.append([a, 1, b - a])
+        return cls(cu_seqlens.to(device=device, dtype=torch.int32), bounds, tuple(map(tuple, runs)))
 
     @property
     def longest(self) -> int:
-        return max((length for length, _ in self.by_length), default=0)
+        return max((length for _, _, length in self.runs), default=0)
 
 
 _FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -219,16 +216,16 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
             *(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, longest, longest, causal=True
         )
         return out.transpose(0, 1).unsqueeze(0)
-    if not segments.by_length:
+    if not segments.runs:
         return q.clone()
-    # One batched causal SDPA per distinct length: [n, H, length, d] gathered from the row.
+    # One causal SDPA per run of consecutive equal-length sequences: a view [count, H, length, d].
     outs = []
-    for _, index in segments.by_length:
-        n, length = index.shape
-        q_n, k_n, v_n = (t[0][:, index].transpose(0, 1) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q_n, k_n, v_n, is_causal=True, enable_gqa=True)
-        outs.append(out.transpose(0, 1).reshape(q.shape[1], n * length, -1))
-    return torch.cat(outs, dim=1)[:, segments.restore].unsqueeze(0)
+    for start, count, length in segments.runs:
+        span = slice(start, start + count * length)
+        q_r, k_r, v_r = (t[0][:, span].unflatten(1, (count, length)).transpose(0, 1) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True, enable_gqa=True)
+        outs.append(out.transpose(0, 1).flatten(1, 2))
+    return torch.cat(outs, dim=1).unsqueeze(0)
 
 
 class Attention(nn.Module):

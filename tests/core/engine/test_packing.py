@@ -111,8 +111,8 @@ def _stage() -> LlamaStage:
 def test_segments_attend_within_each_sequence_only() -> None:
     """A packed row's logits equal each sequence run alone (positions from 0)."""
     stage, gen = _stage(), torch.Generator().manual_seed(1)
-    # Lengths repeat out of order: sequences of one length attend in one batched call (row order back).
-    lengths = (5, 1, 9, 5, 1, 5)
+    # Runs of one length attend in one batched call; lengths also repeat apart.
+    lengths = (5, 5, 1, 9, 9, 9, 5, 1, 1)
     seqs = [torch.randint(0, TWO_HEADS.vocab_size, (1, n), generator=gen) for n in lengths]
     ids = torch.cat(seqs, dim=1)
     positions = torch.cat([torch.arange(s.shape[1]) for s in seqs])[None]
