@@ -83,8 +83,8 @@ def unload_model(pool: DevicePool, layout: Layout, *, name: str) -> None:
     pool.run(layout, drop_shard, name=name)
 
 
-# The passes section's defaults: every pass on the padded batch as given (the config's own default).
-PADDED = PassesConfig()
+# Every pass on the padded batch as given: the default of direct calls (a job passes its own section).
+PADDED = PassesConfig(pack=False)
 
 
 def _deadline_tokens(
