@@ -48,14 +48,14 @@ from flows.job.tracking import (
 )
 from nereus_core.config import NereusConfig
 from nereus_core.controller.decide import Decision, TransitionTiming
-from nereus_core.cost.transition_cost import TransitionEstimate
+from nereus_core.cost.transition_cost import TRANSITION_TERMS, TransitionEstimate
 from nereus_core.job import JobState, Switch
 from nereus_core.plan import layouts_json
 from storage.run_dir import STEPS_TABLE, TRANSITIONS_TABLE, RunDir
 
 HISTORY_TABLE = "metrics/history.parquet"
 LENGTH_STATS = ("response_len_mean", "response_len_max", "response_clip_frac")  # rollout.length_stats
-TERMS = ("wire", "ops", "durable", "engine")  # the order of TransitionEstimate.terms
+TERMS = TRANSITION_TERMS  # the order of TransitionEstimate.terms
 VERIFIED = ("verified_bitwise", "verified_max_diff")
 # actor/generate's vLLM engines rebuilt by a switch (flows/job/engine_switch.py)
 ENGINE_REBUILD = ("engine_rebuild_s", "engine_start_s", "engine_verified", "engine_probe_logp_diff_max")
@@ -68,16 +68,13 @@ def past_transitions(rows: list[dict[str, Any]]) -> list[TransitionTiming]:
     them: the prediction's unscaled terms and the seconds it took (rows without terms are skipped)."""
     out = []
     for r in rows:
-        terms = [r.get(f"predicted_{k}_s", 0.0 if k == "engine" else None) for k in TERMS]
+        # wire, ops and durable were recorded from the first; a term added later reads as 0 in older rows
+        terms = [r.get(f"predicted_{k}_s", None if k in TERMS[:3] else 0.0) for k in TERMS]
         if r.get("status") != "committed" or None in terms or not r.get("actual_s") or not sum(terms):
             continue
-        wire, ops, durable, engine = (float(t) for t in terms)
         estimate = TransitionEstimate(
             seconds=float(r["predicted_cost_s"]),
-            wire_s=wire,
-            ops_s=ops,
-            durable_s=durable,
-            engine_s=engine,
+            **{f"{k}_s": float(t) for k, t in zip(TERMS, terms, strict=True)},
             critical_bytes=0,
             transfers=0,
             analytic=False,
@@ -128,6 +125,7 @@ class JobRecords:
         self.transitions = run.read_rows(TRANSITIONS_TABLE) if first_step else []
         self.task_overheads: list[float] = []  # per Prefect task call: its time outside its stages
         self.checkpoint_s = 0.0
+        self.in_flight: Any = None  # a checkpoint being written in the background (flows/job/checkpoints.py)
         # Run time of the kept steps before this driver took over (0 on a fresh run).
         self.before_s = float(self.history[-1].get("run_s") or 0.0) if self.history else 0.0
         self.config = config
@@ -305,6 +303,11 @@ class JobRecords:
             "status": status,
             "route": stats.get("route", ""),
             "checkpoint_s": stats.get("checkpoint_s", 0.0),
+            # The parts of actual_s (the decision to the next step; the rest: the engines' rebuild)
+            "recovery": stats.get("recovery", ""),
+            "recovery_s": stats.get("recovery_s", 0.0),
+            "verify_s": stats.get("verify_s", 0.0),
+            "moves_s": stats.get("moves_s", 0.0),
             "retire_s": stats.get("retire_s", 0.0),
             "gtg_critical_path_s": stats.get("gtg_critical_path_s", 0.0),
             "devices": switch.devices,

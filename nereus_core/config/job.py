@@ -101,9 +101,19 @@ class JobConfig(Frozen):
     )
     verify_transitions: bool = Field(
         default=False,
-        description="After every plan switch, check every model's state bitwise against the checkpoint "
-        "taken before it, and the actor's (and critic's) outputs on a probe batch against plan A's "
-        "(<= 1e-5).",
+        description="After every plan switch, check every model's live state bitwise against its digests "
+        "taken on the devices before the moves, and the actor's (and critic's) outputs on a probe batch "
+        "against plan A's (<= 1e-5).",
+    )
+    # PyTorch DCP's async_save stages the state in host memory and writes it while training goes on;
+    # verl and OpenRLHF write no checkpoint for a switch (they have none: they restart).
+    switch_recovery: Literal["async", "sync", "none"] = Field(
+        default="async",
+        description="What a live switch writes before its moves: async (every model's state staged in "
+        "host memory, written to the run directory while the job goes on: a checkpoint of the step once "
+        "complete), sync (that checkpoint written first), none (nothing: a driver killed mid-switch "
+        "resumes from the newest complete checkpoint). A switch that rehydrates anything (a device-set "
+        "change, a durable unit) writes the checkpoint first in every mode.",
     )
     adapt: bool = Field(
         default=False,

@@ -53,7 +53,10 @@ from nereus_core.cost.transition_cost import (
     TransitionEstimate,
     TransitionScales,
     analytic_transition_cost,
+    recovery_seconds,
+    recovery_write,
     transition_cost,
+    verify_seconds,
 )
 from nereus_core.plan import GlobalPlan, model_of
 
@@ -185,17 +188,24 @@ def _transition(
             cold=max(0, observation.devices - ready),
             scales=state.transition_scales,
             engines=state.settings.rollout_engine == "vllm",
+            recovery=state.settings.switch_recovery,
+            verify=state.settings.verify_transitions,
         )
+    recovery = {"recovery": state.settings.switch_recovery, "verify": state.settings.verify_transitions}
     if durable:  # a new world: every stage rehydrates from the checkpoint, whether its layout changes or not
         old = dict(current.layouts) if current is not None else {}
         args = (old, dict(new.layouts), state.models, state.profile, state.transition_scales)
-        return analytic_transition_cost(*args, durable=True), None
+        return analytic_transition_cost(*args, durable=True, **recovery), None  # type: ignore[arg-type]
     if current is None or current == new:
         return TransitionEstimate.of(0.0, 0.0, None, critical_bytes=0, transfers=0, analytic=True), None
     if planner is not None:
-        return transition_cost(planner(current, new), state.profile, state.transition_scales), None
+        moved = transition_cost(planner(current, new), state.profile, state.transition_scales)
+        mode = recovery_write(state.settings.switch_recovery, durable=False)
+        recovery_s = recovery_seconds(mode, current.layouts, state.models, state.profile)
+        verify_s = verify_seconds(new.layouts, state.models, state.profile) if recovery["verify"] else 0.0
+        return moved.with_recovery(recovery_s, verify_s, state.transition_scales), None
     args = (dict(current.layouts), dict(new.layouts), state.models, state.profile, state.transition_scales)
-    return analytic_transition_cost(*args), None
+    return analytic_transition_cost(*args, **recovery), None  # type: ignore[arg-type]
 
 
 def _candidates(

@@ -20,7 +20,7 @@ from nereus_core.cost.calibration import CalibrationSettings, Sample
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.plan_estimate import PlanEstimate
 from nereus_core.cost.stage_cost import Scales, Workload
-from nereus_core.cost.transition_cost import TransitionEstimate, TransitionScales
+from nereus_core.cost.transition_cost import RecoveryMode, TransitionEstimate, TransitionScales
 from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, ModelStage
@@ -102,6 +102,16 @@ class ControllerSettings(Frozen):
         default="nereus",
         description="actor/generate's engine (``rollout.engine``): with vllm a change of its layout also "
         "rebuilds its engines, priced as the transition's engine term.",
+    )
+    switch_recovery: RecoveryMode = Field(
+        default="async",
+        description="What a switch writes before its moves (``job.switch_recovery``), priced as the "
+        "transition's recovery term.",
+    )
+    verify_transitions: bool = Field(
+        default=False,
+        description="Whether a switch's live state is verified (``job.verify_transitions``), priced as "
+        "the transition's verify term.",
     )
     max_alternatives: int = Field(default=5, ge=0, le=100, description="Rejected plans reported.")
     probe_every: int = Field(

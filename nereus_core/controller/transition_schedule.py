@@ -39,10 +39,14 @@ from nereus_core.controller.state import ControllerSettings, Observation
 from nereus_core.cost.calibration import CalibrationSettings
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.transition_cost import (
+    RecoveryMode,
     TransitionCosts,
     TransitionEstimate,
     TransitionScales,
     engine_rebuild_seconds,
+    recovery_seconds,
+    recovery_write,
+    verify_seconds,
 )
 from nereus_core.emu import bytes_per_device, plan_reshard, shard_map
 from nereus_core.gtg import TransitionInfeasible, build_gtg
@@ -257,17 +261,44 @@ def priced_moves(
     costs: TransitionCosts | None = None,
     scales: TransitionScales | None = None,
     engines: bool = False,
+    recovery: RecoveryMode = "none",
+    verify: bool = False,
 ) -> tuple[TransitionEstimate, MoveSchedule | None]:
     """``executed_cost`` with the schedule it priced (None for a new world: ``resize``, every stage
-    rehydrated, or no memory-safe live schedule on the basis)."""
+    rehydrated, or no memory-safe live schedule on the basis). ``recovery``: the job's
+    ``switch_recovery``, written as ``recovery_write`` says (synchronously when a unit is durable);
+    ``verify``: the switch's live state is verified (``verify_seconds``)."""
     costs = costs or profile.transitions
     keys = (_key(old.layouts), _key(new.layouts), tuple(sorted(models.items())))
     wire, ops, durable, link_bytes, calls, moves = _terms(*keys, profile.intra_bw, basis, resize, cold, costs)
     engine = engine_rebuild_seconds(old.layouts, new.layouts, costs, resize=resize) if engines else 0.0
+    recovery_s = verify_s = 0.0
+    if old != new or resize:
+        mode = recovery_write(recovery, durable=has_durable_units(moves, resize=resize))
+        recovery_s = recovery_seconds(mode, old.layouts, models, profile, costs)
+        verify_s = verify_seconds(new.layouts, models, profile, costs) if verify else 0.0
     estimate = TransitionEstimate.of(
-        wire, ops, scales, durable, engine, critical_bytes=link_bytes, transfers=calls, analytic=False
+        wire,
+        ops,
+        scales,
+        durable,
+        engine,
+        recovery_s,
+        verify_s,
+        critical_bytes=link_bytes,
+        transfers=calls,
+        analytic=False,
     )
     return estimate, moves
+
+
+def has_durable_units(moves: MoveSchedule | None, *, resize: bool) -> bool:
+    """Whether a switch rehydrates anything from the checkpoint of its step: a new world (``resize``),
+    no memory-safe live schedule (``moves`` None or refused: priced as a new world), or a schedule
+    with durable units (``load:``)."""
+    if resize or moves is None or moves.planned is None:
+        return True
+    return any(unit.startswith("load:") for unit in moves.planned.schedule.order)
 
 
 def _key(plan: StageLayouts) -> tuple[tuple[str, Layout], ...]:

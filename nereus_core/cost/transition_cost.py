@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 from pydantic import Field
@@ -26,6 +26,21 @@ from nereus_core.cost.terms import Num, model_stats
 from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from nereus_core.plan import ModelStage
+
+# The terms of a transition's price, each calibrated on its own scale (``TransitionScales``).
+TRANSITION_TERMS = ("wire", "ops", "durable", "engine", "recovery", "verify")
+
+# What a switch writes before anything moves (``job.switch_recovery``): ``sync`` every model's state
+# to the store, ``async`` staged in host memory and written in the background (PyTorch DCP's
+# ``async_save``), ``none`` nothing (the newest complete checkpoint stays the recovery point).
+RecoveryMode = Literal["async", "sync", "none"]
+
+
+def recovery_write(mode: RecoveryMode, *, durable: bool) -> RecoveryMode:
+    """What a switch writes as its recovery point: a switch with durable units (or a new world)
+    rehydrates them from a checkpoint of the step, so it writes one synchronously whatever the mode;
+    any other writes what ``mode`` says. The one rule the runtime runs and the cost model prices."""
+    return "sync" if durable else mode
 
 
 class TransferLike(Protocol):
@@ -43,14 +58,15 @@ class TransitionScales(Frozen):
     ops: float = Field(default=1.0, gt=0, description="Scale of the per-operation overhead.")
     durable: float = Field(default=1.0, gt=0, description="Scale of a durable switch's fixed cost.")
     engine: float = Field(default=1.0, gt=0, description="Scale of the rollout engines' rebuild.")
+    recovery: float = Field(default=1.0, gt=0, description="Scale of the switch's recovery point.")
+    verify: float = Field(default=1.0, gt=0, description="Scale of the live-state verification.")
 
     def as_array(self) -> np.ndarray:
-        return np.array([self.wire, self.ops, self.durable, self.engine], dtype=float)
+        return np.array([getattr(self, k) for k in TRANSITION_TERMS], dtype=float)
 
     @classmethod
     def from_array(cls, values: Sequence[float]) -> TransitionScales:
-        wire, ops, durable, engine = (float(v) for v in values)
-        return cls(wire=wire, ops=ops, durable=durable, engine=engine)
+        return cls(**{k: float(v) for k, v in zip(TRANSITION_TERMS, values, strict=True)})
 
 
 class TransitionEstimate(Frozen):
@@ -68,14 +84,20 @@ class TransitionEstimate(Frozen):
         description="Unscaled rebuild of the rollout engines (0 unless generation runs on vLLM engines "
         "and its layout changes): ``engine_rebuild_seconds``.",
     )
+    recovery_s: float = Field(
+        default=0.0, description="Unscaled recovery point on the critical path: ``recovery_seconds``."
+    )
+    verify_s: float = Field(
+        default=0.0, description="Unscaled live-state verification (0 when off): ``verify_seconds``."
+    )
     critical_bytes: int = Field(description="Bytes through the busiest port.")
     transfers: int = Field(description="Operations counted (transfers, or changed layouts when analytic).")
     analytic: bool = Field(description="True when estimated from layouts (no transfer list was given).")
 
     @property
-    def terms(self) -> tuple[float, float, float, float]:
-        """The unscaled terms, in the order of ``TransitionScales.as_array`` (what calibration fits)."""
-        return (self.wire_s, self.ops_s, self.durable_s, self.engine_s)
+    def terms(self) -> tuple[float, ...]:
+        """The unscaled terms, in ``TRANSITION_TERMS`` order (what calibration fits)."""
+        return tuple(getattr(self, f"{k}_s") for k in TRANSITION_TERMS)
 
     @classmethod
     def of(
@@ -85,13 +107,22 @@ class TransitionEstimate(Frozen):
         scales: TransitionScales | None,
         durable_s: float = 0.0,
         engine_s: float = 0.0,
+        recovery_s: float = 0.0,
+        verify_s: float = 0.0,
         **rest: int | bool,
     ) -> TransitionEstimate:
-        s = scales or TransitionScales()
-        seconds = s.wire * wire_s + s.ops * ops_s + s.durable * durable_s + s.engine * engine_s
-        return cls(
-            seconds=seconds, wire_s=wire_s, ops_s=ops_s, durable_s=durable_s, engine_s=engine_s, **rest
-        )
+        terms = (wire_s, ops_s, durable_s, engine_s, recovery_s, verify_s)
+        seconds = float(np.dot((scales or TransitionScales()).as_array(), terms))
+        named = {f"{k}_s": v for k, v in zip(TRANSITION_TERMS, terms, strict=True)}
+        return cls(seconds=seconds, **named, **rest)
+
+    def with_recovery(
+        self, recovery_s: float, verify_s: float, scales: TransitionScales | None
+    ) -> TransitionEstimate:
+        """This estimate with the recovery point's and the verification's terms set (and priced)."""
+        terms = (*self.terms[:4], recovery_s, verify_s)
+        seconds = float(np.dot((scales or TransitionScales()).as_array(), terms))
+        return self.model_copy(update={"seconds": seconds, "recovery_s": recovery_s, "verify_s": verify_s})
 
 
 def transition_cost(
@@ -186,6 +217,56 @@ def durable_seconds(
     return costs.world_rebuild_s + engines * costs.engine_s + read / costs.store_read_bandwidth
 
 
+def _state_bytes(stage: str, model: ModelConfig, profile: HardwareProfile) -> float:
+    """Bytes of a model-stage's whole state: weights, and the optimizer's for a train stage."""
+    stats = model_stats(model)
+    per = value_bytes(stats, profile)
+    optimizer = per.optimizer if stage_kind(stage) == "train" else 0
+    return stats.total_params * (per.weight + optimizer)
+
+
+def _owners(layouts: Mapping[str, Layout]) -> list[str]:
+    return [s for s in layouts if ModelStage(s).owns_state]
+
+
+def recovery_seconds(
+    mode: RecoveryMode,
+    old: Mapping[str, Layout],
+    models: Mapping[str, ModelConfig],
+    profile: HardwareProfile,
+    costs: TransitionCosts | None = None,
+) -> float:
+    """Unscaled seconds a switch's recovery point (``recovery_write``'s mode) holds the job up,
+    written from plan A (``old``): every model's distinct pieces, spread over its stage's devices,
+    one stage after another as the checkpoint runs them, each one device call; ``sync`` at the
+    store's write bandwidth per device, ``async`` at the host staging bandwidth (the write itself runs
+    in the background), ``none`` nothing."""
+    if mode == "none":
+        return 0.0
+    costs = costs or profile.transitions
+    bandwidth = costs.store_write_bandwidth if mode == "sync" else costs.staging_bandwidth
+    seconds = 0.0
+    for stage in _owners(old):
+        per_device = _state_bytes(stage, models[stage.partition("/")[0]], profile) / len(old[stage].devices)
+        seconds += costs.call_s + per_device / bandwidth
+    return seconds
+
+
+def verify_seconds(
+    layouts: Mapping[str, Layout],
+    models: Mapping[str, ModelConfig],
+    profile: HardwareProfile,
+    costs: TransitionCosts | None = None,
+) -> float:
+    """Unscaled seconds of a switch's verification (``job.verify_transitions``): every model's whole
+    state gathered to the driver and hashed before the moves and after (``digest_bandwidth``), and
+    the probe batch's forward passes on plan A and plan B (one device call per stage each time)."""
+    costs = costs or profile.transitions
+    owners = _owners(layouts)
+    total = sum(_state_bytes(s, models[s.partition("/")[0]], profile) for s in owners)
+    return 2 * (total / costs.digest_bandwidth + 2 * len(owners) * costs.call_s)
+
+
 def setup_seconds(old: dict[str, Layout], new: dict[str, Layout], profile: HardwareProfile) -> float:
     """Fixed cost of bringing up the layouts of ``new`` whose degrees or devices differ from ``old``:
     their process groups, created in parallel (one ``group_setup_s``), and the
@@ -234,18 +315,35 @@ def analytic_transition_cost(
     *,
     durable: bool = False,
     costs: TransitionCosts | None = None,
+    recovery: RecoveryMode = "none",
+    verify: bool = False,
 ) -> TransitionEstimate:
     """Transition cost from layouts alone (no transfer list): the sum over model-stages of the
     busiest device's receive bytes (an upper bound of one device's total) over the slowest link.
 
     ``durable`` (the device set changes, so the world is rebuilt): nothing moves device to device;
     every model-stage is rehydrated or relinked (one operation each) at ``durable_seconds`` of
-    ``costs`` (the profile's, ``profile.transitions``, unless given)."""
+    ``costs`` (the profile's, ``profile.transitions``, unless given). ``recovery``: the job's
+    ``switch_recovery`` (what the switch writes first: ``recovery_write``); ``verify``: the job
+    verifies the switch's live state (``verify_seconds``)."""
+    costs = costs or profile.transitions
+    mode = recovery_write(recovery, durable=durable)
+    recovery_s = recovery_seconds(mode, old or new, models, profile, costs) if old != new or durable else 0.0
+    verify_s = verify_seconds(new, models, profile, costs) if verify and (old != new or durable) else 0.0
     if durable:
         ops_s = len(new) * profile.transitions.transition_op_overhead_s
-        fixed = durable_seconds(new, models, profile, costs or profile.transitions)
+        fixed = durable_seconds(new, models, profile, costs)
         return TransitionEstimate.of(
-            0.0, ops_s, scales, fixed, critical_bytes=0, transfers=len(new), analytic=True
+            0.0,
+            ops_s,
+            scales,
+            fixed,
+            0.0,
+            recovery_s,
+            verify_s,
+            critical_bytes=0,
+            transfers=len(new),
+            analytic=True,
         )
     total, changed, inter = 0, 0, False
     for stage, layout in new.items():
@@ -258,7 +356,16 @@ def analytic_transition_cost(
     bw = profile.inter_bw if inter else profile.intra_bw
     wire = total / bw + (profile.collective_latency_s if changed else 0.0)
     ops_s = changed * profile.transitions.transition_op_overhead_s + setup_seconds(old, new, profile)
-    return TransitionEstimate.of(wire, ops_s, scales, critical_bytes=total, transfers=changed, analytic=True)
+    return TransitionEstimate.of(
+        wire,
+        ops_s,
+        scales,
+        recovery_s=recovery_s,
+        verify_s=verify_s,
+        critical_bytes=total,
+        transfers=changed,
+        analytic=True,
+    )
 
 
 def sync_seconds(

@@ -67,7 +67,10 @@ def test_a_switch_carries_the_move_schedule_the_controller_priced() -> None:
     assert moves.old == state.plan and moves.new == outcome.plan
     assert moves.basis == MoveBasis(slots=2, memory_per_device=obs.memory_per_device)
     c = state.controller
-    estimate, again = priced_moves(state.plan, outcome.plan, c.models, c.profile, basis=moves.basis)
+    settings = {"recovery": c.settings.switch_recovery, "verify": c.settings.verify_transitions}
+    estimate, again = priced_moves(
+        state.plan, outcome.plan, c.models, c.profile, basis=moves.basis, **settings
+    )
     assert again is moves and decision.transition is not None
     assert estimate.terms == decision.transition.terms
 

@@ -42,7 +42,7 @@ def cost(old: dict, new: dict, **kw: object) -> object:
 
 def test_nothing_to_move_costs_nothing() -> None:
     est = cost(plan(), plan())
-    assert est.seconds == 0 and est.terms == (0.0, 0.0, 0.0, 0.0)
+    assert est.seconds == 0 and est.terms == (0.0,) * 6
 
 
 def test_a_live_move_costs_its_calls_groups_engine_and_the_busiest_port_of_its_transfers() -> None:

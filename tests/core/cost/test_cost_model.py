@@ -217,12 +217,19 @@ def test_a_durable_switch_costs_its_fixed_costs_even_when_no_layout_changes() ->
         assert est.wire_s == 0 and est.ops_s == pytest.approx(
             len(plan) * profile.transitions.transition_op_overhead_s
         )
-        assert est.seconds == pytest.approx(est.durable_s + est.ops_s)
+        # It rehydrates from a checkpoint of its step, written first whatever the job's recovery mode:
+        # every owner's whole state (weights, and optimizer state for the train stages) spread over
+        # its 8 devices, one device call per stage.
+        state = trains * params * (per.weight + per.optimizer) + infers * params * per.weight
+        write = len(owners) * costs.call_s + state / 8 / costs.store_write_bandwidth
+        assert est.recovery_s == pytest.approx(write) and est.verify_s == 0
+        assert est.seconds == pytest.approx(est.durable_s + est.ops_s + est.recovery_s)
         slower = analytic_transition_cost(
             plan, plan, models, profile, TransitionScales(durable=3.0), durable=True
         )
-        assert slower.seconds == pytest.approx(3.0 * est.durable_s + est.ops_s)
-        assert slower.terms == est.terms == (0.0, est.ops_s, est.durable_s, 0.0)  # what calibration fits
+        assert slower.seconds == pytest.approx(3.0 * est.durable_s + est.ops_s + est.recovery_s)
+        # what calibration fits
+        assert slower.terms == est.terms == (0.0, est.ops_s, est.durable_s, 0.0, est.recovery_s, 0.0)
         small = analytic_transition_cost(plan, plan, dict.fromkeys(models, MID), profile, durable=True)
         assert fixed < small.durable_s < est.durable_s  # the reads grow with the model
     assert H100_SXM.transitions.world_rebuild_s > CPU_WORKERS.transitions.world_rebuild_s  # NCCL, not gloo
