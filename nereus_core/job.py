@@ -122,15 +122,19 @@ Outcome = Keep | Switch | Fail
 def controller_settings(config: NereusConfig) -> ControllerSettings:
     """The controller's settings for a job of ``config`` (``nereus run`` and ``nereus plan`` alike):
     moves priced as the transition flow runs them, generation's engine (vLLM: no pipelined
-    generation, a change of its layout rebuilds the engines), what a switch writes and verifies."""
+    generation, a change of its layout rebuilds the engines), what a switch writes and verifies;
+    only the features the runtime runs (``controller.features``: no probes, no overlap)."""
+    from nereus_core.controller.features import runtime_settings
+
     job = config.job
-    return JOB_CONTROLLER.model_copy(
+    settings = JOB_CONTROLLER.model_copy(
         update={
             "rollout_engine": config.rollout.engine,
             "switch_recovery": job.switch_recovery,
             "verify_transitions": job.verify_transitions,
         }
     )
+    return runtime_settings(settings)
 
 
 def start(config: NereusConfig, layouts: Mapping[str, Layout] | None = None) -> JobState:

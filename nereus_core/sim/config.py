@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from nereus_core.config import LLAMA_3_8B, ConfigError, ModelConfig
+from nereus_core.controller import features
 from nereus_core.controller.decide import ControllerSettings
 from nereus_core.frozen import Frozen
 from nereus_core.plan import ModelStage, stages_for
@@ -136,6 +137,14 @@ class SimConfig(Frozen):
     profile: Literal["h100", "cpu"] = Field(default="h100", description="Hardware profile (hardware.py).")
     seeds: tuple[int, ...] = Field(default=(0,), min_length=1, description="Seeds; each draws its own truth.")
     ppo_epochs: int = Field(default=1, ge=1, le=64, description="Passes of the train stages per step.")
+    snapshot_every: int = Field(
+        default=features.SNAPSHOT_EVERY,
+        ge=0,
+        le=1_000_000,
+        description="nereus and static (Nereus's runtime): a synchronous checkpoint after every K steps "
+        "and after the last, as the job's job.snapshot_every (0: after the last only); the peers are "
+        "charged none.",
+    )
     noise: NoiseSettings = NoiseSettings()
     decision: DecisionSettings = DecisionSettings()
     controller: ControllerSettings = ControllerSettings()
@@ -157,9 +166,23 @@ class SimConfig(Frozen):
                 if s not in self.strategies:
                     valid = ", ".join(self.strategies)
                     raise ValueError(f"traces.{trace.name}.strategies: no strategy {s!r}; valid: {valid}")
+        self._check_runtime_features()
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={list(self.seeds)} repeats a seed; list each once")
         return self
+
+    def _check_runtime_features(self) -> None:
+        """Refuse a controller setting that asks Nereus (``nereus``, ``static``) for a feature its
+        runtime lacks (``controller.features``), naming the field and the fix."""
+        for name, spec in self.strategies.items():
+            if spec.kind not in ("nereus", "static"):
+                continue
+            where = f"strategies.{name}.controller" if spec.controller else "controller"
+            for field, why in features.asked_but_lacking(spec.controller or self.controller):
+                raise ValueError(
+                    f"{where}.{field}: {why}; remove the field (the simulated Nereus has only what the "
+                    "runtime has: nereus_core/controller/features.py)"
+                )
 
     @property
     def stages(self) -> tuple[ModelStage, ...]:

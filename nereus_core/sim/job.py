@@ -47,9 +47,18 @@ def make_strategy(config: SimConfig, name: str) -> Strategy:
     settings = spec.controller or config.controller
     if spec.kind == "nereus":
         decision = spec.decision or config.decision
-        return NereusStrategy(name, model=config.model, profile=profile, settings=settings, decision=decision)
+        return NereusStrategy(
+            name,
+            model=config.model,
+            profile=profile,
+            settings=settings,
+            decision=decision,
+            snapshot_every=config.snapshot_every,
+        )
     if spec.kind == "static":
-        return StaticStrategy(name, model=config.model, profile=profile, settings=settings)
+        return StaticStrategy(
+            name, model=config.model, profile=profile, settings=settings, snapshot_every=config.snapshot_every
+        )
     if spec.kind == "verl":
         return VerlStrategy(name, spec=spec, settings=settings)
     return OpenRLHFStrategy(name, spec=spec, settings=settings)

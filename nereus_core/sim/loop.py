@@ -10,9 +10,13 @@ Boundary: the loop owns the clock and the records; a strategy owns its plan
 
 A step's latency (``step_s``) is its stages, the weight sync, the controller's
 decision time after it, and, when its plan does not fit in memory, the failed attempt
-and a restart from the last checkpoint (``restart_s``) (the first decision, which picks the starting plan, is
-charged to step 0); a transition's time is recorded on the step it follows and
-counts in the run's total time, not in any step's latency.
+and a restart (``restart_s``) (the first decision, which picks the starting plan, is
+charged to step 0). A strategy on Nereus's runtime writes a synchronous checkpoint after every
+``checkpoint_every`` steps and after the last (``checkpoint_s``, ``World.checkpoint_s``), and its
+restart reruns the steps since its last periodic checkpoint; a strategy with no checkpoints
+charged (the peers, ``checkpoint_every`` None) restarts as if one were taken every step, in its
+favour. A transition's and a checkpoint's time are recorded on the step they follow and count in
+the run's total time, not in any step's latency.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class StepRun:
 
 class Strategy(Protocol):
     name: str
+    checkpoint_every: int | None  # steps between its periodic checkpoints (0: the last only; None: none)
 
     def begin(self, world: World) -> Move: ...
 
@@ -101,6 +106,19 @@ def _trace_row(tr: Trace, k: int) -> dict[str, Any]:
     }
 
 
+def _restart_and_checkpoint(
+    world: World, plan: GlobalPlan, k: int, fits: bool, stage_s: float, every: int | None, since: float
+) -> tuple[float, float, float]:
+    """Step ``k``'s restart and periodic checkpoint seconds, and the stage seconds since the last
+    checkpoint after it. A step whose plan does not fit fails: its attempt is lost, the job restarts
+    from its last checkpoint, reruns the steps since it (none for a strategy charged no checkpoints,
+    ``every`` None: as if one were taken every step), then runs the step again."""
+    restart = 0.0 if fits else stage_s + world.restart_s(plan) + since
+    due = every is not None and (k + 1 == world.steps or (every > 0 and (k + 1) % every == 0))
+    checkpoint = world.checkpoint_s(plan) if due else 0.0
+    return restart, checkpoint, 0.0 if due or every is None else since + stage_s
+
+
 def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tuple[list[dict], dict[str, str]]:
     """Run ``strategy`` through every step of ``world``; the per-step records and the plans used."""
     tr = world.trace
@@ -108,6 +126,7 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
     plans: dict[str, str] = {}
     start = strategy.begin(world)
     carried_s, carried_wall, carried_calls = start.decide_s, start.decide_wall_s, start.decide_calls
+    every, since_checkpoint = strategy.checkpoint_every, 0.0  # stage seconds since the last one
     for k in range(world.steps):
         work = tr.workloads[k]
         world.begin_step(k)
@@ -121,9 +140,9 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
         true_s = strategy.combine(plan, prepared.true_s, true_sync)
         predicted = strategy.predict(plan, work, world, k)
         fits = world.peak_bytes(plan, work) <= tr.memory_bytes(k)
-        # A step whose plan does not fit fails: its attempt is lost and the job restarts from the last
-        # checkpoint (taken every step), then runs the step again (accounting).
-        restart = 0.0 if fits else stage_s + world.restart_s(plan)
+        restart, checkpoint, since_checkpoint = _restart_and_checkpoint(
+            world, plan, k, fits, stage_s, every, since_checkpoint
+        )
         move = strategy.after(k, world, StepRun(k, plan, work, measured))
         decide_s, decide_wall = carried_s + move.decide_s, carried_wall + move.decide_wall_s
         calls = carried_calls + move.decide_calls
@@ -147,6 +166,7 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
                 "decide_wall_s": decide_wall,
                 "decide_calls": calls,
                 "restart_s": restart,
+                "checkpoint_s": checkpoint,
                 "step_s": stage_s + decide_s + restart,
                 "true_step_s": true_s,
                 "floor_step_s": sum(world.floor_s(k).values()),

@@ -6,10 +6,13 @@ controller (``decide_wall_s``) is left out of the summary so that the same confi
 and seed always give the same summary (it stays in the step records).
 
 Per run (one trace, strategy and seed):
-- ``total_s``: every step's latency plus every transition.
+- ``total_s``: every step's latency plus every transition and periodic checkpoint.
 - ``mean_step_s``: the mean step latency (stages + weight sync + controller time, and for a
   step whose plan did not fit, its failed attempt and a restart: ``restart_s_total``);
-  ``mean_step_with_transitions_s``: the same with every transition's time spread over the steps.
+  ``mean_step_with_transitions_s``: the same with every transition's and checkpoint's time spread
+  over the steps.
+- ``checkpoint_s_total``, ``checkpoint_overhead_frac``: the periodic checkpoints' time (Nereus's
+  runtime writes one every ``snapshot_every`` steps; the peers are charged none) and its share.
 - ``throughput_tokens_per_s``: tokens (prompt + response of every sequence) / total_s.
 - ``transitions``: moves that change a layout's degrees, slots or placement (switches
   and DP rescales), and how many of them the devices, memory or a gain caused
@@ -36,6 +39,8 @@ FIELDS = (
     "mean_step_s",
     "mean_step_with_transitions_s",
     "restart_s_total",
+    "checkpoint_s_total",
+    "checkpoint_overhead_frac",
     "throughput_tokens_per_s",
     "transitions",
     "transition_s_total",
@@ -81,7 +86,8 @@ def summarize_run(records: Sequence[dict]) -> dict[str, float | int | None]:
     """The summary fields of one (trace, strategy, seed) run."""
     steps = sum(r["step_s"] for r in records)
     transition_s = sum(r["transition_s"] for r in records)
-    total = steps + transition_s
+    checkpoint_s = sum(r.get("checkpoint_s", 0.0) for r in records)
+    total = steps + transition_s + checkpoint_s
     tokens = sum(r["tokens"] for r in records)
     controller = sum(r["decide_s"] for r in records)
     # Runs kept by a sweep before the floor was recorded have none.
@@ -91,6 +97,8 @@ def summarize_run(records: Sequence[dict]) -> dict[str, float | int | None]:
         "mean_step_s": steps / len(records),
         "mean_step_with_transitions_s": total / len(records),
         "restart_s_total": sum(r.get("restart_s", 0.0) for r in records),
+        "checkpoint_s_total": checkpoint_s,
+        "checkpoint_overhead_frac": checkpoint_s / total,
         "throughput_tokens_per_s": tokens / total,
         "transitions": sum(r["move"] in TRANSITION_KINDS for r in records),
         "transition_s_total": transition_s,

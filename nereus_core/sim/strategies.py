@@ -2,18 +2,21 @@
 
 - ``nereus``: the controller (``controller.decide``) after every step (or every k steps,
   and always when the devices or the capacity change), fed the stage times the world
-  measured; it recalibrates, searches and switches when a plan pays for its move. A
-  switch's time is the world's true cost of what the controller estimated, and is
-  reported back to it so it calibrates the transition cost too. The probes a decision asks for
-  (``controller.probe``) are answered by the world (``sim.probes``) and seen by the next decision;
-  their time is not charged (tens of ms every ``probe_every`` steps of a minute or more).
+  measured; it recalibrates, searches and switches when a plan pays for its move. It has only
+  what the runtime has (``controller.features.runtime_settings``: no probes, no overlap). A
+  switch's time is the world's true cost of what the controller estimated, with what the runtime
+  writes for it (``checkpoints.SwitchWrites``: the job's recovery point, its verification), and is
+  reported back to it so it calibrates the transition cost too. A checkpoint every
+  ``snapshot_every`` steps is charged by the loop. Probes a decision asks for (none under the
+  runtime's rule) would be answered by the world (``sim.probes``), uncharged.
   Generation's waves are the rollout engine's, as for every strategy (``World.run_plan``: the
   engine admits what its KV budget holds); every other micro-batch count is the controller's.
 - ``static``: the plan the controller picks at step 0 (the same start as nereus) with
   its TP/PP kept for the whole run; when the devices change, every stage's DP degree
   (and its slots) is scaled with them, and that rescale costs a transition like any
   other. Micro-batch counts (generation waves) are re-picked every step with the true
-  cost, in its favour: vLLM admits what fits and trainers tune micro-batches.
+  cost, in its favour: vLLM admits what fits and trainers tune micro-batches. It runs on Nereus's
+  runtime: the same rule of features, recovery points and periodic checkpoints as ``nereus``.
 Every strategy plans the job's model-stages and no others (``World.stages``, which
 ``SimConfig.stages`` sets: PPO's six, GRPO's actor pair and the reference with a KL term).
 Every strategy has the same memory option: a train stage that would not fit otherwise
@@ -36,6 +39,7 @@ from nereus_core.controller.decide import (
     TransitionTiming,
     decide,
 )
+from nereus_core.controller.features import runtime_settings
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.plan_estimate import step_seconds
 from nereus_core.cost.stage_cost import Workload
@@ -43,6 +47,7 @@ from nereus_core.cost.transition_cost import analytic_transition_cost
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, models_for
 from nereus_core.sim import probes
+from nereus_core.sim.checkpoints import SwitchWrites
 from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.loop import Move, Prepared, SimError, StepRun
 from nereus_core.sim.world import World, largest_dp, usable_bytes
@@ -81,9 +86,12 @@ class NereusStrategy:
         profile: HardwareProfile,
         settings: ControllerSettings,
         decision: DecisionSettings,
+        snapshot_every: int,
     ) -> None:
         self.name, self.model, self.profile = name, model, profile
-        self.settings, self.decision = settings, decision
+        self.settings, self.decision = runtime_settings(settings), decision
+        self.writes = SwitchWrites(self.settings.switch_recovery, self.settings.verify_transitions)
+        self.checkpoint_every = snapshot_every
         self.state: ControllerState | None = None
         self.plan: GlobalPlan | None = None
         self.timings: list[StageTiming] = []
@@ -163,7 +171,9 @@ class NereusStrategy:
             )
         old, self.plan = self.plan, d.plan
         estimate = d.transition
-        seconds = world.transition_s(k, estimate, old, self.plan) if estimate is not None else 0.0
+        seconds = (
+            world.transition_s(k, estimate, old, self.plan, self.writes) if estimate is not None else 0.0
+        )
         if estimate is not None and seconds > 0:
             self.last = TransitionTiming(predicted=estimate, seconds=seconds)
         return Move(
@@ -201,6 +211,8 @@ class FixedStrategy:
     """A plan fixed at the start; DP rescaled when the devices change; micro-batches re-picked in truth."""
 
     name: str
+    writes: SwitchWrites | None = None  # what a rescale writes: nothing (the peers restart instead)
+    checkpoint_every: int | None = None  # the peers are charged no checkpoints
 
     def __init__(self, name: str, *, headroom: float) -> None:
         self.name, self.headroom = name, headroom
@@ -241,7 +253,7 @@ class FixedStrategy:
         return Move(
             self.base,
             "rescale",
-            transition_s=world.transition_s(k, estimate, old, self.base),
+            transition_s=world.transition_s(k, estimate, old, self.base, self.writes),
             predicted_transition_s=estimate.seconds,
             reason=f"devices {before} -> {new}: DP rescaled",
         )
@@ -251,10 +263,18 @@ class StaticStrategy(FixedStrategy):
     """The controller's first plan, kept; DP scaled with the devices."""
 
     def __init__(
-        self, name: str, *, model: ModelConfig, profile: HardwareProfile, settings: ControllerSettings
+        self,
+        name: str,
+        *,
+        model: ModelConfig,
+        profile: HardwareProfile,
+        settings: ControllerSettings,
+        snapshot_every: int,
     ) -> None:
         super().__init__(name, headroom=settings.headroom)
-        self.model, self.profile, self.settings = model, profile, settings
+        self.model, self.profile, self.settings = model, profile, runtime_settings(settings)
+        self.writes = SwitchWrites(self.settings.switch_recovery, self.settings.verify_transitions)
+        self.checkpoint_every = snapshot_every
 
     def initial_plan(self, world: World) -> GlobalPlan:
         state = ControllerState.initial(

@@ -45,7 +45,8 @@ from nereus_core.plan import (
     models_for,
     sync_colocated,
 )
-from nereus_core.sim import stage_world, transitions
+from nereus_core.sim import checkpoints, stage_world, transitions
+from nereus_core.sim.checkpoints import SwitchWrites
 from nereus_core.sim.config import NoiseSettings
 from nereus_core.sim.trace import Trace
 
@@ -101,6 +102,7 @@ class World:
         self.trace, self.profile, self.seed, self.stages = trace, profile, seed, stages
         self.models = {m: v for m, v in models_for(model).items() if m in {model_of(s) for s in stages}}
         self.sizes = {name: model_size(m) for name, m in self.models.items()}
+        self.params = {name: size.params for name, size in self.sizes.items()}
         self.constants = stage_world.constants_for(self.sizes["actor"].params)
         self.per_tensor_sync = False  # the framework broadcasts weights one tensor at a time (OpenRLHF)
         # The framework shards train and forward weights over the data-parallel ranks (verl's FSDP,
@@ -274,10 +276,27 @@ class World:
     def measured_sync_s(self, k: int, true_s: float) -> float:
         return true_s * float(self.stage_noise[k, SYNC])
 
-    def transition_s(self, k: int, estimate: TransitionEstimate, old: GlobalPlan, new: GlobalPlan) -> float:
-        """What a move takes in this world: the moved bytes at link speed and the fixed costs."""
+    def transition_s(
+        self,
+        k: int,
+        estimate: TransitionEstimate,
+        old: GlobalPlan,
+        new: GlobalPlan,
+        writes: SwitchWrites | None = None,
+    ) -> float:
+        """What a move after step ``k`` takes here: the moved bytes at link speed, the fixed costs and,
+        on Nereus's runtime, what it ``writes`` (``checkpoints.switch_s``: its recovery point, and a
+        read back when the device set changes after step ``k``)."""
         fixed = transitions.fixed_s(dict(old.layouts), dict(new.layouts), old.placement != new.placement)
+        if writes is not None:
+            durable = bool(self.trace.devices[min(k + 1, self.steps - 1)] != self.trace.devices[k])
+            a, b, per_node = dict(old.layouts), dict(new.layouts), self.profile.devices_per_node
+            fixed += checkpoints.switch_s(a, b, self.params, per_node, writes, durable=durable)
         return (estimate.wire_s + fixed) * float(self.transition_noise[k])
+
+    def checkpoint_s(self, plan: GlobalPlan) -> float:
+        """A periodic checkpoint of ``plan``, written synchronously (``checkpoints.write_s``)."""
+        return checkpoints.write_s(dict(plan.layouts), self.params, self.profile.devices_per_node)
 
     def restart_s(self, plan: GlobalPlan) -> float:
         """The fixed cost of restarting ``plan`` from its last checkpoint after a failed step."""

@@ -1,0 +1,55 @@
+"""Which controller and runtime features the real Nereus job runs: the one rule for both the job's
+controller (``nereus_core.job.controller_settings``) and the simulator's Nereus
+(``nereus_core.sim.strategies``), so the simulator offers its Nereus nothing the runtime lacks.
+
+- Probes of generation's TP collectives (``ControllerSettings.probe_every``): the job runs none (its
+  flow ignores ``Decision.probes``), so the controller asks for none.
+- One-step off-policy overlap of disaggregated pools (``overlap_disaggregated``): the job has none;
+  pools take turns within a step.
+- A switch's recovery point (``job.switch_recovery``): ``async`` (the default), ``sync`` or
+  ``none``; a switch that changes the device set rehydrates from a checkpoint of the step, so it
+  writes one synchronously first in every mode (``cost.transition_cost.recovery_write``).
+- Periodic checkpoints: every ``job.snapshot_every`` steps (default 10), always written
+  synchronously (the step waits for them).
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from nereus_core.config.job import JobConfig
+from nereus_core.controller.state import ControllerSettings
+from nereus_core.cost.transition_cost import RecoveryMode
+
+RECOVERY_MODES: tuple[RecoveryMode, ...] = get_args(RecoveryMode)
+DEFAULT_RECOVERY: RecoveryMode = JobConfig.model_fields["switch_recovery"].default
+SNAPSHOT_EVERY: int = JobConfig.model_fields["snapshot_every"].default
+PERIODIC_CHECKPOINT: RecoveryMode = "sync"  # how a periodic checkpoint is written
+
+# Controller settings of features the runtime lacks: the value the runtime runs, and why.
+LACKS: dict[str, tuple[object, str]] = {
+    "probe_every": (0, "the Nereus runtime runs no probes (the job ignores Decision.probes)"),
+    "overlap_disaggregated": (
+        False,
+        "the Nereus runtime has no one-step off-policy overlap (disaggregated pools take turns)",
+    ),
+}
+
+
+def runtime_settings(settings: ControllerSettings) -> ControllerSettings:
+    """``settings`` with every feature the runtime lacks turned off (the values it runs)."""
+    return settings.model_copy(update={name: value for name, (value, _) in LACKS.items()})
+
+
+def asked_but_lacking(settings: ControllerSettings) -> list[tuple[str, str]]:
+    """(field, why) for each field ``settings`` sets explicitly to a feature the runtime lacks."""
+    return [
+        (name, why)
+        for name, (value, why) in LACKS.items()
+        if name in settings.model_fields_set and getattr(settings, name) != value
+    ]
+
+
+def lacking(settings: ControllerSettings) -> list[str]:
+    """The fields of ``settings`` whose value (explicit or default) the runtime does not run."""
+    return [name for name, (value, _) in LACKS.items() if getattr(settings, name) != value]

@@ -1,0 +1,151 @@
+"""What the simulated Nereus pays on its runtime: its switches' recovery points and verification, a
+periodic checkpoint every ``snapshot_every`` steps, and no probes (``controller.features``)."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+
+from nereus_core.config import LLAMA_3_8B
+from nereus_core.cost.hardware import H100_SXM
+from nereus_core.layout import Layout
+from nereus_core.plan import GlobalPlan
+from nereus_core.sim import checkpoints, probes
+from nereus_core.sim.checkpoints import SwitchWrites
+from nereus_core.sim.config import NoiseSettings, parse_sim_config
+from nereus_core.sim.job import SimJob, run_job
+from nereus_core.sim.loop import simulate
+from nereus_core.sim.strategies import FixedStrategy
+from nereus_core.sim.trace import parse_trace
+from nereus_core.sim.world import World, model_size
+
+ROOT = Path(__file__).resolve().parents[3]
+HEADER = "step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"
+QUIET = NoiseSettings(stage_sigma=0, transition_sigma=0).model_dump()
+
+
+def trace(steps: int, devices=lambda k: 16, capacity: float = 80.0):
+    rows = [HEADER] + [
+        f"{k},{devices(k)},{capacity},1024,100,{600 + 5 * k},{2 * (600 + 5 * k)},{3 * (600 + 5 * k)}"
+        for k in range(steps)
+    ]
+    return parse_trace("\n".join(rows) + "\n", name="t")
+
+
+def config(**overrides: object):
+    return parse_sim_config({"traces": [{"name": "t", "file": "unused.csv"}], "noise": QUIET, **overrides})
+
+
+def test_the_worlds_write_rates_reproduce_their_sources() -> None:
+    params = {"reference": model_size(LLAMA_3_8B).params}  # 8.03e9: 16.06 GB of bf16 weights
+    one_node = {"reference/infer": Layout.contiguous(dp=8)}
+    assert checkpoints.write_s(one_node, params, 8) == pytest.approx(8.94, rel=0.01)  # torchacc#16
+    assert checkpoints.read_s(one_node, params, 8) == pytest.approx(19.84, rel=0.01)
+    two_nodes = {"reference/infer": Layout.contiguous(dp=16)}
+    assert checkpoints.write_s(two_nodes, params, 8) == pytest.approx(8.94 / 2, rel=0.01)  # nodes at once
+    assert checkpoints.staging_s(one_node, params) == checkpoints.STAGING_FLOOR_S  # 2 GB over PCIe
+    # A trained model's state is its fp32 parameters and two moments: 6x its bf16 weights.
+    trained = {"actor/train": Layout.contiguous(dp=8)}
+    actor = {"actor": params["reference"]}
+    assert checkpoints.write_s(trained, actor, 8) == pytest.approx(6 * 8.94, rel=0.01)
+
+
+def test_the_world_shares_no_formula_with_the_cost_model() -> None:
+    """``sim.checkpoints`` takes only the runtime's rule (``recovery_write``) from the cost model."""
+    tree = ast.parse((ROOT / "nereus_core" / "sim" / "checkpoints.py").read_text())
+    taken = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nereus_core.cost")
+        for alias in node.names
+    }
+    assert taken == {"RecoveryMode", "recovery_write"}
+
+
+def plan_on(devices: int) -> GlobalPlan:
+    layouts = {s: Layout.contiguous(dp=devices) for s in config().stages}
+    return GlobalPlan.model_construct(placement="colocated", layouts=layouts)
+
+
+def test_a_switch_pays_its_recovery_point_and_a_device_change_writes_and_reads_it() -> None:
+    from nereus_core.cost.transition_cost import analytic_transition_cost
+
+    cfg = config()
+    tr = trace(4, devices=lambda k: 16 if k < 2 else 32)
+    world = World(tr, cfg.model, H100_SXM, cfg.noise, 0, stages=cfg.stages)
+    a, b = plan_on(16), plan_on(16).model_copy(update={"placement": "other"})
+    est = analytic_transition_cost(dict(a.layouts), dict(b.layouts), world.models, world.profile)
+    peer = world.transition_s(0, est, a, b)  # a framework that writes nothing
+    staged = world.transition_s(0, est, a, b, SwitchWrites("async"))
+    written = world.transition_s(0, est, a, b, SwitchWrites("sync"))
+    verified = world.transition_s(0, est, a, b, SwitchWrites("none", verify=True))
+    layouts = dict(a.layouts)
+    assert staged == pytest.approx(peer + checkpoints.staging_s(layouts, world.params))
+    assert written == pytest.approx(peer + checkpoints.write_s(layouts, world.params, 8))
+    assert verified == pytest.approx(peer + checkpoints.verify_s(dict(b.layouts), world.params))
+    # After step 1 the devices change (16 -> 32): the checkpoint is written whatever the mode, then read.
+    c = plan_on(32)
+    new = dict(c.layouts)
+    est = analytic_transition_cost(layouts, new, world.models, world.profile, durable=True)
+    durable = world.transition_s(1, est, a, c, SwitchWrites("none"))
+    extra = checkpoints.write_s(layouts, world.params, 8) + checkpoints.read_s(new, world.params, 8)
+    assert durable == pytest.approx(world.transition_s(1, est, a, c) + extra)
+
+
+def test_nereus_and_static_pay_periodic_checkpoints_and_the_peers_none() -> None:
+    cfg = config(snapshot_every=2)
+    tr = trace(5)
+    for name in ("nereus", "static"):
+        result = run_job(SimJob(cfg, tr, name, 0))
+        charged = [r["step"] for r in result.records if r["checkpoint_s"] > 0]
+        assert charged == [1, 3, 4], name  # every 2 steps, and after the last
+        s = result.summary
+        assert s["checkpoint_s_total"] == pytest.approx(sum(r["checkpoint_s"] for r in result.records))
+        steps = sum(r["step_s"] for r in result.records)
+        assert s["total_s"] == pytest.approx(steps + s["transition_s_total"] + s["checkpoint_s_total"])
+    assert run_job(SimJob(cfg, tr, "verl", 0)).summary["checkpoint_s_total"] == 0.0
+    last_only = run_job(SimJob(config(snapshot_every=0), tr, "static", 0)).records
+    assert [r["step"] for r in last_only if r["checkpoint_s"] > 0] == [4]
+
+
+class Pinned(FixedStrategy):
+    """A fixed plan on Nereus's runtime, checkpointing every ``every`` steps."""
+
+    def __init__(self, plan: GlobalPlan, every: int | None) -> None:
+        super().__init__("pinned", headroom=0.0)
+        self.plan, self.checkpoint_every = plan, every
+
+    def initial_plan(self, world: World) -> GlobalPlan:
+        return self.plan
+
+
+def test_a_failed_step_reruns_the_steps_since_the_last_checkpoint() -> None:
+    cfg = config()
+    squeezed = trace(5, capacity=8.0)  # nothing fits in 8 GB: every step fails
+    world = World(squeezed, cfg.model, H100_SXM, cfg.noise, 0, stages=cfg.stages)
+    plan = plan_on(16)
+    records, _ = simulate(world, Pinned(plan, 2), trace="t", seed=0)
+    restart = world.restart_s(plan)
+    since = 0.0
+    for r in records:
+        assert not r["fits"]
+        assert r["restart_s"] == pytest.approx(r["stages_s"] + restart + since)
+        since = 0.0 if r["checkpoint_s"] > 0 else since + r["stages_s"]
+    peer, _ = simulate(world, Pinned(plan, None), trace="t", seed=0)  # as if checkpointed every step
+    assert all(r["restart_s"] == pytest.approx(r["stages_s"] + restart) for r in peer)
+
+
+def test_the_simulated_nereus_asks_for_no_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list = []
+
+    def answer(world, k, requests):
+        asked.extend(requests)
+        return ()
+
+    monkeypatch.setattr(probes, "answer", answer)
+    cfg = config(controller={"margin": 0.2})  # the controller's defaults would probe every 10 steps
+    result = run_job(SimJob(cfg, trace(12), "nereus", 0))
+    assert asked == [] and len(result.records) == 12 and not math.isnan(result.summary["total_s"])

@@ -1,0 +1,81 @@
+"""nereus_core.controller.features: the one rule of what the real job runs, read by the job's
+controller and by the simulator's Nereus alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nereus_core import job as job_rules
+from nereus_core.config import ConfigError, parse_config
+from nereus_core.controller import features
+from nereus_core.controller.state import ControllerSettings
+from nereus_core.sim.config import parse_sim_config
+from nereus_core.sim.job import make_strategy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_rule_states_what_the_job_runs() -> None:
+    assert features.RECOVERY_MODES == ("async", "sync", "none")
+    assert features.DEFAULT_RECOVERY == "async" == ControllerSettings().switch_recovery
+    assert features.SNAPSHOT_EVERY == 10
+    assert features.PERIODIC_CHECKPOINT == "sync"
+    # The controller's defaults ask for probes; the runtime runs none.
+    assert features.lacking(ControllerSettings()) == ["probe_every"]
+    settings = features.runtime_settings(ControllerSettings(overlap_disaggregated=True, margin=0.3))
+    assert (settings.probe_every, settings.overlap_disaggregated, settings.margin) == (0, False, 0.3)
+    assert features.lacking(settings) == []
+
+
+def test_the_jobs_controller_has_only_what_the_runtime_has() -> None:
+    data = yaml.safe_load((ROOT / "examples" / "tiny_ppo.yaml").read_text())
+    settings = job_rules.controller_settings(parse_config(data))
+    assert features.lacking(settings) == []
+    assert settings.transition_pricing == "schedule"  # the job's own settings are kept
+
+
+def sim_config(**overrides: object):
+    return parse_sim_config({"traces": [{"name": "t", "file": "unused.csv"}], **overrides})
+
+
+@pytest.mark.parametrize("kind", ["nereus", "static"])
+def test_the_simulated_nereus_has_only_what_the_runtime_has(kind: str) -> None:
+    """Fails if the simulator's Nereus (or static, on the same runtime) runs a feature the rule lacks."""
+    cfg = parse_sim_config(yaml.safe_load((ROOT / "examples" / "paper_sim.yaml").read_text()))
+    for name, spec in cfg.strategies.items():
+        if spec.kind == kind:
+            assert features.lacking(make_strategy(cfg, name).settings) == [], name
+    assert features.lacking(make_strategy(sim_config(), "nereus").settings) == []
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"controller": {"overlap_disaggregated": True}}, "controller.overlap_disaggregated: "),
+        (
+            {"strategies": {"fast": {"kind": "nereus", "controller": {"probe_every": 5}}}},
+            "strategies.fast.controller.probe_every: ",
+        ),
+        (
+            {"strategies": {"s": {"kind": "static", "controller": {"overlap_disaggregated": True}}}},
+            "strategies.s.controller.overlap_disaggregated: ",
+        ),
+    ],
+)
+def test_a_sim_config_asking_nereus_for_a_missing_feature_is_refused_in_one_line(
+    data: dict, needle: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        sim_config(**data)
+    line = str(err.value)
+    assert line.startswith(needle) and "\n" not in line
+    assert "remove the field" in line and "features.py" in line
+
+
+def test_the_peers_settings_are_not_nereus_features() -> None:
+    """verl and OpenRLHF take the controller settings only for their memory headroom."""
+    cfg = sim_config(strategies={"verl": {"kind": "verl", "controller": {"probe_every": 5}}})
+    assert cfg.strategies["verl"].controller is not None
