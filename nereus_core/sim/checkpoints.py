@@ -20,9 +20,10 @@ acts for the controller), and nothing measured by this repository's CPU runs is 
   memory (PyTorch DCP ``async_save``), the write runs in the background: each device's pieces over
   PCIe Gen5 (64 GB/s per direction), at least the 0.78 s staging held Llama-3-70B training on 1,856
   H200 (PyTorch blog "6x faster Async Checkpointing in PyTorch", 2025-04-30).
-- A rehydration (``read_s``, a switch onto a new device set): every node reads its new devices'
-  pieces back at 0.81 GB/s per node, one reading process's rate: Llama-3-8B's 8 weight shards (16.06
-  GB) read by one rank in 19.84 s (AlibabaPAI/torchacc#16, "read shard model", fsdp=8).
+- A rehydration (``read_s``, a switch onto a new device set): every device reads its own pieces back
+  at 0.81 GB/s, one reading process's rate: Llama-3-8B's 8 weight shards (16.06 GB) read by one rank
+  in 19.84 s (AlibabaPAI/torchacc#16, "read shard model", fsdp=8); all devices at once, the file
+  system taken to scale as for writes (the measurement had one reader, the writes' had eight).
 - A verification (``verify_s``, ``job.verify_transitions``): every model's whole state gathered to
   the driver over one node's InfiniBand (8 x 400 Gb/s at 0.9 efficiency) and hashed by one core's
   sha256, before the moves and after: 1 GiB in 0.45 s with SHA-NI (openssl/openssl#29340, coreutils
@@ -42,7 +43,7 @@ from nereus_core.sim.transitions import IB_BYTES_PER_S
 TRAINED_BYTES_PER_PARAM = 4.0 + 4.0 + 4.0  # fp32 parameter, AdamW exp_avg, exp_avg_sq
 FROZEN_BYTES_PER_PARAM = 2.0  # bf16 weights
 NODE_WRITE_BYTES_PER_S = 16.06e9 / 8.94  # AlibabaPAI/torchacc#16: 8B bf16 shard save, fsdp=8
-NODE_READ_BYTES_PER_S = 16.06e9 / 19.84  # AlibabaPAI/torchacc#16: read shard model, one rank
+READ_BYTES_PER_S = 16.06e9 / 19.84  # AlibabaPAI/torchacc#16: read shard model, one rank
 PCIE_BYTES_PER_S = 64e9  # PCIe Gen5 x16, per direction
 STAGING_FLOOR_S = 0.78  # PyTorch blog 2025-04-30: DCP async_save staging, Llama-3-70B, 1,856 H200
 SHA256_BYTES_PER_S = 2**30 / 0.45  # openssl/openssl#29340: sha256sum of 1 GiB with SHA-NI
@@ -83,9 +84,9 @@ def staging_s(layouts: Mapping[str, Layout], params: Mapping[str, float]) -> flo
     return max(STAGING_FLOOR_S, top / PCIE_BYTES_PER_S) if top else 0.0
 
 
-def read_s(layouts: Mapping[str, Layout], params: Mapping[str, float], per_node: int) -> float:
-    """Seconds a rehydration onto ``layouts`` takes: its busiest node's read of the checkpoint."""
-    return _busiest_node(layouts, params, per_node) / NODE_READ_BYTES_PER_S
+def read_s(layouts: Mapping[str, Layout], params: Mapping[str, float]) -> float:
+    """Seconds a rehydration onto ``layouts`` takes: its busiest device's read of the checkpoint."""
+    return max(device_bytes(layouts, params).values(), default=0.0) / READ_BYTES_PER_S
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def switch_s(
         seconds = write_s(old, params, per_node)
     else:
         seconds = staging_s(old, params) if mode == "async" else 0.0
-    seconds += read_s(new, params, per_node) if durable else 0.0
+    seconds += read_s(new, params) if durable else 0.0
     return seconds + (verify_s(new, params) if writes.verify else 0.0)
 
 
