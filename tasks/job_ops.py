@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from storage.run_dir import RunDir
 from tasks import model_ops
 from tasks.reshard import gather_state
 from tasks.runtime.device_pool import DevicePool
-from tasks.snapshots import snapshot_model
+from tasks.snapshots import StagedSnapshot, drop_snapshot, finish_snapshot, snapshot_model, stage_snapshot
 
 # The actor's log-probs and, where the job has a critic, its values.
 PROBED = (ModelStage.ACTOR_TRAIN, ModelStage.CRITIC_TRAIN)
@@ -112,11 +113,79 @@ def live_digests(
 
 
 @task(cache_policy=NO_CACHE)  # no retries: a failed write leaves the previous checkpoint in force
-def checkpoint(pool: DevicePool, run_dir: str, state: JobState, step: int, *, digests: bool) -> float:
+def checkpoint(
+    pool: DevicePool,
+    run_dir: str,
+    state: JobState,
+    step: int,
+    *,
+    digests: bool,
+    known_digests: Mapping[str, str] | None = None,
+) -> float:
     """Snapshot every model's whole state as ``step`` (the state that generates rollout ``step``),
     then write the checkpoint record that makes it a resume point; returns seconds. With
-    ``digests`` the record also holds every model's live digest (what resume verifies against)."""
-    return _checkpoint(pool, run_dir, state, step, digests=digests)
+    ``digests`` the record also holds every model's live digest (what resume verifies against):
+    ``known_digests`` when the caller read them from live memory just before, else read here."""
+    return _checkpoint(pool, run_dir, state, step, digests=digests, known_digests=known_digests)
+
+
+@dataclass(frozen=True)
+class StagedCheckpoint:
+    """A checkpoint of ``step`` staged in host memory and written in the background; its record is
+    written (it becomes a resume point) only by ``finish_checkpoint``, once every snapshot is."""
+
+    step: int
+    record: dict[str, Any]
+    snapshots: tuple[StagedSnapshot, ...]
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(s.staged_bytes for s in self.snapshots)
+
+    @property
+    def staging_s(self) -> float:
+        return sum(s.staging_s for s in self.snapshots)
+
+
+def stage_checkpoint(
+    pool: DevicePool, run_dir: str, state: JobState, step: int, *, known_digests: Mapping[str, str] | None
+) -> StagedCheckpoint:
+    """Every model's whole state as ``step`` copied to host memory on its devices, its write begun
+    (``tasks.snapshots.stage_snapshot``); the record holds ``known_digests`` when given."""
+    incarnation = RunDir(run_dir).identity().incarnation
+    staged = tuple(
+        stage_snapshot(
+            pool,
+            run_dir,
+            model,
+            step,
+            state.layouts[stage],
+            model_config(state.config, stage),
+            stage,
+            optimizer_settings(state.config, stage),
+            incarnation=incarnation,
+        )
+        for model, stage in state_stages(state.layouts).items()
+    )
+    record = _record(state)
+    if known_digests is not None:
+        record["live_digests"] = dict(known_digests)
+    return StagedCheckpoint(step, record, staged)
+
+
+def finish_checkpoint(pool: DevicePool, run_dir: str, staged: StagedCheckpoint) -> float:
+    """Wait for ``staged``'s writes, commit each snapshot and write the checkpoint record; returns
+    the seconds waited. A write that failed raises; what the others wrote stays uncommitted."""
+    start = time.perf_counter()
+    try:
+        for snapshot in staged.snapshots:
+            finish_snapshot(pool, run_dir, snapshot)
+    except BaseException:
+        for snapshot in staged.snapshots:
+            drop_snapshot(pool, snapshot)
+        raise
+    RunDir(run_dir).write_checkpoint(staged.step, staged.record)
+    return time.perf_counter() - start
 
 
 @contextmanager
@@ -142,7 +211,24 @@ def disk_filled_if_armed(run_dir: str) -> Iterator[None]:
         filler.unlink(missing_ok=True)
 
 
-def _checkpoint(pool: DevicePool, run_dir: str, state: JobState, step: int, *, digests: bool) -> float:
+def _record(state: JobState) -> dict[str, Any]:
+    return {
+        "plan_id": state.plan_id,
+        "plan": layouts_json(state.layouts),
+        "devices": state.devices,
+        "response_len": state.config.job.response_len,
+    }
+
+
+def _checkpoint(
+    pool: DevicePool,
+    run_dir: str,
+    state: JobState,
+    step: int,
+    *,
+    digests: bool,
+    known_digests: Mapping[str, str] | None = None,
+) -> float:
     run, start = RunDir(run_dir), time.perf_counter()
     incarnation = run.identity().incarnation  # a partial checkpoint of a dead driver is never reused
     for model, stage in state_stages(state.layouts).items():
@@ -157,14 +243,10 @@ def _checkpoint(pool: DevicePool, run_dir: str, state: JobState, step: int, *, d
             optimizer_settings(state.config, stage),
             incarnation=incarnation,
         )
-    record: dict[str, Any] = {
-        "plan_id": state.plan_id,
-        "plan": layouts_json(state.layouts),
-        "devices": state.devices,
-        "response_len": state.config.job.response_len,
-    }
+    record = _record(state)
     if digests:
-        record["live_digests"] = live_digests(pool, state.config, state.layouts)
+        live = known_digests if known_digests is not None else live_digests(pool, state.config, state.layouts)
+        record["live_digests"] = dict(live)
     run.write_checkpoint(step, record)
     return time.perf_counter() - start
 

@@ -10,6 +10,7 @@ a job can come back on another plan or another number of devices.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import task
@@ -19,7 +20,10 @@ from nereus_core.config import ModelConfig
 from nereus_core.emu import shard_map
 from nereus_core.engine.reshard import ReshardJob, durable_read
 from nereus_core.engine.shard import OptimizerSettings
+from nereus_core.engine.staging import drop_staged, finish_staged, staged_write
+from nereus_core.gtg import write_assignment
 from nereus_core.layout import Layout
+from storage import commit_snapshot
 from tasks.reshard import ArrowStateStore, write_snapshot_of
 from tasks.runtime.device_pool import DevicePool
 
@@ -49,6 +53,64 @@ def snapshot_model(
     store = ArrowStateStore(run_dir, model, step, incarnation)
     files = write_snapshot_of(pool, _job(name, config, layout, optimizer), store, meta)
     return sum(f.size for f in files), time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class StagedSnapshot:
+    """A snapshot whose pieces are staged in host memory and being written in the background."""
+
+    model: str
+    step: int
+    layout: Layout
+    meta: dict[str, Any]
+    incarnation: int | None
+    key: str
+    staged_bytes: int
+    staging_s: float
+
+
+def stage_snapshot(
+    pool: DevicePool,
+    run_dir: str,
+    model: str,
+    step: int,
+    layout: Layout,
+    config: ModelConfig,
+    name: str,
+    optimizer: OptimizerSettings | None = None,
+    incarnation: int | None = None,
+) -> StagedSnapshot:
+    """``snapshot_model``'s pieces copied to host memory on their devices and written there in the
+    background (``engine.staging``); ``finish_snapshot`` commits it once written."""
+    job = _job(name, config, layout, optimizer)
+    assignment = write_assignment(job.old_map)
+    store = ArrowStateStore(run_dir, model, step, incarnation)
+    key = f"{model}@{step}"
+    args = [(assignment[d],) for d in layout.devices]
+    figures = pool.run(layout, staged_write, args, job=job, store=store, key=key)
+    meta = {"model_stage": name, "train": optimizer is not None}
+    staged, seconds = int(sum(f["staged"] for f in figures)), max(f["staging_s"] for f in figures)
+    return StagedSnapshot(model, step, layout, meta, incarnation, key, staged, seconds)
+
+
+def finish_snapshot(pool: DevicePool, run_dir: str, staged: StagedSnapshot) -> int:
+    """Wait for ``staged``'s background writes and commit the snapshot; returns the bytes written."""
+    files = pool.run_on(staged.layout.devices, finish_staged, key=staged.key)
+    commit_snapshot(
+        run_dir,
+        staged.model,
+        staged.step,
+        files,
+        layout=staged.layout,
+        meta=staged.meta,
+        incarnation=staged.incarnation,
+    )
+    return sum(f.size for f in files)
+
+
+def drop_snapshot(pool: DevicePool, staged: StagedSnapshot) -> None:
+    """Forget ``staged``'s background writes (their files stay uncommitted: a partial snapshot)."""
+    pool.run_on(staged.layout.devices, drop_staged, key=staged.key)
 
 
 @task(cache_policy=NO_CACHE)

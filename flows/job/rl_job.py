@@ -122,6 +122,7 @@ def _run_step(ctx: StepContext, step: int) -> None:
     wall = time.perf_counter() - t
     _validate(ctx, stats)  # not in wall
     ctx.records.finish_step(stats, wall, ctx.settings.job.steps)
+    checkpoints.finish_in_flight(ctx.pool, ctx.records)  # a switch's recovery point, written meanwhile
     _decide(ctx, lengths)
     _checkpoint_when_due(ctx)
 

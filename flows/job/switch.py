@@ -1,8 +1,10 @@
 """A switch after a step: ask the controller, and carry out what it decides (the transition subflow).
 
     controller_step (its observation, the decision) -> Keep | Fail | Switch(plan B, priced moves)
-    Switch -> recovery point (plan A at step + 1) -> transition_flow (the priced schedule)
-           -> verify the live state, rebuild the vLLM engines -> record -> commit
+    Switch -> plan A read live (digests and probe, when verifying) -> recovery point (plan A at
+           step + 1: written, staged for a background write, or none, as ``recovery_write`` says)
+           -> transition_flow (the priced schedule) -> verify the live state against the digests
+           read before, rebuild the vLLM engines -> record (every part's seconds) -> commit
 
 Boundary: the controller decides (tasks/controller.py), the transition moves the state
 (flows/job/transition.py), the records record (flows/job/records.py); this module orders them.
@@ -10,19 +12,32 @@ Boundary: the controller decides (tasks/controller.py), the transition moves the
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import get_run_logger
 
-from flows.job.checkpoints import checkpoint
+from flows.job import checkpoints
 from flows.job.records import log_decision
 from flows.job.step_context import StepContext
 from flows.job.transition import transition_flow
 from nereus_core import job
 from nereus_core.controller.decide import Decision, TransitionTiming
-from nereus_core.cost.transition_cost import engines_rebuilt
+from nereus_core.controller.transition_schedule import has_durable_units
+from nereus_core.cost.transition_cost import engines_rebuilt, recovery_write
 from tasks import job_ops
 from tasks.controller import controller_step
+
+
+@dataclass(frozen=True)
+class PlanARead:
+    """Plan A as the devices held it before anything moved: every model's live digest and the probe's
+    outputs (when the job verifies), and the vLLM engines' probe (when the switch rebuilds them)."""
+
+    digests: dict[str, str] | None
+    probe: Any
+    engines: Any
 
 
 def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: Any) -> job.JobState:
@@ -37,53 +52,92 @@ def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: An
     if isinstance(outcome, job.Keep):
         return state
     transition_id = f"t{len(ctx.records.transitions):03d}-step{after}"
-    stats: dict[str, Any] = {}
-    if not _recovery_point(ctx, state, outcome, transition_id, stats, step=after):
+    began = time.perf_counter()
+    resize = outcome.devices != state.devices
+    mode = recovery_write(
+        state.config.job.switch_recovery, durable=has_durable_units(outcome.moves, resize=resize)
+    )
+    stats: dict[str, Any] = {"recovery": mode}
+    plan_a = _read_plan_a(ctx, state, outcome, stats)
+    if not _recovery_point(ctx, state, outcome, transition_id, stats, step=after, digests=plan_a.digests):
         return job.commit(state, outcome, "aborted")
-    probes = _probes_before(ctx, state, outcome)
     status = "failed"
     try:
-        stats.update(_transition(ctx, state, outcome, transition_id, step=after))
+        checkpoint_step = None if mode == "none" else after + 1
+        stats.update(
+            _transition(ctx, state, outcome, transition_id, step=after, checkpoint_step=checkpoint_step)
+        )
+        stats["moves_s"] = stats["seconds"]
         status = "refused" if stats["status"] == "refused" else "committed"
         if status == "committed":
-            _check_and_rebuild(ctx, outcome, transition_id, stats, probes, step=after)
+            _check_and_rebuild(ctx, outcome, transition_id, stats, plan_a)
     finally:
+        stats["seconds"] = time.perf_counter() - began  # the decision to the next step: what is priced
         ctx.records.transition(transition_id, after, state, outcome, stats, status)
     _log_transition(transition_id, status, state, outcome, stats)
     return job.commit(state, outcome, status, _timing(decision, status, stats))  # type: ignore[arg-type]
 
 
 def _recovery_point(
-    ctx: StepContext, state: job.JobState, switch: job.Switch, transition_id: str, stats: dict, *, step: int
+    ctx: StepContext,
+    state: job.JobState,
+    switch: job.Switch,
+    transition_id: str,
+    stats: dict,
+    *,
+    step: int,
+    digests: dict[str, str] | None,
 ) -> bool:
-    """Plan A's state at ``step`` + 1, written before anything moves; False (the switch recorded as
-    aborted, plan A stays) when it could not be written."""
+    """Plan A's state at ``step`` + 1 as ``stats["recovery"]`` says: written before anything moves
+    (``sync``), staged in host memory and written in the background (``async``), or nothing
+    (``none``); False (the switch recorded as aborted, plan A stays) when it could not be written or
+    staged. ``digests``: every model's live digest, read just before (the checkpoint record's)."""
+    mode, start = stats["recovery"], time.perf_counter()
+    if mode == "none":
+        stats["recovery_s"] = stats["checkpoint_s"] = 0.0
+        return True
     try:
-        with job_ops.disk_filled_if_armed(str(ctx.records.run.root)):
-            stats["checkpoint_s"] = checkpoint(ctx.pool, state, ctx.records, step + 1)
+        if mode == "sync":
+            with job_ops.disk_filled_if_armed(str(ctx.records.run.root)):
+                checkpoints.checkpoint(ctx.pool, state, ctx.records, step + 1, digests)
+        else:
+            checkpoints.stage(ctx.pool, state, ctx.records, step + 1, digests)
     except Exception as err:
         get_run_logger().error("switch aborted, plan A stays: the checkpoint could not be written: %s", err)
         stats["note"] = "aborted: the checkpoint could not be written"
         ctx.records.transition(transition_id, step, state, switch, stats, "aborted")
         return False
+    stats["recovery_s"] = stats["checkpoint_s"] = time.perf_counter() - start
     return True
 
 
-def _probes_before(ctx: StepContext, state: job.JobState, switch: job.Switch) -> tuple[Any, Any]:
-    """What plan A answers before anything moves: the live state's probe (``verify_transitions``)
-    and actor/generate's vLLM engines' when the switch rebuilds them (None where not wanted)."""
+def _read_plan_a(ctx: StepContext, state: job.JobState, switch: job.Switch, stats: dict) -> PlanARead:
+    """What plan A holds and answers before anything moves (``PlanARead``); its seconds are the
+    verification's (``stats["verify_s"]``)."""
     pool, cfg, engines = ctx.pool, state.config, ctx.engines
-    before = job_ops.probe(pool, cfg, state.layouts) if cfg.job.verify_transitions else None
+    start = time.perf_counter()
+    digests = probe = None
+    if cfg.job.verify_transitions:
+        digests = job_ops.live_digests(pool, cfg, state.layouts)
+        probe = job_ops.probe(pool, cfg, state.layouts)
+    stats["verify_s"] = time.perf_counter() - start
     rebuild = engines is not None and engines_rebuilt(
         state.layouts, switch.layouts, resize=switch.devices != state.devices
     )
-    return before, engines.probe() if rebuild and engines is not None else None
+    return PlanARead(digests, probe, engines.probe() if rebuild and engines is not None else None)
 
 
 def _transition(
-    ctx: StepContext, state: job.JobState, switch: job.Switch, transition_id: str, *, step: int
+    ctx: StepContext,
+    state: job.JobState,
+    switch: job.Switch,
+    transition_id: str,
+    *,
+    step: int,
+    checkpoint_step: int | None,
 ) -> dict[str, Any]:
-    """The transition subflow on the schedule the controller priced (``switch.moves``)."""
+    """The transition subflow on the schedule the controller priced (``switch.moves``);
+    ``checkpoint_step``: where plan A's state is (or is being) written, None when nowhere."""
     return transition_flow(
         ctx.pool,
         state.config,
@@ -94,33 +148,27 @@ def _transition(
         step=step,
         reason=switch.reason,
         moves=switch.moves,
-        checkpoint_step=step + 1,
+        checkpoint_step=checkpoint_step,
         devices=switch.devices,
     )
 
 
 def _check_and_rebuild(
-    ctx: StepContext,
-    switch: job.Switch,
-    transition_id: str,
-    stats: dict,
-    probes: tuple[Any, Any],
-    *,
-    step: int,
+    ctx: StepContext, switch: job.Switch, transition_id: str, stats: dict, plan_a: PlanARead
 ) -> None:
-    """After a committed move: the live state checked against the recovery point's digests, and
-    actor/generate's vLLM engines rebuilt on plan B when its layout changed (``ctx.engines``)."""
-    before, engines_before = probes
+    """After a committed move: the live state checked against plan A's live digests, read before
+    the moves, and actor/generate's vLLM engines rebuilt on plan B when its layout changed."""
     cfg = ctx.state.config
-    if cfg.job.verify_transitions:
-        expected = ctx.records.run.read_checkpoint(step + 1)["live_digests"]
-        what = f"switch {transition_id}"
+    if plan_a.digests is not None:
+        start, what = time.perf_counter(), f"switch {transition_id}"
         stats.update(
-            job_ops.verify_live_state(ctx.pool, cfg, switch.layouts, expected, what=what, probe_before=before)
+            job_ops.verify_live_state(
+                ctx.pool, cfg, switch.layouts, plan_a.digests, what=what, probe_before=plan_a.probe
+            )
         )
-    if ctx.engines is not None and engines_before is not None:
-        stats.update(ctx.engines.rebuild(switch.layouts, engines_before))
-        stats["seconds"] += stats["engine_rebuild_s"]  # what calibration compares with the prediction
+        stats["verify_s"] += time.perf_counter() - start
+    if ctx.engines is not None and plan_a.engines is not None:
+        stats.update(ctx.engines.rebuild(switch.layouts, plan_a.engines))
 
 
 def _timing(decision: Decision, status: str, stats: dict) -> TransitionTiming | None:

@@ -68,6 +68,7 @@ class DeviceContext:
     device: torch.device
     groups: dict[str, RankGroups | None] = field(default_factory=dict)
     resident: dict[str, Any] = field(default_factory=dict)
+    background: dict[str, Any] = field(default_factory=dict)  # writes in flight (engine/staging.py)
 
     @classmethod
     def init_world(

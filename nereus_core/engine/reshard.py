@@ -72,7 +72,7 @@ class ReshardJob:
             raise ValueError(f"{self.name}: a train={self.new_map.train} reshard {need}")
 
 
-def _old_state(ctx: DeviceContext, job: ReshardJob) -> DeviceState:
+def old_state(ctx: DeviceContext, job: ReshardJob) -> DeviceState:
     """This device's pieces under the old layout (none if it is not in it)."""
     if ctx.rank not in job.old_map.layout.devices:
         return DeviceState(pieces={})
@@ -131,7 +131,7 @@ def live_reshard_wave(
         moves[-1].recv(receives_of(ctx.rank, plan, targets[-1][1].pieces))
     sources = []
     for (job, plan), exch in zip(units, moves, strict=True):
-        sources.append(_old_state(ctx, job).pieces)
+        sources.append(old_state(ctx, job).pieces)
         exch.send(sends_of(ctx.rank, plan, sources[-1]))
     prepared = time.perf_counter() - start
     for (_, plan), source, (_, target) in zip(units, sources, targets, strict=True):
@@ -191,7 +191,7 @@ def durable_write(ctx: DeviceContext, mine: Wanted, *, job: ReshardJob, store: S
     """Write this old device's assigned pieces to ``store`` (all old devices at once); returns the receipt."""
     if ctx.rank not in job.old_map.layout.devices:
         raise ValueError(f"device {ctx.rank} is not in the old layout {job.old_map.layout.key}")
-    source = _old_state(ctx, job).pieces
+    source = old_state(ctx, job).pieces
     pieces = [
         (name, source[(name, box)], SliceSpec(job.old_map.tensor(name).shape, box)) for name, box in mine
     ]

@@ -38,6 +38,7 @@ FAULT_JOB: dict[str, Any] = {
         "prompt_len": 4,
         "response_len": 6,
         "scenario": [{"step": 1, "response_len": 24}],
+        "switch_recovery": "sync",  # the fault tests check the checkpoint each switch writes first
     },
     "ppo": {"reward_fit_steps": 4, "reward_fit_batch": 8, "ppo_epochs": 1, "mini_batches": 2},
     "plan": {
