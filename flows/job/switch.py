@@ -26,6 +26,7 @@ from nereus_core import job
 from nereus_core.controller.decide import Decision, TransitionTiming
 from nereus_core.controller.transition_schedule import has_durable_units
 from nereus_core.cost.transition_cost import engines_rebuilt, recovery_write
+from storage.journal import journals
 from tasks import job_ops
 from tasks.controller import controller_step
 
@@ -51,7 +52,7 @@ def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: An
         raise job.JobFailed(f"after step {after}{why}: {outcome.reason}")
     if isinstance(outcome, job.Keep):
         return state
-    transition_id = f"t{len(ctx.records.transitions):03d}-step{after}"
+    transition_id = _new_transition_id(ctx, after)
     began = time.perf_counter()
     resize = outcome.devices != state.devices
     mode = recovery_write(
@@ -76,6 +77,14 @@ def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: An
         ctx.records.transition(transition_id, after, state, outcome, stats, status)
     _log_transition(transition_id, status, state, outcome, stats)
     return job.commit(state, outcome, status, _timing(decision, status, stats))  # type: ignore[arg-type]
+
+
+def _new_transition_id(ctx: StepContext, after: int) -> str:
+    """``t<n>-step<after>``, n counting every switch the run has journaled: a switch run again after a
+    resume rolled its first attempt back (``async``, ``none``) gets a journal of its own, not the one
+    whose units the dead driver marked done."""
+    made = [j for j in journals(ctx.records.run.root) if j.transition_id[:1] == "t"]
+    return f"t{max(len(ctx.records.transitions), len(made)):03d}-step{after}"
 
 
 def _recovery_point(

@@ -15,6 +15,7 @@ import copy
 import pyarrow.parquet as pq
 import pytest
 
+from storage.journal import journals
 from storage.run_dir import RunDir
 from tests.support.job_configs import FAULT_JOB
 from tests.support.job_runs import digests, killed_mid_move, resume_from_checkpoint, start_run
@@ -53,6 +54,9 @@ def test_a_driver_killed_mid_switch_resumes_to_the_uninterrupted_runs_state(tmp_
     resume_from_checkpoint(tmp_path / "killed", out, 2)
     rolled = [e for e in journal.entries() if e["op"] == "transition" and e["phase"] == "abort"]
     assert rolled and rolled[0]["rolled_back_by"] == "resume"
+    # The switch made again has a journal of its own (none of the dead driver's units is trusted).
+    (again,) = [j for j in journals(out) if j.transition_id.startswith("t001")]
+    assert again.status() == "committed" and again.header()["step"] == 2
 
     (tmp_path / "whole").mkdir()
     driver, whole = start_run(tmp_path / "whole", data)
