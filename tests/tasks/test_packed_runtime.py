@@ -31,8 +31,21 @@ def _layout_id(dims: tuple[int, int, int]) -> str:
     return "tp{}-pp{}-dp{}".format(*dims)
 
 
-@pytest.mark.parametrize("max_tokens", [None, 12], ids=["slices", "budget12"])
-@pytest.mark.parametrize(("model", "dims"), FWD_LAYOUTS, ids=[f"{m}-{_layout_id(d)}" for m, d in FWD_LAYOUTS])
+SLOW = pytest.mark.slow  # the rest of the matrix (-m slow); the default keeps one case of each axis
+
+
+def _forward_cases() -> list:
+    """Every layout with the slices path; the budget path on the 3-D layout by default, else slow."""
+    cases = []
+    for model, dims in FWD_LAYOUTS:
+        name = f"{model}-{_layout_id(dims)}"
+        cases.append(pytest.param(model, dims, None, id=f"{name}-slices"))
+        marks = () if dims == (2, 2, 1) else (SLOW,)
+        cases.append(pytest.param(model, dims, 12, id=f"{name}-budget12", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(("model", "dims", "max_tokens"), _forward_cases())
 def test_packed_logprobs_and_values_match_transformers(
     pool, model: str, dims: tuple[int, int, int], max_tokens: int | None
 ) -> None:
@@ -131,9 +144,23 @@ def _close(got: float, expected: float) -> bool:
     return abs(got - expected) <= 1e-5 * max(abs(expected), 1e-3)
 
 
-@pytest.mark.parametrize("max_tokens", [None, 16], ids=["slices", "budget16"])
-@pytest.mark.parametrize("loss", list(LOSSES))
-@pytest.mark.parametrize("dims", [(1, 2, 1), (2, 1, 2)], ids=_layout_id)
+# By default: pp with PPO's loss whole, tp x dp with the LM loss under a budget; the rest slow.
+TRAIN_DEFAULT = {((1, 2, 1), "ppo", None), ((2, 1, 2), "lm", 16)}
+TRAIN_CASES = [
+    pytest.param(
+        dims,
+        loss,
+        max_tokens,
+        id=f"{_layout_id(dims)}-{loss}-{'budget16' if max_tokens else 'slices'}",
+        marks=() if (dims, loss, max_tokens) in TRAIN_DEFAULT else (SLOW,),
+    )
+    for dims in [(1, 2, 1), (2, 1, 2)]
+    for loss in LOSSES
+    for max_tokens in (None, 16)
+]
+
+
+@pytest.mark.parametrize(("dims", "loss", "max_tokens"), TRAIN_CASES)
 def test_packed_train_step_matches_padded(
     pool, dims: tuple[int, int, int], loss: str, max_tokens: int | None
 ) -> None:

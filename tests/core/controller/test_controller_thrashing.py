@@ -5,6 +5,8 @@ gains too small or within the noise are refused."""
 
 from __future__ import annotations
 
+import pytest
+
 from nereus_core.controller.decide import (
     ControllerSettings,
     ControllerState,
@@ -61,6 +63,7 @@ def _rise_and_fall(capacity: int, **kw) -> list[tuple[int, bool, float, float]]:
     return moves
 
 
+@pytest.mark.slow  # ~40 s of decisions; hysteresis stays in the default suite with the two tests below
 def test_a_plan_forced_out_by_a_peak_comes_back_when_the_lengths_fall() -> None:
     """The peak forces a plan that holds the forecast with the choosing margin; when the lengths fall,
     a faster plan that fits them only without the margin is taken unforced (charged the move out

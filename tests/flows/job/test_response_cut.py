@@ -27,6 +27,7 @@ CONFIG = {
 SAME = ("score", "kl", "actor_loss", "actor_kl_loss", "actor_entropy", "actor_grad_norm", "actor_approx_kl")
 
 
+@pytest.mark.slow  # ~20 s; the cut itself: tests/core/rl/test_rollout_cut.py
 @pytest.mark.timeout(300)
 def test_a_step_on_responses_cut_to_the_longest_is_the_step_on_the_full_width(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch

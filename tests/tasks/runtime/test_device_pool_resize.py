@@ -24,6 +24,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow  # ~30 s; the prepared grow below and test_transition.py's shrink run by default
 def test_grow_and_shrink_in_one_driver() -> None:
     # A handler of its own: a LocalCluster's silence_logs sets the level of the "distributed"
     # logger's stream handlers, which under pytest include the capture handlers caplog reads.

@@ -129,6 +129,7 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow  # ~60 s; an external scheduler's workers run in the default suite (test_device_pool.py)
 def test_ppo_steps_with_a_checkpoint_and_a_durable_switch_run_on_separate_dask_processes(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
