@@ -9,7 +9,8 @@ meets the same sequences and the same noise (common random numbers: their differ
 are not luck). What a job *measures* is the true time times seeded per-stage, per-step
 noise; strategies see only measured times (``measured_stage_s``). Transitions and
 restarts add the world's fixed costs, and the weight sync is the world's own formula
-(``transitions``); ``raw_sync_s`` is the cost model's estimate, for what the job
+(``transitions``); checkpoints, recovery points and rehydration are the world's too
+(``checkpoints``); ``raw_sync_s`` is the cost model's estimate, for what the job
 predicts. The cost model's terms (``stage_tables``) are kept beside each evaluation only
 for what the job predicts and for memory: the cost model's memory is the truth of what
 fits (it gates feasibility).

@@ -27,9 +27,12 @@ def test_growing_trace_moves_are_few_and_priced_near_their_world_cost() -> None:
     # 86 before the prior had fixed costs, 36 with them, 20 since admission compares plans like with
     # like (11 forced by devices, 7 by memory: two capacity drops and length surges). In the world fitted
     # at 7B (stage_world.FITTED_7B) layouts differ by a few per cent, so 8 moves for gain (3-6 % of a
-    # step each) are taken beside the 18 forced ones: 26.
-    assert s["transitions"] <= 28
-    assert s["transitions_gain"] <= 10
+    # step each) are taken beside the 18 forced ones: 26. With probes the moves for gain were 5 of 24;
+    # the running job runs no probes (controller.features), so neither does the simulated one, and it
+    # prices generation TPs it has not run from its prior: 25 moves for gain of 41
+    # (docs/results/2026-12-switch-cost-sim.md).
+    assert s["transitions"] <= 44
+    assert s["transitions_gain"] <= 28
     chosen = [r for r in result.records if r["move"] == "switch" and r["reason"].startswith("gain")]
     ratios = [r["predicted_transition_s"] / r["transition_s"] for r in chosen if r["transition_s"] > 0]
     # Moves were predicted at 0.002-0.3 s against the world's 3-60 s; with group setup and engine
