@@ -28,6 +28,7 @@ def pool() -> Iterator[DevicePool]:
         yield pool
 
 
+@pytest.mark.slow  # about 40 s; bf16 with fp32 masters moves bitwise by default in test_transition_bf16.py
 def test_bf16_directory_imports_and_exports_bitwise_in_bf16(pool: DevicePool, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

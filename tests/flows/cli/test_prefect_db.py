@@ -127,7 +127,8 @@ def test_a_database_the_installed_prefect_can_use_passes(tmp_path: Path) -> None
         assert prefect_db.database_problem(path, known, "3") is None, revision
 
 
-@pytest.mark.parametrize("damage", ["newer-revision", "garbage"])
+# A newer revision by default: the check itself (test_a_database_of_another_prefect_version_is_one_line)
+@pytest.mark.parametrize("damage", [pytest.param("newer-revision", marks=pytest.mark.slow), "garbage"])
 def test_nereus_run_refuses_an_unusable_database_in_one_line(tmp_path: Path, damage: str) -> None:
     home = tmp_path / "prefect-home"
     path = home / "prefect.db"

@@ -65,6 +65,7 @@ def _run(
     return out
 
 
+@pytest.mark.slow  # about 35 s: sync recovery only (the default, async: test_switch_recovery.py)
 def test_failing_snapshot_writer_keeps_plan_a_and_the_job_goes_on(tmp_path, monkeypatch):
     run_dir = _run(tmp_path, monkeypatch, _config(snapshot_every=2), "fail-snapshot-write")
     summary = RunDir(run_dir).read_summary()
