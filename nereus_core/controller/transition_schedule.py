@@ -8,15 +8,19 @@
         it priced; the controller's switch carries that schedule and the transition flow runs it
         after re-checking its basis against the live pool (flows/job/transition.py), never
         planning it again
-    executed_cost(old, new, ...) -> TransitionEstimate of that schedule, in four unscaled terms
+    executed_cost(old, new, ...) -> TransitionEstimate of that schedule, in unscaled terms
         that the job's measured transitions calibrate (``TransitionScales``, controller.observe):
           wire     per byte: each wave's busiest port (the GTG's transfer list) over the link,
                    checkpoint reads over the store's bandwidth, copy syncs over the link
           ops      per operation: device calls, layouts' process groups built, DeepSpeed
-                   engines built, point-to-point messages
+                   engines built, point-to-point messages; and the switch's own fixed cost
+                   (``switch_s``: the subflow's flow run, journal and records)
           durable  fixed costs of a new world: its rebuild, and workers started and warmed up
                    (only the workers not prepared ahead: ``DevicePool.prepare``)
           engine   actor/generate's vLLM engines rebuilt on its new layout (rollout.engine: vllm)
+          recovery what the switch writes first (``recovery_write``: the job's switch_recovery,
+                   sync whenever a unit rehydrates): ``transition_cost.recovery_seconds``
+          verify   the live state gathered and hashed before and after (job.verify_transitions)
 
 The controller priced a transition by its bytes alone and was off by 2-20x; on a small
 model nearly all of a switch is per-operation cost (a train stage's engine, a relink's groups).
@@ -327,4 +331,5 @@ def _terms(
         _new_world(tally, new, models, cold if resize else 0)
     else:
         _same_world(tally, moves.planned, old, new, models)
+    tally.ops += costs.switch_s  # the subflow itself, its journal and records
     return (tally.wire, tally.ops, tally.durable, tally.link_bytes, tally.calls, moves)

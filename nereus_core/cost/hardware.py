@@ -87,6 +87,12 @@ class TransitionCosts(Frozen):
     call_s: float = Field(
         default=0.02, ge=0, description="One device call: a wave of moves, an unload, a load, a relink, s."
     )
+    switch_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="A switch's own fixed cost on the driver: the transition subflow's Prefect flow run "
+        "started and ended, its journal and records, s.",
+    )
     groups_s: float = Field(default=0.01, ge=0, description="A layout's process groups built, s.")
     engine_s: float = Field(
         default=0.07, ge=0, description="A train stage's DeepSpeed engine built on its new devices, s."
@@ -344,6 +350,7 @@ H100_SXM = HardwareProfile(
         # with a warm compile cache (vllm-project/vllm#20264).
         group_setup_s=2.0,
         engine_rebuild_s=34.11 + 7.51,
+        switch_s=1.0,  # the driver's Prefect subflow, as on the CPU runtime (below)
     ),
 )
 
@@ -391,7 +398,9 @@ CPU_WORKERS = HardwareProfile(
     # train stage rehydrated 0.05-0.09 s, an inference one 0.01-0.025 s; a relink (a call, maybe
     # groups) 0.01-0.045 s; a prepared 2 -> 4 world 0.055-0.06 s. Starting and warming workers: the
     # pool's own start-up (DeepSpeed's first engine ~8 s). These are the TransitionCosts defaults.
-    transitions=TransitionCosts(transition_op_overhead_s=5e-3),
+    # switch_s: the demo's three switches spent 0.5-1.9 s (mean 1.2 s) outside their recovery point,
+    # verification and moves (2026-12-07): the transition subflow's flow run, journal and records.
+    transitions=TransitionCosts(transition_op_overhead_s=5e-3, switch_s=1.0),
     term_scales={
         "compute": 0.336,
         "decode": 5.55,
