@@ -43,10 +43,10 @@ def run_with_failures(out: Path, data: dict[str, Any], broken: int) -> Path:
     """Run ``data`` into ``out`` with both failures injected (see the module doc)."""
     written = job_ops.checkpoint
 
-    def checkpoint(pool: Any, run_dir: str, state: Any, step: int, *, digests: bool) -> float:
+    def checkpoint(pool: Any, run_dir: str, state: Any, step: int, **kwargs: Any) -> float:
         if step == broken:
             raise OSError(errno.EIO, "Input/output error (injected) writing the checkpoint")
-        return written(pool, run_dir, state, step, digests=digests)
+        return written(pool, run_dir, state, step, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(job_ops, "checkpoint", checkpoint)
