@@ -100,7 +100,8 @@ def test_past_transitions_are_the_committed_rows_with_their_terms() -> None:
     rows = [row, {**row, "status": "refused"}, old, {**row, "actual_s": 0.0}]
     got = past_transitions(rows)
     assert len(got) == 1 and got[0].seconds == 0.4
-    # a row written before the engine term existed reads it as 0
-    assert got[0].predicted.terms == (0.01, 0.2, 0.05, 0.0) and got[0].predicted.seconds == 0.3
-    with_engine = past_transitions([{**row, "predicted_engine_s": 30.0}])
-    assert with_engine[0].predicted.terms == (0.01, 0.2, 0.05, 30.0)
+    # a row written before the engine, recovery and verify terms existed reads them as 0
+    assert got[0].predicted.terms == (0.01, 0.2, 0.05, 0.0, 0.0, 0.0) and got[0].predicted.seconds == 0.3
+    later = {"predicted_engine_s": 30.0, "predicted_recovery_s": 0.5, "predicted_verify_s": 0.25}
+    with_engine = past_transitions([{**row, **later}])
+    assert with_engine[0].predicted.terms == (0.01, 0.2, 0.05, 30.0, 0.5, 0.25)
