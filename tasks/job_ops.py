@@ -138,14 +138,6 @@ class StagedCheckpoint:
     record: dict[str, Any]
     snapshots: tuple[StagedSnapshot, ...]
 
-    @property
-    def staged_bytes(self) -> int:
-        return sum(s.staged_bytes for s in self.snapshots)
-
-    @property
-    def staging_s(self) -> float:
-        return sum(s.staging_s for s in self.snapshots)
-
 
 def stage_checkpoint(
     pool: DevicePool, run_dir: str, state: JobState, step: int, *, known_digests: Mapping[str, str] | None
@@ -154,18 +146,8 @@ def stage_checkpoint(
     (``tasks.snapshots.stage_snapshot``); the record holds ``known_digests`` when given."""
     incarnation = RunDir(run_dir).identity().incarnation
     staged = tuple(
-        stage_snapshot(
-            pool,
-            run_dir,
-            model,
-            step,
-            state.layouts[stage],
-            model_config(state.config, stage),
-            stage,
-            optimizer_settings(state.config, stage),
-            incarnation=incarnation,
-        )
-        for model, stage in state_stages(state.layouts).items()
+        stage_snapshot(pool, run_dir, model, step, *rest, incarnation=incarnation)
+        for model, *rest in _snapshot_args(state)
     )
     record = _record(state)
     if known_digests is not None:
@@ -211,6 +193,14 @@ def disk_filled_if_armed(run_dir: str) -> Iterator[None]:
         filler.unlink(missing_ok=True)
 
 
+def _snapshot_args(state: JobState) -> Iterator[tuple[Any, ...]]:
+    """Per model, what its snapshot is written with: (model, layout, model config, model-stage,
+    optimizer settings) of the model-stage that holds its state."""
+    for model, stage in state_stages(state.layouts).items():
+        config = model_config(state.config, stage)
+        yield model, state.layouts[stage], config, stage, optimizer_settings(state.config, stage)
+
+
 def _record(state: JobState) -> dict[str, Any]:
     return {
         "plan_id": state.plan_id,
@@ -231,18 +221,8 @@ def _checkpoint(
 ) -> float:
     run, start = RunDir(run_dir), time.perf_counter()
     incarnation = run.identity().incarnation  # a partial checkpoint of a dead driver is never reused
-    for model, stage in state_stages(state.layouts).items():
-        snapshot_model.fn(
-            pool,
-            run_dir,
-            model,
-            step,
-            state.layouts[stage],
-            model_config(state.config, stage),
-            stage,
-            optimizer_settings(state.config, stage),
-            incarnation=incarnation,
-        )
+    for model, *rest in _snapshot_args(state):
+        snapshot_model.fn(pool, run_dir, model, step, *rest, incarnation=incarnation)
     record = _record(state)
     if digests:
         live = known_digests if known_digests is not None else live_digests(pool, state.config, state.layouts)

@@ -49,10 +49,14 @@ def snapshot_model(
     """Write ``name``'s state (e.g. actor/train's) as snapshot ``state/<model>/step=<step>`` and commit
     it, stamped with the driver's ``incarnation`` (``RunDir.identity()``); returns (bytes, seconds)."""
     start = time.perf_counter()
-    meta = {"model_stage": name, "train": optimizer is not None}
     store = ArrowStateStore(run_dir, model, step, incarnation)
-    files = write_snapshot_of(pool, _job(name, config, layout, optimizer), store, meta)
+    files = write_snapshot_of(pool, _job(name, config, layout, optimizer), store, _meta(name, optimizer))
     return sum(f.size for f in files), time.perf_counter() - start
+
+
+def _meta(name: str, optimizer: OptimizerSettings | None) -> dict[str, Any]:
+    """What a snapshot's manifest says of its writer: the model-stage, and whether it trains."""
+    return {"model_stage": name, "train": optimizer is not None}
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,6 @@ class StagedSnapshot:
     meta: dict[str, Any]
     incarnation: int | None
     key: str
-    staged_bytes: int
-    staging_s: float
 
 
 def stage_snapshot(
@@ -87,10 +89,8 @@ def stage_snapshot(
     store = ArrowStateStore(run_dir, model, step, incarnation)
     key = f"{model}@{step}"
     args = [(assignment[d],) for d in layout.devices]
-    figures = pool.run(layout, staged_write, args, job=job, store=store, key=key)
-    meta = {"model_stage": name, "train": optimizer is not None}
-    staged, seconds = int(sum(f["staged"] for f in figures)), max(f["staging_s"] for f in figures)
-    return StagedSnapshot(model, step, layout, meta, incarnation, key, staged, seconds)
+    pool.run(layout, staged_write, args, job=job, store=store, key=key)
+    return StagedSnapshot(model, step, layout, _meta(name, optimizer), incarnation, key)
 
 
 def finish_snapshot(pool: DevicePool, run_dir: str, staged: StagedSnapshot) -> int:

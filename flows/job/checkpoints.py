@@ -35,11 +35,9 @@ def checkpoint(
     What a failed attempt at ``step`` committed is removed first; once the checkpoint is complete,
     those past ``job.keep_checkpoints`` are deleted (storage/retention.py). ``known_digests``: every
     model's live digest, read just before (else read here when the job verifies)."""
-    finish_in_flight(pool, records)
-    run = records.run
-    if retention.has_checkpoint(run.root, step):
+    if not _to_write(pool, state, records, step):
         return 0.0
-    retention.discard_partial(run.root, step, state_stages(state.layouts))
+    run = records.run
     seconds = job_ops.checkpoint(
         pool,
         str(run.root),
@@ -63,13 +61,10 @@ def stage(
     """Every model's state as ``step`` staged in host memory and written in the background (a switch's
     ``async`` recovery point); it becomes a checkpoint at ``finish_in_flight``. Returns the seconds
     the job was held up (the staging)."""
-    finish_in_flight(pool, records)
-    run = records.run
-    if retention.has_checkpoint(run.root, step):
+    if not _to_write(pool, state, records, step):
         return 0.0
-    retention.discard_partial(run.root, step, state_stages(state.layouts))
     start = time.perf_counter()
-    staged = job_ops.stage_checkpoint(pool, str(run.root), state, step, known_digests=known_digests)
+    staged = job_ops.stage_checkpoint(pool, str(records.run.root), state, step, known_digests=known_digests)
     records.in_flight = InFlight(staged, state)
     seconds = time.perf_counter() - start
     records.checkpoint_s += seconds
@@ -102,6 +97,16 @@ def finish_in_flight(pool: DevicePool, records: JobRecords) -> bool | None:
         )
         return False
     _prune(records, writing.state, writing.staged.step)
+    return True
+
+
+def _to_write(pool: DevicePool, state: job.JobState, records: JobRecords, step: int) -> bool:
+    """Before a checkpoint of ``step``: the one in flight finished first; False when ``step``'s is
+    already complete, else what a failed attempt at it left is removed and True."""
+    finish_in_flight(pool, records)
+    if retention.has_checkpoint(records.run.root, step):
+        return False
+    retention.discard_partial(records.run.root, step, state_stages(state.layouts))
     return True
 
 
