@@ -331,6 +331,8 @@ def main() -> None:
     args = _parser().parse_args()
     if args.thp:
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # inherited by the worker processes
+    if args.compare_thp or args.compare_env:
+        os.environ["NEREUS_WORKER_START"] = "spawn"  # each pool's workers in the environment of then
     started = time.perf_counter()
     params = sum(math.prod(s) for s in param_shapes(CONFIG).values())
     report: dict[str, Any] = {

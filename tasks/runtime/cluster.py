@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import ipaddress
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -41,9 +42,10 @@ from distributed.client import FutureCancelledError
 from distributed.comm import get_address_host
 from distributed.protocol import to_serialize
 from distributed.security import Security
+from distributed.utils import get_mp_context
 
 from nereus_core.config import ClusterConfig
-from tasks.runtime.worker_imports import import_guard, nereus_packages
+from tasks.runtime.worker_imports import forkserver_preload, import_guard, nereus_packages
 
 __all__ = [
     "LOOPBACK",
@@ -379,6 +381,12 @@ def _local_cluster(
     # A device worker's memory is its actor's, not Dask data: spilling has nothing to spill and a
     # paused worker would only stall the job, so the nanny's kill at the limit is the one action.
     dask.config.set({f"distributed.worker.memory.{k}": False for k in ("target", "spill", "pause")})
+    # Workers fork from one server per driver that imported what they need (it starts with the first
+    # worker, in the environment above); NEREUS_WORKER_START=spawn: each in the driver's of then.
+    method = os.environ.get("NEREUS_WORKER_START", "forkserver")
+    dask.config.set({"distributed.worker.multiprocessing-method": method})
+    if method == "forkserver":
+        get_mp_context().set_forkserver_preload(forkserver_preload())  # before the server starts
     return LocalCluster(
         n_workers=workers,
         threads_per_worker=1,

@@ -1,4 +1,5 @@
-"""Which Nereus packages a worker imports, and the check that runs on each worker before it does.
+"""Which Nereus packages a worker imports, the check that runs on each worker before it does, and
+what a local worker process has imported before it starts.
 
 Boundary: no Dask here (``tasks.runtime.cluster`` runs the check on the workers and turns its answer
 into a ``ClusterError``). A Dask worker puts its local directory first on ``sys.path``, and that
@@ -15,6 +16,31 @@ from typing import Any
 
 # Nereus's top-level packages: each must resolve on a worker as it does on the driver.
 NEREUS_PACKAGES = ("nereus_core", "storage", "tasks", "flows")
+
+# What every device worker imports (the actor, the engine it runs, torch): 5-10 s of CPU a worker,
+# paid by all of a LocalCluster's workers at once on the same cores when each imports it itself.
+WORKER_MODULES = (
+    "distributed",
+    "torch",
+    "transformers",
+    "tasks.runtime.device_actor",
+    "nereus_core.engine.train",
+    "nereus_core.engine.forward",
+    "nereus_core.engine.reshard",
+    "nereus_core.engine.weight_sync",
+)
+# Imported by DeepSpeed's engine (its optimizers pull in torch._dynamo): 3 s more a worker.
+DEEPSPEED_MODULES = ("deepspeed", "deepspeed.runtime.engine")
+
+
+def forkserver_preload() -> list[str]:
+    """The modules a local cluster's fork server imports once, so that every worker process forked
+    from it starts with them. DeepSpeed only on a build of torch without CUDA or ROCm: importing it
+    asks the driver for a device count, and a process must not fork once CUDA has started."""
+    import torch
+
+    cpu_build = torch.version.cuda is None and torch.version.hip is None
+    return [*WORKER_MODULES, *(DEEPSPEED_MODULES if cpu_build else ())]
 
 
 def nereus_packages() -> dict[str, str | None]:

@@ -115,13 +115,15 @@ def test_runs_on_dask_workers_match_runs_in_process(tmp_path: Path) -> None:
 
 
 def _is_worker(proc: psutil.Process) -> bool:
-    """Dask's worker process: a multiprocessing child, titled ``dask worker [...]`` where the
-    ``setproctitle`` package is installed (the vLLM extra brings it)."""
+    """Dask's worker process: a multiprocessing child (spawned, or forked by the fork server), titled
+    ``dask worker [...]`` where the ``setproctitle`` package is installed (the vLLM extra brings it)."""
     try:
         line = " ".join(proc.cmdline())
+        parent = proc.parent()
+        server = parent is not None and "forkserver import main" in " ".join(parent.cmdline())
     except psutil.Error:
         return False
-    return "spawn_main" in line or line.startswith("dask worker")
+    return "spawn_main" in line or line.startswith("dask worker") or server
 
 
 def test_a_run_whose_worker_dies_is_lost_in_one_line_naming_it(tmp_path: Path) -> None:

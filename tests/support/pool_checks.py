@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import cloudpickle
@@ -37,15 +38,17 @@ def keep(ctx: DeviceContext, key: str) -> None:
 
 
 def child_pids() -> set[int]:
-    """Child processes of the test process, except multiprocessing's resource tracker.
+    """Child processes of the test process, except multiprocessing's resource tracker and fork server.
 
-    The tracker is started once per interpreter by the first spawned process and
-    lives until the interpreter exits; it is not a worker or a nanny.
+    Each is started once per interpreter, by the first worker process started, and lives until the
+    interpreter exits; neither is a worker or a nanny (the workers the server forked are counted).
     """
     out = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
+            line = " ".join(p.cmdline())
+            server = "forkserver import main" in line and p.ppid() == os.getpid()  # not what it forked
+            if "resource_tracker" not in line and not server:
                 out.add(p.pid)
         except psutil.NoSuchProcess:
             pass
