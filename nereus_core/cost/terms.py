@@ -287,10 +287,14 @@ def _forward_backward(
 ) -> None:
     """A pipelined pass over prompt + response (infer), plus backward and the Adam step (train)."""
     tp, pp, dp, m = geo.tp, geo.pp, geo.dp, geo.m
-    slow = _slowdown(profile, geo.per_node * np.minimum(pp, m) / pp)  # stages of a replica work together
     h, layers = stats.hidden, geo.stage_layers
     b = np.ceil(work.batch / dp)
-    bm = np.ceil(b / m)
+    if work.pack and work.max_tokens_per_device is not None:  # the budget's whole micro-batches, not m
+        m = np.ceil(pass_rows(work, b, m)[1] - 1e-9)
+        bm = b / m
+    else:
+        bm = np.ceil(b / m)
+    slow = _slowdown(profile, geo.per_node * np.minimum(pp, m) / pp)  # stages of a replica work together
     seq = work.prompt_len + work.response_mean
     epochs = work.ppo_epochs if train else 1
     sizes = value_bytes(stats, profile)

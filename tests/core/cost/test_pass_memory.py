@@ -118,3 +118,18 @@ def test_gpipe_holds_the_replica_s_real_tokens_whatever_the_budget() -> None:
         got = estimate("actor/train", layout, _packed(budget), LLAMA_3_8B, gpipe).memory.activations
         expected = stage_layers * replica * HIDDEN * 34 * ACT_BYTES / 2 + 2 * budget * VOCAB * 4
         assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_budget_s_micro_batches_set_the_pass_s_overheads_and_pipeline_bubble() -> None:
+    """Time follows the budget's micro-batches too: a replica's real tokens over the budget, whole
+    (verl's dynamic batch), whatever the layout's ``micro_batches``; the bubble is (pp - 1) of them."""
+    layout = Layout.contiguous(pp=4, micro_batches=2)
+    tokens = 1024 * REAL  # one replica's real tokens (dp=1)
+    for count in (8, 32):  # budgets whose micro-batches hold whole sequences of the mean length
+        got = estimate("actor/train", layout, _packed(tokens // count), LLAMA_3_8B, H100_SXM).terms
+        as_layout = layout.model_copy(update={"micro_batches": count})
+        assert got == pytest.approx(estimate("actor/train", as_layout, _packed(), LLAMA_3_8B, H100_SXM).terms)
+    fine = estimate("actor/train", layout, _packed(tokens // 32), LLAMA_3_8B, H100_SXM).terms
+    coarse = estimate("actor/train", layout, _packed(tokens // 8), LLAMA_3_8B, H100_SXM).terms
+    assert fine["overhead"] > coarse["overhead"]  # more micro-batches, more launches
+    assert fine["pp_comm"] < coarse["pp_comm"]  # smaller micro-batches, a smaller bubble
