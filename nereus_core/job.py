@@ -174,19 +174,21 @@ def observation(
     step: int,
     rows: Sequence[Mapping[str, Any]] = (),
     lengths: Sequence[int] = (),
+    prompt_lengths: Sequence[int] = (),
     memory_peaks: Mapping[int, int] | None = None,
     ready_devices: int | None = None,
 ) -> Observation:
     """What the controller sees after ``step``: the step's stage timings, the response lengths it
-    generated (the config's until there are some), the devices wanted, the memory peaks and the
-    slots whose workers are started and warm (``ready_devices``; None: those in force)."""
+    generated and its prompts' real lengths (the config's until there are some), the devices wanted,
+    the memory peaks and the slots whose workers are started and warm (``ready_devices``; None:
+    those in force)."""
     cfg = state.config
     return Observation(
         step=step,
         remaining_steps=max(cfg.job.steps - step - 1, 0),
         devices=cfg.cluster.devices,
         memory_per_device=int(cfg.cluster.memory_per_device),
-        workload=Workload.from_config(cfg, lengths),
+        workload=Workload.from_config(cfg, lengths, prompt_lengths=prompt_lengths),
         timings=stage_timings(rows, state.layouts),
         memory_peaks=dict(memory_peaks or {}),
         transition=state.last_transition,

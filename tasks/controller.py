@@ -24,11 +24,19 @@ def controller_step(
     ready_devices: int | None = None,
     rows: Sequence[Mapping[str, Any]] = (),
     lengths: Sequence[int] = (),
+    prompt_lengths: Sequence[int] = (),
     memory_peaks: Mapping[int, int] | None = None,
 ) -> tuple[Outcome, Decision, JobState]:
-    """Recalibrate on step ``step``'s timings (``rows``), response ``lengths`` and memory peaks, with
-    ``ready_devices`` slots warm, and decide: keep, switch to a better plan, or fail."""
+    """Recalibrate on step ``step``'s timings (``rows``), response ``lengths``, real ``prompt_lengths``
+    and memory peaks, with ``ready_devices`` slots warm, and decide: keep, switch to a better plan, or
+    fail."""
     obs = observation(
-        state, step=step, rows=rows, lengths=lengths, memory_peaks=memory_peaks, ready_devices=ready_devices
+        state,
+        step=step,
+        rows=rows,
+        lengths=lengths,
+        prompt_lengths=prompt_lengths,
+        memory_peaks=memory_peaks,
+        ready_devices=ready_devices,
     )
     return after_step(state, obs)

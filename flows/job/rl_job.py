@@ -118,12 +118,12 @@ def _run_step(ctx: StepContext, step: int) -> None:
     ctx.pool.note_memory({}, predicted=preflight.predicted_slot_bytes(ctx.state))  # names a lost worker
     ctx.step = step
     t = time.perf_counter()
-    stats, lengths = rl_step.run_step(ctx)
+    stats, lengths, prompt_lengths = rl_step.run_step(ctx)
     wall = time.perf_counter() - t
     _validate(ctx, stats)  # not in wall
     ctx.records.finish_step(stats, wall, ctx.settings.job.steps)
     checkpoints.finish_in_flight(ctx.pool, ctx.records)  # a switch's recovery point, written meanwhile
-    _decide(ctx, lengths)
+    _decide(ctx, lengths, prompt_lengths)
     _checkpoint_when_due(ctx)
 
 
@@ -148,11 +148,13 @@ def _validate(ctx: StepContext, stats: dict[str, Any]) -> None:
         stats.update(generation.validate(ctx.pool, ctx.state, ctx.data.val, ctx.rollout_engines))
 
 
-def _decide(ctx: StepContext, lengths: list[int]) -> None:
-    """With ``job.adapt``, before the last step: the controller on what this step showed, and its switch."""
+def _decide(ctx: StepContext, lengths: list[int], prompt_lengths: list[int]) -> None:
+    """With ``job.adapt``, before the last step: the controller on what this step showed (its stage
+    rows, response and real prompt lengths, memory peaks), and its switch."""
     if ctx.settings.job.adapt and ctx.step + 1 < ctx.settings.job.steps:
         seen = {"rows": ctx.records.step_rows(ctx.step), "memory_peaks": job_ops.held_bytes(ctx.pool)}
-        ctx.state = switch.decide_and_switch(ctx, after=ctx.step, lengths=lengths, **seen)
+        seen |= {"lengths": lengths, "prompt_lengths": prompt_lengths}
+        ctx.state = switch.decide_and_switch(ctx, after=ctx.step, **seen)
 
 
 def _checkpoint_when_due(ctx: StepContext) -> None:

@@ -35,10 +35,10 @@ def loss_settings(settings: AlgorithmConfig, max_new_tokens: int) -> AlgorithmCo
     return settings.model_copy(update={"loss_scale_tokens": max_new_tokens})
 
 
-def run_step(ctx: StepContext) -> tuple[dict[str, Any], list[int]]:
+def run_step(ctx: StepContext) -> tuple[dict[str, Any], list[int], list[int]]:
     """One step of the job's algorithm on ``ctx`` (its pool, state, records, step, engines and prompts)
     on the plan in force; returns its statistics (scores, losses, the algorithm's statistics, response
-    lengths) and every generated response's length."""
+    and prompt lengths), every generated response's length and every prompt's real length."""
     pool, state, records, step, engines = ctx.pool, ctx.state, ctx.records, ctx.step, ctx.rollout_engines
     cfg, plan, settings = state.config, state.layouts, state.config.algorithm
     algorithm = settings.entry
@@ -59,4 +59,8 @@ def run_step(ctx: StepContext) -> tuple[dict[str, Any], list[int]]:
     trained = step_parts.train_stages(pool, state, records, step, r, objectives)
     step_parts.sync_engines(pool, state, records, step, engines)
     step_parts.write_rollout(records, state, step, r, scores)
-    return step_parts.step_stats(state, step, r, scores, trained), r.lengths.tolist()
+    return (
+        step_parts.step_stats(state, step, r, scores, trained),
+        r.lengths.tolist(),
+        r.prompt_lengths.tolist(),
+    )

@@ -175,6 +175,8 @@ def step_stats(
         "tokens": int(r.mask.sum()),
         **{f"{model}_{k}": v for model, stats in trained.items() for k, v in stats.items()},
         **rollout.length_stats(r.mask, state.config.job.response_len),
+        "prompt_len_mean": float(r.prompt_lengths.double().mean()),
+        "prompt_len_max": float(r.prompt_lengths.max()),
         **rollout.engine_logp_gap(r),
         **{f"reward_{k}": v for k, v in scores.extras.items()},
     }

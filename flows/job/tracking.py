@@ -41,6 +41,8 @@ HISTORY_NAMES = {
     "critic_loss": "critic/vf_loss",
     "critic_value_clip_frac": "critic/vf_clipfrac",
     "critic_grad_norm": "critic/grad_norm",
+    "prompt_len_mean": "prompt_length/mean",
+    "prompt_len_max": "prompt_length/max",
     "response_len_mean": "response_length/mean",
     "response_len_max": "response_length/max",
     "response_clip_frac": "response_length/clip_ratio",

@@ -89,7 +89,12 @@ class Workload(Frozen):
     """What one PPO step asks of every model-stage."""
 
     batch: int = Field(ge=1, description="Sequences per step (global).")
-    prompt_len: int = Field(ge=1, description="Prompt tokens per sequence.")
+    prompt_len: int = Field(
+        ge=1, description="Prompt tokens per sequence (the mean of the real ones once seen)."
+    )
+    prompt_high: int | None = Field(
+        default=None, ge=1, description="Longest prompt in tokens; memory uses it. None takes prompt_len."
+    )
     response_mean: float = Field(gt=0, description="Mean response tokens; latency uses it.")
     response_high: int = Field(ge=1, description="High quantile (or max) of response tokens; memory uses it.")
     response_max: int | None = Field(
@@ -135,6 +140,11 @@ class Workload(Frozen):
                 f"response_max={self.response_max} is below response_high={self.response_high}; "
                 "the longest response must be at least the high quantile"
             )
+        if self.prompt_high is not None and self.prompt_high < self.prompt_len:
+            raise ValueError(
+                f"prompt_high={self.prompt_high} is below prompt_len={self.prompt_len}; "
+                "the longest prompt must be at least the mean"
+            )
         if self.max_tokens_per_device is not None and not self.pack:
             raise ValueError(
                 f"max_tokens_per_device={self.max_tokens_per_device} needs pack=True "
@@ -143,24 +153,38 @@ class Workload(Frozen):
         return self
 
     @property
+    def prompt_longest(self) -> int:
+        """The longest prompt a sequence's memory holds: ``prompt_high``, else ``prompt_len``."""
+        return self.prompt_len if self.prompt_high is None else self.prompt_high
+
+    @property
     def response_longest(self) -> int:
         """The longest response generation waits for: ``response_max``, else ``response_high``."""
         return self.response_high if self.response_max is None else self.response_max
 
     @classmethod
     def from_config(
-        cls, config: NereusConfig, lengths: Sequence[int] = (), quantile: float = 0.9
+        cls,
+        config: NereusConfig,
+        lengths: Sequence[int] = (),
+        quantile: float = 0.9,
+        prompt_lengths: Sequence[int] = (),
     ) -> Workload:
-        """The job's workload: its batch, prompt length, PPO epochs and mini-batches, the response
-        lengths generated (mean and ``quantile``; the config's response length until there are any)
-        and how its passes lay out their tokens (``passes``)."""
+        """The job's workload: its batch, PPO epochs and mini-batches, the real prompt tokens (mean and
+        longest; the config's prompt length until there are any), the response lengths generated (mean
+        and ``quantile``; the config's response length until there are any) and how its passes lay out
+        their tokens (``passes``)."""
         job, ppo = config.job, config.ppo
         mean, high = (
             _mean_and_high(lengths, quantile) if len(lengths) else (job.response_len, job.response_len)
         )
+        prompts = (
+            (math.ceil(float(np.mean(prompt_lengths))), max(prompt_lengths)) if len(prompt_lengths) else None
+        )
         return cls(
             batch=job.batch_size,
-            prompt_len=job.prompt_len,
+            prompt_len=max(prompts[0], 1) if prompts else job.prompt_len,
+            prompt_high=max(prompts[1], 1) if prompts else None,
             response_mean=mean,
             response_high=high,
             response_max=max(max(lengths), high) if len(lengths) else None,

@@ -77,6 +77,8 @@ class WorkloadLike(Protocol):
     @property
     def prompt_len(self) -> int: ...
     @property
+    def prompt_longest(self) -> int: ...
+    @property
     def response_mean(self) -> float: ...
     @property
     def response_high(self) -> int: ...
@@ -257,11 +259,11 @@ def _generate_memory(
 ) -> None:
     """Generation's memory per device: one wave's prefill activations and last-position logits, and
     its KV cache (or a rollout engine's preallocated one, held between steps)."""
-    tp, layers, prompt = geo.tp, stats.layers, work.prompt_len
+    tp, layers, prompt = geo.tp, stats.layers, work.prompt_longest  # the sampler pads prompts
     sizes = value_bytes(stats, profile)
     kv_token = stats.kv_bytes_per_token(sizes.kv)
     tp_kv = np.minimum(tp, stats.kv_heads)
-    seq_high = prompt + work.response_high
+    seq_high = work.prompt_longest + work.response_high
     share = geo.stage_layers / layers
     logits = wave_seqs * stats.logit_width / tp * 4.0  # fp32 logits of the last position of each sequence
     prefill_act = (
@@ -339,7 +341,7 @@ def _pass_memory(
     flight under the pipeline schedule (train), with the fp32 log-softmax input on the last stage."""
     tp, pp, layers = geo.tp, geo.pp, geo.stage_layers
     act = value_bytes(stats, profile).activation
-    seq_high = work.prompt_len + work.response_high
+    seq_high = work.prompt_longest + work.response_high
     bm, m = pass_rows(work, np.ceil(work.batch / geo.dp), geo.m)
     per_layer = korthikanti_bytes(stats, bm, seq_high, act, profile.activation_recompute) / tp
     logits = bm * seq_high * stats.logit_width / tp * 4.0  # fp32 log-softmax input on the last stage
@@ -365,7 +367,7 @@ def pass_rows(work: WorkloadLike, rows: np.ndarray, m: np.ndarray) -> tuple[np.n
     bm = np.ceil(rows / m)
     if not work.pack:
         return bm, m
-    seq_high = work.prompt_len + work.response_high
+    seq_high = work.prompt_longest + work.response_high
     real = work.prompt_len + work.response_mean
     budget = work.max_tokens_per_device
     if budget is None:

@@ -72,6 +72,13 @@ class Rollout:
         """Each response's real tokens ``[b]`` (int64)."""
         return self.mask.sum(dim=1).round().long()
 
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        """Each prompt's real tokens ``[b]`` (int64): its width where it has no padding."""
+        if self.prompt_mask is None:
+            return torch.full((self.prompts.shape[0],), self.prompts.shape[1], dtype=torch.long)
+        return self.prompt_mask.sum(dim=1).round().long()
+
     def columns(self) -> dict[str, torch.Tensor]:
         """The filled fields, by name, and each response's length (for the rollouts table)."""
         filled = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

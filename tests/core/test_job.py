@@ -17,6 +17,7 @@ from nereus_core.config import NereusConfig, ScenarioEvent, parse_config
 from nereus_core.controller.decide import decide
 from nereus_core.controller.moves import MoveBasis
 from nereus_core.controller.transition_schedule import priced_moves
+from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, GlobalPlan, plan_id
 
@@ -177,3 +178,18 @@ def test_resumed_on_other_devices_replans_for_them() -> None:
     assert state.devices == 4 and state.config.cluster.devices == 4
     assert max(max(v.devices) for v in state.layouts.values()) < 4
     assert state.controller.plan == GlobalPlan.of(state.layouts)
+
+
+def test_the_controller_sees_the_real_prompt_tokens_and_memory_their_longest() -> None:
+    """After a step the workload's prompt length is the mean of the real prompt tokens (the config's
+    is the padded width) and its longest prompt is what memory holds; before any step, the config's."""
+    state = job_rules.start(demo())
+    before = job_rules.observation(state, step=0).workload
+    assert (before.prompt_len, before.prompt_longest) == (state.config.job.prompt_len,) * 2
+    seen = job_rules.observation(state, step=0, lengths=[4, 6], prompt_lengths=[3, 4, 9, 4]).workload
+    assert (seen.prompt_len, seen.prompt_high) == (5, 9)
+    layout, model = Layout.contiguous(), state.config.models["actor"]
+    mean_only = seen.model_copy(update={"prompt_high": None})
+    for stage in ("actor/generate", "actor/train"):
+        held = estimate(stage, layout, seen, model, state.controller.profile).memory.activations
+        assert held > estimate(stage, layout, mean_only, model, state.controller.profile).memory.activations

@@ -58,7 +58,7 @@ def run_one_step(
     with DevicePool(cfg.cluster.devices) as pool:
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward)
         source = CountSource(cfg.job.task_settings, cfg.job.batch_size, cfg.job.seed, stopping=stopping)
-        stats, lengths = rl_step.run_step(StepContext(pool, state, records, JobData(train=source)))
+        stats, lengths, _ = rl_step.run_step(StepContext(pool, state, records, JobData(train=source)))
         train = ModelStage.ACTOR_TRAIN
         actor = model_ops.full_state(
             pool, state.layouts[train], name=str(train), config=job.model_config(cfg, str(train))

@@ -97,7 +97,7 @@ def test_one_step_of_a_registered_variant_trains_on_its_own_advantages(
     with DevicePool(1) as pool:
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, None)
         source = CountSource(cfg.job.task_settings, cfg.job.batch_size, cfg.job.seed)
-        stats, lengths = rl_step.run_step(StepContext(pool, state, records, JobData(train=source)))
+        stats, lengths, _ = rl_step.run_step(StepContext(pool, state, records, JobData(train=source)))
     rollout = run.read_rollout(0)
     score, mask = torch.tensor(rollout["score"]), torch.tensor(rollout["mask"])
     assert score.std() > 0, f"scores {score.tolist()}: every advantage would be zero"

@@ -67,10 +67,15 @@ def test_grpo_steps_on_the_data_sets_prompts_in_groups_scored_by_the_function(
     tokenizer = load_tokenizer(model)
     examples = read_examples([train])
     kept = [e for e in examples if len(chat_prompt_ids(tokenizer, [e.chat()])[0]) <= MAX_PROMPT]
+    history = RunDir(out).read_rows("metrics/history.parquet")
     for step in (0, 1):
         rollout = RunDir(out).read_rollout(step)
         prompts, prompt_mask = torch.tensor(rollout["prompts"]), torch.tensor(rollout["prompt_mask"])
         assert prompts.shape[0] == GROUP * PROMPTS
+        # The step reports its prompts' real tokens (what the controller observes), as verl's prompt_length.
+        real = prompt_mask.sum(dim=1).double()
+        assert history[step]["prompt_len_mean"] == pytest.approx(float(real.mean()))
+        assert history[step]["prompt_len_max"] == float(real.max()) < MAX_PROMPT + 1
         # batch_size / group_size prompts from the sampler, each group_size times side by side.
         chosen = [kept[i] for i in Sampler(len(kept), PROMPTS, seed=SEED).batch(step)]
         for g, ex in enumerate(chosen):

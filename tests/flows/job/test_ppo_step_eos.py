@@ -58,7 +58,7 @@ def test_a_ppo_step_with_stop_ids_has_variable_lengths_masks_and_finite_losses(m
         job_ops.load_models(pool, cfg, state.layouts, state.aliased, reward_state)
         source = CountSource(cfg.job.task_settings, cfg.job.batch_size, cfg.job.seed, stopping=STOP)
         ctx = StepContext(pool, state, JobRecords(run), JobData(train=source))
-        stats, lengths = rl_step.run_step(ctx)
+        stats, lengths, _ = rl_step.run_step(ctx)
     rollout = run.read_rollout(0)
     responses, mask = torch.tensor(rollout["responses"]), torch.tensor(rollout["mask"])
     assert rollout["response_length"] == lengths == mask.sum(1).long().tolist()
