@@ -137,11 +137,10 @@ def _problem(
             continue
         old.update({(s, d): b for d, b in move.shard_bytes("old", dtype_bytes).items()})
         new.update({(s, d): b for d, b in move.shard_bytes("new", dtype_bytes).items()})
-        wait: dict[int, set[Key]] = {d: set() for d in move.old.devices}
-        if s not in durable:
-            for t in (*plans[s].transfers, *plans[s].local):
-                wait[t.src].add((s, t.dst))
-        needs.update({(s, d): frozenset(w) for d, w in wait.items()})
+        # Live: an old shard is kept until every new shard of its model-stage is complete (copy, then
+        # free), so a move that fails in a worker still has all of plan A to fall back on.
+        targets = frozenset() if s in durable else frozenset((s, d) for d in move.new.devices)
+        needs.update({(s, d): targets for d in move.old.devices})
     return MemoryProblem(caps, dict(base), old, new, needs)
 
 
@@ -218,18 +217,17 @@ def _live_ops(
         count[(t.src, t.dst, t.name)] += 1
         op = Op("transfer", s, src=t.src, dst=t.dst, tensor=t.name, region=t.region, index=i, nbytes=t.nbytes)
         ops.append(op)
-        edges += [
-            Edge("regroup", op.id, "data"),
-            Edge(f"alloc:{s}:{t.dst}", op.id, "data"),
-            Edge(op.id, f"free:{s}:{t.src}", "data"),
-        ]
+        edges += [Edge("regroup", op.id, "data"), Edge(f"alloc:{s}:{t.dst}", op.id, "data")]
     for t in plan.local:
         i = count[(t.src, t.dst, t.name)]
         count[(t.src, t.dst, t.name)] += 1
         op = Op("copy", s, device=t.dst, tensor=t.name, region=t.region, index=i, nbytes=t.nbytes)
         ops.append(op)
-        edges += [Edge(f"alloc:{s}:{t.dst}", op.id, "data"), Edge(op.id, f"free:{s}:{t.src}", "data")]
+        edges.append(Edge(f"alloc:{s}:{t.dst}", op.id, "data"))
+    # Every old shard goes once the model-stage's new shards are complete: after all its pieces moved.
+    moved = [op.id for op in ops if op.stage == s and op.kind in ("transfer", "copy")]
     ops += [Op("free", s, device=d, nbytes=problem.old[(s, d)]) for d in move.old.devices]
+    edges += [Edge(x, f"free:{s}:{d}", "data") for d in move.old.devices for x in moved]
 
 
 def _durable_ops(

@@ -246,9 +246,12 @@ def _check_data_order(g: TransitionGraph) -> list[str]:
     at = {(op.kind, op.stage, op.device): wave_of[op.id] for op in g.ops if op.device is not None}
     never = len(g.waves)
     last_snapshot: dict[str, int] = defaultdict(lambda: -1)
+    last_moved: dict[str, int] = defaultdict(lambda: -1)  # a live model-stage's targets complete
     for op in g.ops:
         if op.kind == "snapshot":
             last_snapshot[op.stage] = max(last_snapshot[op.stage], wave_of[op.id])
+        elif op.kind in ("transfer", "copy"):
+            last_moved[op.stage] = max(last_moved[op.stage], wave_of[op.id])
     problems = []
     for op in g.ops:
         w = wave_of[op.id]
@@ -269,6 +272,8 @@ def _check_data_order(g: TransitionGraph) -> list[str]:
             snap = at.get(("snapshot", op.stage, op.device))
             if snap is not None and snap >= w:
                 problems.append(f"{op.id} frees the shard before its snapshot")
+        elif op.kind == "free" and last_moved[op.stage] >= w:
+            problems.append(f"{op.id} frees a source shard before the model-stage's targets are complete")
     return problems
 
 

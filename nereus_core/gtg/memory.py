@@ -2,9 +2,10 @@
 
 The abstract problem. Each changed model-stage ``s`` has an old shard ``(s, d)`` on every device
 of its plan-A layout and a new shard on every device of its plan-B layout; unchanged model-stages
-are a constant ``base`` load. An old shard can be freed once the new shards it sends to are
-allocated (its transfers then run and nothing else reads it): ``needs[(s, d)]`` lists those
-allocations (empty on the durable route, where the shard is snapshotted and dropped). Transfers
+are a constant ``base`` load. An old shard can be freed once every new shard of its model-stage is
+allocated (copy, then free: until the stage's targets are complete, all of plan A stays to fall back
+on): ``needs[(s, d)]`` lists those allocations (empty on the durable route, where the shard is
+snapshotted and dropped). Transfers
 use no memory of their own (they write into the allocated destination; staging buffers are not
 counted). Find a sequence of all allocations and frees such that no allocation takes a device
 over its capacity.

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from nereus_core.config import ModelConfig
-from nereus_core.emu import plan_reshard, shard_map
+from nereus_core.emu import shard_map
 from nereus_core.gtg import (
+    Edge,
     LinkModel,
     Op,
     ScheduleInvalid,
@@ -71,7 +72,8 @@ def live_possible(
     models: dict[str, tuple[ModelConfig, bool]],
     caps: dict[int, int],
 ) -> bool:
-    """Oracle for tiny problems: try every order of allocations (frees as early as their transfers allow)."""
+    """Oracle for tiny problems: try every order of allocations (frees as early as their model-stage's
+    new shards are all allocated)."""
     base: dict[int, int] = defaultdict(int)
     old: dict[tuple[str, int], int] = {}
     new: dict[tuple[str, int], int] = {}
@@ -83,12 +85,8 @@ def live_possible(
             continue
         old.update({(s, d): b for d, b in shard(config, train, plan_a[s]).items()})
         new.update({(s, d): b for d, b in shard(config, train, plan_b[s]).items()})
-        needs.update({(s, d): set() for d in plan_a[s].devices})
-        plan = plan_reshard(
-            shard_map(config, plan_a[s], train=train), shard_map(config, plan_b[s], train=train)
-        )
-        for t in (*plan.transfers, *plan.local):
-            needs[(s, t.src)].add((s, t.dst))
+        # Copy, then free: an old shard goes once all of its model-stage's new shards are there.
+        needs.update({(s, d): {(s, n) for n in plan_b[s].devices} for d in plan_a[s].devices})
     cap = {d: caps.get(d, 0) for d in set(base) | {d for _, d in old} | {d for _, d in new}}
     cap.update({d: max(cap[d], base.get(d, 0) + sum(b for (_, x), b in old.items() if x == d)) for d in cap})
 
@@ -310,6 +308,43 @@ def test_validate_catches_a_broken_schedule() -> None:
     )
     with pytest.raises(ScheduleInvalid, match="not written exactly once"):
         dropped.validate(caps)
+
+
+def test_a_source_freed_before_its_model_stage_s_targets_are_complete_is_refused() -> None:
+    """Copy, then free: a live move keeps every old shard until all of the model-stage's pieces have
+    moved, so a move that fails on a worker can fall back on plan A whole. A schedule that frees a
+    source as soon as its own pieces left (a builder without that rule) is refused."""
+    plan_a = {"actor/train": Layout(tp=2, devices=(0, 1))}
+    plan_b = {"actor/train": Layout(tp=2, devices=(1, 2))}
+    caps = dict.fromkeys((0, 1, 2), 10**9)
+    g = build_gtg(plan_a, plan_b, {"actor/train": (LM, True)}, caps)
+    g.validate(caps)
+    wave_of = {x: i for i, w in enumerate(g.waves) for x in w}
+    source = {
+        op.id: op.src if op.kind == "transfer" else op.device
+        for op in g.ops
+        if op.kind in ("transfer", "copy")
+    }
+
+    def own_reads_only(d: int) -> tuple[Edge, ...]:
+        """The edges of a builder that frees device d's source once its own pieces have left."""
+        free = f"free:actor/train:{d}"
+        return tuple(e for e in g.edges if e.after != free or source.get(e.before, d) == d)
+
+    def earliest(d: int) -> int:
+        return 1 + max(wave_of[e.before] for e in own_reads_only(d) if e.after == f"free:actor/train:{d}")
+
+    d = min((0, 1), key=earliest)
+    free, others = f"free:actor/train:{d}", [x for x, src in source.items() if src != d]
+    assert others and all(wave_of[x] < wave_of[free] for x in others)  # the rule, as built
+    assert earliest(d) <= max(wave_of[x] for x in others)  # freed early, it goes before the others
+    waves = [tuple(x for x in w if x != free) for w in g.waves]
+    waves[earliest(d)] += (free,)
+    early = replace(g, edges=own_reads_only(d), waves=tuple(w for w in waves if w))
+    with pytest.raises(
+        ScheduleInvalid, match="frees a source shard before the model-stage's targets are complete"
+    ):
+        early.validate(caps)
 
 
 def test_snapshot_writers_write_every_distinct_box_once() -> None:
