@@ -31,6 +31,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -371,6 +372,19 @@ class DaskCluster:
 WORKER_PRE_SPAWN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}
 
 
+def worker_processes() -> BaseContext:
+    """How local worker processes start: forked from one server per driver that imported what they
+    need (``forkserver_preload``) in ``WORKER_PRE_SPAWN_ENV``, whoever starts it first (a pool, a
+    test's world); NEREUS_WORKER_START=spawn: each from scratch, in the driver's environment then."""
+    method = os.environ.get("NEREUS_WORKER_START", "forkserver")
+    dask.config.set({"distributed.worker.multiprocessing-method": method})
+    ctx = get_mp_context()
+    if method == "forkserver":  # both take effect only before the server starts
+        os.environ.update(WORKER_PRE_SPAWN_ENV)
+        ctx.set_forkserver_preload(forkserver_preload())
+    return ctx
+
+
 def _local_cluster(
     workers: int, allowed_failures: int | None = None, memory_limit: int | None = None
 ) -> LocalCluster:
@@ -381,12 +395,7 @@ def _local_cluster(
     # A device worker's memory is its actor's, not Dask data: spilling has nothing to spill and a
     # paused worker would only stall the job, so the nanny's kill at the limit is the one action.
     dask.config.set({f"distributed.worker.memory.{k}": False for k in ("target", "spill", "pause")})
-    # Workers fork from one server per driver that imported what they need (it starts with the first
-    # worker, in the environment above); NEREUS_WORKER_START=spawn: each in the driver's of then.
-    method = os.environ.get("NEREUS_WORKER_START", "forkserver")
-    dask.config.set({"distributed.worker.multiprocessing-method": method})
-    if method == "forkserver":
-        get_mp_context().set_forkserver_preload(forkserver_preload())  # before the server starts
+    worker_processes()
     return LocalCluster(
         n_workers=workers,
         threads_per_worker=1,

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tasks.runtime.cluster import worker_processes
+
 
 class WorldError(RuntimeError):
     """A rank of a test world failed or the world timed out."""
@@ -75,11 +77,9 @@ def run_world(
     n: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, start_method: str = "forkserver"
 ) -> list[Any]:
     """``[fn(rank, n, *args) for rank in range(n)]``, each on its own process in one gloo world."""
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        # The fork server imports torch once; every later world forks from it in milliseconds
-        # instead of each rank importing torch (seconds). It never runs torch ops, so forking is safe.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "nereus_core.model"])
+    # The pool's fork server (one per process) imports torch once; every later world forks from it in
+    # milliseconds instead of each rank importing torch (seconds). It never runs torch ops.
+    ctx = worker_processes() if start_method == "forkserver" else mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [
