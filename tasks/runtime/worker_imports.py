@@ -29,14 +29,21 @@ WORKER_MODULES = (
     "nereus_core.engine.reshard",
     "nereus_core.engine.weight_sync",
 )
-# Imported by DeepSpeed's engine (its optimizers pull in torch._dynamo): 3 s more a worker.
-DEEPSPEED_MODULES = ("deepspeed", "deepspeed.runtime.engine")
+# DeepSpeed, with what its first engine imports: torch._dynamo (the optimizer's constructor) and the
+# Muon optimizer its sanity check loads (a torch.compile at import: inductor). 3-10 s a worker.
+DEEPSPEED_MODULES = (
+    "deepspeed",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "torch._dynamo",
+    "torch.optim",
+)
 
 
 def forkserver_preload() -> list[str]:
     """The modules a local cluster's fork server imports once, so that every worker process forked
-    from it starts with them. DeepSpeed only on a build of torch without CUDA or ROCm: importing it
-    asks the driver for a device count, and a process must not fork once CUDA has started."""
+    from it starts with them. DeepSpeed and dynamo only on a build of torch without CUDA or ROCm:
+    they ask for a device count, and a process must not fork once CUDA has started."""
     import torch
 
     cpu_build = torch.version.cuda is None and torch.version.hip is None
