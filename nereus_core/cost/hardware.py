@@ -400,7 +400,12 @@ CPU_WORKERS = HardwareProfile(
     # pool's own start-up (DeepSpeed's first engine ~8 s). These are the TransitionCosts defaults.
     # switch_s: the demo's three switches spent 0.5-1.9 s (mean 1.2 s) outside their recovery point,
     # verification and moves (2026-12-07): the transition subflow's flow run, journal and records.
-    transitions=TransitionCosts(transition_op_overhead_s=5e-3, switch_s=1.0),
+    # worker_start_s, warm_up_s: a cold grow 2 -> 4 slots took 0.30 s (world rebuild included) and
+    # DeepSpeed's first engine on the new workers 0.08-0.11 s, the workers forked from a server that
+    # imported torch, DeepSpeed and the engine (tasks/runtime/worker_imports.py; 2026-12-07).
+    transitions=TransitionCosts(
+        transition_op_overhead_s=5e-3, switch_s=1.0, worker_start_s=0.25, warm_up_s=0.1
+    ),
     term_scales={
         "compute": 0.336,
         "decode": 5.55,
