@@ -178,13 +178,14 @@ class Workload(Frozen):
         mean, high = (
             _mean_and_high(lengths, quantile) if len(lengths) else (job.response_len, job.response_len)
         )
-        prompts = (
-            (math.ceil(float(np.mean(prompt_lengths))), max(prompt_lengths)) if len(prompt_lengths) else None
-        )
+        prompt, prompt_high = job.prompt_len, None
+        if len(prompt_lengths):  # their mean (at least 1) and longest
+            mean_prompt, prompt_high = _mean_and_high(prompt_lengths, 1.0)
+            prompt = math.ceil(mean_prompt)
         return cls(
             batch=job.batch_size,
-            prompt_len=max(prompts[0], 1) if prompts else job.prompt_len,
-            prompt_high=max(prompts[1], 1) if prompts else None,
+            prompt_len=prompt,
+            prompt_high=prompt_high,
             response_mean=mean,
             response_high=high,
             response_max=max(max(lengths), high) if len(lengths) else None,

@@ -263,7 +263,7 @@ def _generate_memory(
     sizes = value_bytes(stats, profile)
     kv_token = stats.kv_bytes_per_token(sizes.kv)
     tp_kv = np.minimum(tp, stats.kv_heads)
-    seq_high = work.prompt_longest + work.response_high
+    seq_high = prompt + work.response_high
     share = geo.stage_layers / layers
     logits = wave_seqs * stats.logit_width / tp * 4.0  # fp32 logits of the last position of each sequence
     prefill_act = (
