@@ -9,6 +9,8 @@ Points and what they do:
 - ``kill-driver:move``: the driver kills itself (SIGKILL) after a transition's first wave of units
   moved state, while work remains (later units, or the inference copies' relinks): the journal
   shows done units and the switch is half done;
+- ``fail-worker:move``: every device of a live move raises once its new shards are installed (its
+  old ones kept aside): the switch fails in live workers and rolls back in memory;
 - ``kill-worker:rehydrate``: the driver kills device rank 1's worker as a rehydration starts;
 - ``fail-snapshot-write``: a device's snapshot writer raises ``OSError(ENOSPC)`` (disk full);
 - ``fill-disk:switch``: before the checkpoint that precedes a plan switch the driver fills the run
@@ -25,6 +27,7 @@ from collections.abc import Iterable
 
 POINTS: tuple[str, ...] = (
     "kill-driver:move",
+    "fail-worker:move",
     "kill-worker:rehydrate",
     "fail-snapshot-write",
     "fill-disk:switch",

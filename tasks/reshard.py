@@ -85,6 +85,7 @@ def reshard(
     step: int = 0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     incarnation: int | None = None,
+    keep_old: bool = False,
 ) -> dict[str, Any]:
     """Move model-stage ``name`` (resident on ``old_layout``) to ``new_layout``, state and all.
 
@@ -93,7 +94,8 @@ def reshard(
     the snapshot ``state/<store_model>/step=<step>`` under ``run_dir`` (``store_model``
     defaults to ``name`` with ``/`` as ``-``), stamped with the driver's ``incarnation``. Every
     exchange waits at most ``timeout_s``; a failure raises ``DeviceRunError`` and leaves the
-    world to be rebuilt (``pool.resize``).
+    world to be rebuilt (``pool.resize``). ``keep_old`` (live): every device keeps its old shard
+    aside until the switch ends (``engine.rollback``).
     Returns ``seconds``, ``bytes_moved`` and ``bytes_local`` (the plan's), and per-path figures
     (``plan_groups_s``: planning and building the new layout's groups, included in ``seconds``).
     """
@@ -104,7 +106,7 @@ def reshard(
     start = time.perf_counter()
     old_map, new_map = _maps(config, old_layout, new_layout, train=optimizer is not None)
     plan = plan_reshard(old_map, new_map)
-    job = ReshardJob(name, config, old_map, new_map, optimizer, timeout_s)
+    job = ReshardJob(name, config, old_map, new_map, optimizer, timeout_s, keep_old and path == "live")
     pool.build_groups(new_layout)
     stats: dict[str, Any] = {
         "path": path,
@@ -152,16 +154,18 @@ def reshard_wave(
     moves: Sequence[tuple[str, ModelConfig, Layout, Layout, OptimizerSettings | None]],
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    keep_old: bool = False,
 ) -> list[dict[str, Any]]:
     """Live-reshard several model-stages at once: ``(name, config, old, new, optimizer)`` each, in one
     device call per device (``engine.reshard.live_reshard_wave``); one figures dict per move, as
-    ``reshard`` returns (``seconds`` is the whole wave's: the moves ran together)."""
+    ``reshard`` returns (``seconds`` is the whole wave's: the moves ran together). ``keep_old``: as
+    ``reshard``'s."""
     start = time.perf_counter()
     units = []
     for name, config, old, new, optimizer in moves:
         old_map, new_map = _maps(config, old, new, train=optimizer is not None)
         plan = plan_reshard(old_map, new_map)
-        units.append((ReshardJob(name, config, old_map, new_map, optimizer, timeout_s), plan))
+        units.append((ReshardJob(name, config, old_map, new_map, optimizer, timeout_s, keep_old), plan))
         pool.build_groups(new)
     planned = time.perf_counter() - start
     per_device = pool.run_on(_devices(*(job for job, _ in units)), live_reshard_wave, units=units)

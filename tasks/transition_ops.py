@@ -2,7 +2,9 @@
 
 Each task is idempotent with respect to the journal: the flow skips an operation
 whose ``done`` line is recorded, and a half-run one is redone from the state the
-devices hold (the old shard stays resident until the new one is installed).
+devices hold (the old shard stays resident until the new one is installed). A live switch that
+keeps its old shards rolls back in memory when it fails (``restore_stage``) and frees them once
+it commits (``release_kept``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from nereus_core.config import ModelConfig
+from nereus_core.emu import shard_map
+from nereus_core.engine.rollback import release_retired, restore_shard
 from nereus_core.engine.shard import OptimizerSettings
 from nereus_core.layout import Layout
 from tasks import model_ops
@@ -33,8 +37,10 @@ def move_stage(
     optimizer: OptimizerSettings | None,
     run_dir: str,
     step: int,
+    keep_old: bool = False,
 ) -> dict[str, Any]:
-    """Reshard model-stage ``name`` (parameters, and optimizer state for train stages) old -> new."""
+    """Reshard model-stage ``name`` (parameters, and optimizer state for train stages) old -> new;
+    ``keep_old``: the devices keep the old shard aside until ``release_kept`` or ``restore_stage``."""
     return reshard(
         pool,
         name,
@@ -46,6 +52,7 @@ def move_stage(
         run_dir=run_dir,
         store_model=f"transition-{name.replace('/', '-')}",
         step=step,
+        keep_old=keep_old,
     )
 
 
@@ -53,10 +60,31 @@ def move_stage(
 def move_stages(
     pool: DevicePool,
     moves: list[tuple[str, ModelConfig, Layout, Layout, OptimizerSettings | None]],
+    keep_old: bool = False,
 ) -> list[dict[str, Any]]:
     """Live-reshard several model-stages at once (one GTG wave): ``(name, config, old, new,
     optimizer)`` each, every device running its part of all of them in one call."""
-    return reshard_wave(pool, moves)
+    return reshard_wave(pool, moves, keep_old=keep_old)
+
+
+def release_kept(pool: DevicePool) -> float:
+    """Every device forgets the old shards a committed switch kept (``engine.rollback``); seconds."""
+    start = time.perf_counter()
+    pool.run_on(list(range(pool.size)), release_retired)
+    return time.perf_counter() - start
+
+
+@task(cache_policy=NO_CACHE, retries=0)
+def restore_stage(
+    pool: DevicePool, name: str, config: ModelConfig, layout: Layout, optimizer: OptimizerSettings | None
+) -> dict[str, Any]:
+    """Model-stage ``name`` back on ``layout`` (plan A) in a world rebuilt after a failed live switch,
+    from the shards its devices kept or still hold, bitwise (``engine.rollback.restore_shard``)."""
+    start = time.perf_counter()
+    pool.build_groups(layout)
+    smap = shard_map(config, layout, train=optimizer is not None)
+    pool.run_on(list(range(pool.size)), restore_shard, name=name, smap=smap, optimizer=optimizer)
+    return {"seconds": time.perf_counter() - start, "bytes_moved": 0}
 
 
 @task(cache_policy=NO_CACHE, retries=1)

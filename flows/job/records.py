@@ -309,6 +309,7 @@ class JobRecords:
             "verify_s": stats.get("verify_s", 0.0),
             "moves_s": stats.get("moves_s", 0.0),
             "retire_s": stats.get("retire_s", 0.0),
+            "rollback_s": stats.get("rollback_s", 0.0),  # a failed live switch undone in memory
             "gtg_critical_path_s": stats.get("gtg_critical_path_s", 0.0),
             "devices": switch.devices,
             "recorded_at": time.time(),

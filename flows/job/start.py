@@ -27,7 +27,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from flows.job.records import QuietCompletedTasks, past_transitions, rounded
-from flows.job.transition import rehydrate_all
+from flows.job.rehydration import rehydrate_all
 from nereus_core import job
 from nereus_core.config import ConfigError, NereusConfig, parse_config
 from nereus_core.config.from_yaml import parse_yaml

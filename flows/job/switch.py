@@ -5,6 +5,7 @@
            step + 1: written, staged for a background write, or none, as ``recovery_write`` says)
            -> transition_flow (the priced schedule) -> verify the live state against the digests
            read before, rebuild the vLLM engines -> record (every part's seconds) -> commit
+    (a switch that failed in live workers and rolled back in memory: recorded, plan A goes on)
 
 Boundary: the controller decides (tasks/controller.py), the transition moves the state
 (flows/job/transition.py), the records record (flows/job/records.py); this module orders them.
@@ -69,14 +70,17 @@ def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: An
             _transition(ctx, state, outcome, transition_id, step=after, checkpoint_step=checkpoint_step)
         )
         stats["moves_s"] = stats["seconds"]
-        status = "refused" if stats["status"] == "refused" else "committed"
+        status = stats["status"] if stats["status"] in ("refused", "rolled_back") else "committed"
+        if status == "rolled_back":
+            stats["note"] = f"failed in live workers, rolled back in memory: {stats['error']}"
         if status == "committed":
             _check_and_rebuild(ctx, outcome, transition_id, stats, plan_a)
     finally:
         stats["seconds"] = time.perf_counter() - began  # the decision to the next step: what is priced
         ctx.records.transition(transition_id, after, state, outcome, stats, status)
     _log_transition(transition_id, status, state, outcome, stats)
-    return job.commit(state, outcome, status, _timing(decision, status, stats))  # type: ignore[arg-type]
+    kept = "aborted" if status == "rolled_back" else status  # rolled back in memory: plan A goes on
+    return job.commit(state, outcome, kept, _timing(decision, status, stats))  # type: ignore[arg-type]
 
 
 def _new_transition_id(ctx: StepContext, after: int) -> str:

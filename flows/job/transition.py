@@ -10,8 +10,10 @@
           unload:<stage>  a durable stage drops its old shards (its state is in the checkpoint)
           load:<stage>    ... and is rehydrated on its new layout from the checkpoint
         no memory-safe order of whole units: every changed stage goes durable instead
+        one wave of live moves: the old shards are kept until the end; a failure in live workers
+        rolls the switch back in memory (flows/job/rollback.py; journal: abort, plan A goes on)
       another device set: drop every shard -> resize the pool (a new world) -> rehydrate every
-        model-stage under plan B from the checkpoint (a device lost meanwhile: rebuild, again)
+        model-stage under plan B from the checkpoint (flows/job/rehydration.py)
       -> inference copies of trained models (actor/generate, critic/infer): relink
       -> journal: commit (the plan switch); the job continues on plan B
       -> workers a shrink let go retire (``DevicePool.retire_left``): plan B no longer uses them
@@ -29,123 +31,21 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from flows.job import rollback
+from flows.job.rehydration import rehydrate_all, rehydrate_stage, relink, run_op
 from nereus_core import faults
 from nereus_core.config import NereusConfig
 from nereus_core.controller.moves import MoveBasis, MoveSchedule, Planned
 from nereus_core.controller.transition_schedule import plan_moves
 from nereus_core.cost.stage_cost import engine_kv_bytes
-from nereus_core.engine.shard import drop_all
 from nereus_core.gtg import TransitionGraph, TransitionInfeasible
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule
 from nereus_core.job import model_config, optimizer_settings
-from nereus_core.layout import Layout
-from nereus_core.plan import GlobalPlan, ModelStage, StageLayouts, copies, own_state
-from storage.journal import ABORT, COMMIT, DONE, FAILED, START, Journal
-from storage.run_dir import RunDir
+from nereus_core.plan import GlobalPlan, StageLayouts, copies
+from storage.journal import ABORT, COMMIT, DONE, START, Journal
 from tasks import model_ops
 from tasks.runtime.device_pool import DevicePool
-from tasks.snapshots import rehydrate_model
-from tasks.transition_ops import move_stage, move_stages, relink_copy
-
-
-def _run_op(journal: Journal, op_id: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    if op_id in journal.done_ops():
-        return {"seconds": 0.0, "bytes_moved": 0, "skipped": True}
-    journal.record(op_id, START)
-    stats = fn(*args, **kwargs) or {}
-    journal.record(op_id, DONE, seconds=stats.get("seconds", 0.0), bytes_moved=stats.get("bytes_moved", 0))
-    return stats
-
-
-def _rehydrate(
-    pool: DevicePool, cfg: NereusConfig, run_dir: str, step: int, stage: str, layout: Layout
-) -> dict:
-    stats = rehydrate_model(
-        pool,
-        run_dir,
-        ModelStage(stage).model,
-        step,
-        layout,
-        model_config(cfg, stage),
-        stage,
-        optimizer_settings(cfg, stage),
-        incarnation=RunDir(run_dir).read_checkpoint(step)["incarnation"],  # the checkpoint's own writer
-    )
-    return {**stats, "bytes_moved": stats.get("bytes_read", 0)}
-
-
-def _relink(pool: DevicePool, cfg: NereusConfig, journal: Journal, plan: StageLayouts, relinked: list) -> int:
-    moved, sources = 0, copies(plan)
-    for copy in relinked:
-        source = sources[copy]
-        stats = _run_op(
-            journal,
-            f"relink:{copy}",
-            relink_copy,
-            pool,
-            copy,
-            source,
-            plan[source],
-            plan[copy],
-            model_config(cfg, copy),
-        )
-        moved += stats.get("bytes_moved", 0)
-    return moved
-
-
-def rehydrate_all(
-    pool: DevicePool,
-    cfg: NereusConfig,
-    run_dir: str,
-    journal: Journal,
-    new: GlobalPlan,
-    checkpoint_step: int,
-    devices: int,
-) -> int:
-    """Drop every shard, resize the pool to ``devices`` (a new world), load every model-stage of
-    ``new`` from the checkpoint and relink the inference copies; returns bytes read. A device
-    lost during rehydration costs one world rebuild and a second pass (then it raises)."""
-    logger, plan = get_run_logger(), new.layouts
-    _run_op(journal, "drop:all", _drop_all, pool)
-    if devices != pool.size:
-        _run_op(journal, f"resize:{pool.size}->{devices}", _resize, pool, devices)
-    read = 0
-    for attempt in (1, 2):
-        try:
-            if faults.armed("kill-worker:rehydrate"):
-                pid = pool.info()[min(1, pool.size - 1)]["pid"]
-                logger.warning("fault injection: killing device worker pid %d during rehydration", pid)
-                os.kill(pid, signal.SIGKILL)
-            for stage in own_state(plan):
-                op = f"rehydrate:{stage}#{attempt}"
-                read += _run_op(
-                    journal, op, _rehydrate, pool, cfg, run_dir, checkpoint_step, stage, plan[stage]
-                )["bytes_moved"]
-            break
-        except Exception as err:
-            journal.record(f"rehydrate#{attempt}", FAILED, error=f"{type(err).__name__}: {err}"[:500])
-            if attempt == 2:
-                raise
-            logger.warning("rehydration failed (%s); rebuilding the world and rehydrating again", err)
-            _resize(pool, devices)  # a lost worker is replaced; every group is rebuilt
-            _drop_all(pool)
-    return read + _relink(pool, cfg, journal, plan, list(copies(plan)))
-
-
-def _drop_all(pool: DevicePool) -> dict[str, Any]:
-    pool.run_on(list(range(pool.size)), drop_all)
-    return {}
-
-
-def _resize(pool: DevicePool, devices: int) -> dict[str, Any]:
-    """A new world of ``devices`` slots, DeepSpeed warmed up on the workers new to it (a new worker
-    pays seconds for its first engine: here, not in the first step that uses it). Workers the job
-    prepared for this grow (``DevicePool.prepare``) joined warm: only the world is formed."""
-    start = time.perf_counter()
-    pool.resize(devices)
-    resized = time.perf_counter()
-    model_ops.warm_up(pool, pool.cold_ranks)
-    return {"seconds": time.perf_counter() - start, "resize_s": resized - start}
+from tasks.transition_ops import move_stage, move_stages, release_kept
 
 
 def live_basis(pool: DevicePool, cfg: NereusConfig, devices: int | None = None) -> MoveBasis:
@@ -232,18 +132,19 @@ def transition_flow(
         return {"seconds": 0.0, "bytes_moved": 0, "operations": 0, "status": "refused", "error": planned}
     route = "durable" if resize else planned.graph.route
     _announce(journal, planned, route, old, new, step, reason, path, checkpoint_step, (pool.size, target))
-    start = time.perf_counter()
+    start, kept = time.perf_counter(), not resize and rollback.keeps_old(planned.schedule, path)
     try:
-        if resize:
-            moved = rehydrate_all(pool, cfg, run_dir, journal, new, checkpoint_step, target)  # type: ignore[arg-type]
-            units = len(new.layouts)
-        else:
-            args = (pool, cfg, run_dir, journal, planned, old, new, path, step, checkpoint_step)
-            moved, units = _same_world(*args)
+        args = (pool, cfg, run_dir, journal, planned, old, new, path, step, checkpoint_step)
+        moved, units = _carry_out(*args, target=target)
     except BaseException as err:
-        journal.record("transition", ABORT, error=f"{type(err).__name__}: {err}"[:500])
-        raise
+        undone = rollback.undo(pool, cfg, journal, old, err) if kept else None
+        if undone is None:
+            journal.record("transition", ABORT, error=f"{type(err).__name__}: {err}"[:500])
+            raise
+        return {**undone, "seconds": time.perf_counter() - start, "route": route}
     seconds = time.perf_counter() - start
+    if kept:
+        release_kept(pool)  # committed: the old shards kept for a rollback go
     journal.record("transition", COMMIT, seconds=seconds, bytes_moved=moved)
     retire_s = pool.retire_left()  # workers plan B does not use leave once it is in force
     return {
@@ -256,6 +157,28 @@ def transition_flow(
         "gtg_critical_path_s": planned.graph.critical_path_s,
         "peak_bytes": max(planned.schedule.peak_bytes.values(), default=0),
     }
+
+
+def _carry_out(
+    pool: DevicePool,
+    cfg: NereusConfig,
+    run_dir: str,
+    journal: Journal,
+    planned: Planned,
+    old: GlobalPlan,
+    new: GlobalPlan,
+    path: str,
+    step: int,
+    checkpoint_step: int | None,
+    *,
+    target: int,
+) -> tuple[int, int]:
+    """The switch's moves: onto ``target`` slots by rehydration when the device set changes, else
+    the schedule on the same devices; returns the bytes moved and the units run."""
+    if target != pool.size:
+        moved = rehydrate_all(pool, cfg, run_dir, journal, new, checkpoint_step, target)  # type: ignore[arg-type]
+        return moved, len(new.layouts)
+    return _same_world(pool, cfg, run_dir, journal, planned, old, new, path, step, checkpoint_step)
 
 
 def _announce(
@@ -319,7 +242,7 @@ def _same_world(
         os.kill(os.getpid(), signal.SIGKILL)
     for copy in changed:
         model_ops.unload_model(pool, a[copy], name=copy)
-    moved += _relink(pool, cfg, journal, b, changed)
+    moved += relink(pool, cfg, journal, b, changed)
     return moved, len(planned.schedule.order) + len(changed)
 
 
@@ -342,7 +265,7 @@ def _run_schedule(
     unloads and loads, or moves on the durable path) then run one after another. Safe for memory in
     any order: the replay that proved the schedule counts all of a wave's allocations before any of
     its frees."""
-    logger, moved, done = get_run_logger(), 0, 0
+    logger, moved, done, keep = get_run_logger(), 0, 0, rollback.keeps_old(schedule, path)
     for wave in schedule.waves:
         finished = journal.done_ops()
         together = [u for u in wave if u.startswith("move:") and u not in finished] if path == "live" else []
@@ -350,10 +273,10 @@ def _run_schedule(
         batches += [[u] for u in wave if len(together) < 2 or u not in together]
         for units in batches:
             if len(units) > 1:
-                results = _run_moves_together(pool, cfg, journal, units, old, new)
+                results = _run_moves_together(pool, cfg, journal, units, old, new, keep)
             else:
                 args = (units[0], old, new, path, step, checkpoint_step)
-                results = [(units[0], _run_unit(pool, cfg, run_dir, journal, *args))]
+                results = [(units[0], _run_unit(pool, cfg, run_dir, journal, *args, keep=keep))]
             for unit, stats in results:
                 stage = unit.partition(":")[2]
                 moved, done = moved + stats.get("bytes_moved", 0), done + 1
@@ -373,13 +296,15 @@ def _run_moves_together(
     units: list[str],
     old: StageLayouts,
     new: StageLayouts,
+    keep: bool,
 ) -> list[tuple[str, dict[str, Any]]]:
-    """A wave's live moves in one call; each unit journaled (start before, done after) on its own."""
+    """A wave's live moves in one call; each unit journaled (start before, done after) on its own;
+    ``keep``: the devices keep the old shards for a rollback (``flows.job.rollback``)."""
     stages = [u.partition(":")[2] for u in units]
     for unit in units:
         journal.record(unit, START)
     moves = [(s, model_config(cfg, s), old[s], new[s], optimizer_settings(cfg, s)) for s in stages]
-    results = move_stages(pool, moves)
+    results = move_stages(pool, moves, keep_old=keep)
     for unit, stats in zip(units, results, strict=True):
         journal.record(unit, DONE, seconds=stats["seconds"], bytes_moved=stats["bytes_moved"], together=units)
     return list(zip(units, results, strict=True))
@@ -396,10 +321,12 @@ def _run_unit(
     path: str,
     step: int,
     checkpoint_step: int | None,
+    *,
+    keep: bool = False,
 ) -> dict[str, Any]:
     kind, _, stage = unit.partition(":")
     if kind == "move":
-        return _run_op(
+        return run_op(
             journal,
             unit,
             move_stage,
@@ -412,7 +339,8 @@ def _run_unit(
             optimizer=optimizer_settings(cfg, stage),
             run_dir=run_dir,
             step=step,
+            keep_old=keep,
         )
     if kind == "unload":
-        return _run_op(journal, unit, model_ops.unload_model, pool, old[stage], name=stage)
-    return _run_op(journal, unit, _rehydrate, pool, cfg, run_dir, checkpoint_step, stage, new[stage])
+        return run_op(journal, unit, model_ops.unload_model, pool, old[stage], name=stage)
+    return run_op(journal, unit, rehydrate_stage, pool, cfg, run_dir, checkpoint_step, stage, new[stage])

@@ -69,6 +69,7 @@ class DeviceContext:
     groups: dict[str, RankGroups | None] = field(default_factory=dict)
     resident: dict[str, Any] = field(default_factory=dict)
     background: dict[str, Any] = field(default_factory=dict)  # writes in flight (engine/staging.py)
+    retired: dict[str, Any] = field(default_factory=dict)  # old shards kept by a live switch (rollback.py)
 
     @classmethod
     def init_world(

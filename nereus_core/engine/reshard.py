@@ -9,7 +9,8 @@ moments and step count) from one layout to another, as ``nereus_core.emu.plan_re
   (``state.extract_state``; weights, and moments in their own ZeRO partition, without a
   copy) and post their sends; same-device regions are copied while one point-to-point
   exchange (``engine.exchange``: runs of small slices packed per peer, large ones sent in
-  place) carries the rest. Then the old shard is dropped and the new one installed.
+  place) carries the rest. Then the old shard is dropped (or, with ``keep_old``, kept aside until
+  the switch ends: ``engine.rollback``) and the new one installed.
 - durable: old devices write their pieces to a ``StateStore`` (``durable_write``; each box of
   a replicated tensor by one holder only, ``write_assignment``), the caller commits the
   snapshot, and every device runs ``durable_read``: the old shard is dropped, new devices read
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from nereus_core import faults
 from nereus_core.config import ModelConfig
 from nereus_core.emu import Box, ReshardPlan, ShardMap, SliceSpec
 from nereus_core.engine.device import DeviceContext
@@ -63,6 +65,7 @@ class ReshardJob:
     new_map: ShardMap
     optimizer: OptimizerSettings | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    keep_old: bool = False  # the old shard waits in ``ctx.retired`` for the switch's end (engine/rollback.py)
 
     def __post_init__(self) -> None:
         if self.old_map.train != self.new_map.train:
@@ -142,9 +145,13 @@ def live_reshard_wave(
     installs = []
     for (job, _), (shard, target) in zip(units, targets, strict=True):
         t0 = time.perf_counter()
-        ctx.resident.pop(job.name, None)
+        old = ctx.resident.pop(job.name, None)
+        if job.keep_old and old is not None:
+            ctx.retired.setdefault(job.name, old)
         _install(ctx, job, shard, target)
         installs.append(time.perf_counter() - t0)
+    if faults.armed("fail-worker:move"):
+        raise RuntimeError(f"injected fault: device {ctx.rank} fails after installing {len(units)} stage(s)")
     return [
         {
             "sent": m.sent,

@@ -130,6 +130,7 @@ def drop_shard(ctx: DeviceContext, *, name: str) -> None:
 def drop_all(ctx: DeviceContext) -> None:
     """Forget every model-stage on this device (before its world is rebuilt)."""
     ctx.resident.clear()
+    ctx.retired.clear()
 
 
 def get_shard(ctx: DeviceContext, name: str) -> ModelShard:

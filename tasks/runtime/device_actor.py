@@ -287,10 +287,11 @@ class DeviceActor:
         timeout_s: float = 300.0,
         torch_threads: int | None = 1,
     ) -> dict[str, Any]:
-        """Join a fresh world as ``rank``; blocks until every rank has joined. Resident objects survive."""
+        """Join a fresh world as ``rank``; blocks until every rank has joined. Resident objects, kept
+        shards and background writes survive."""
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
-        resident = self._ctx.resident if self._ctx is not None else {}
+        kept = self._ctx  # its resident objects, kept shards and background writes go on in the new world
         # DeepSpeed calls torch.distributed's deprecated names on every step; the warnings drown the logs.
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         if self._in_world:
@@ -315,7 +316,8 @@ class DeviceActor:
             timeout_s=timeout_s,
             listen_fd=listen_fd,
         )
-        ctx.resident = resident
+        if kept is not None:
+            ctx.resident, ctx.retired, ctx.background = kept.resident, kept.retired, kept.background
         self._ctx = ctx
         self._in_world = True
         return self.info()

@@ -132,7 +132,8 @@ def digests(run_dir: Path, step: int, models: Sequence[str] = PPO_MODELS) -> dic
     """The bytes of every tensor (optimizer state included) of each model's checkpoint at ``step``."""
     return {
         model: {
-            k: v.numpy().tobytes() for k, v in read_full_state(run_dir, model, step, optimizer=True).items()
+            k: v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # any dtype, bf16 too
+            for k, v in read_full_state(run_dir, model, step, optimizer=True).items()
         }
         for model in models
     }
