@@ -7,7 +7,10 @@ remembers; ``controller.decide`` does that and builds the Decision.
 
 Like with like. Every plan's expected step time is its calibrated
 prediction on the next workload times a measured/predicted ratio: its own, when it ran
-here (``controller.history.ratio``), else the plan in force's. Comparing the plan in force's
+here (``controller.history.ratio``), else the plan in force's, applied to the prediction with
+each stage's shape residual (``history.shape_residuals``: what the calibrated cost model still
+misses about a stage at that tp and pp, measured in any plan), the plan in force's ratio first
+cleared of what its own shapes explain. Comparing the plan in force's
 *measured* time (a median of a few noisy steps, on slightly different workloads) with
 the candidates' *predictions* let the noise pick moves between plans predicted within
 0.5 % of each other; on a common basis the gain of a plan that never ran is the
@@ -79,6 +82,7 @@ class Option(NamedTuple):
     left_for: str | None  # set: it was left for that plan, which measured faster (not a candidate)
     tight: bool = False  # fits the forecast workload, but not with the choosing margin
     moves: MoveSchedule | None = None  # the schedule ``move`` priced (schedule pricing, same devices)
+    shaped_s: float | None = None  # its prediction with its shapes' residuals (``history.shaped_step``)
 
     @property
     def charged_s(self) -> float:
@@ -90,19 +94,30 @@ class Option(NamedTuple):
         return self.ratio is not None
 
     def step_s(self, basis: float) -> float:
-        """Expected step time: the prediction times its own ratio, else ``basis`` (module docstring)."""
-        return self.est.step_s * (basis if self.ratio is None else self.ratio)
+        """Expected step time: the prediction times its own ratio, else its shaped prediction times
+        ``basis`` (module docstring)."""
+        if self.ratio is not None:
+            return self.est.step_s * self.ratio
+        return (self.est.step_s if self.shaped_s is None else self.shaped_s) * basis
 
 
 class Basis(NamedTuple):
-    """The plan in force's measured/predicted ratio here (1 when it has none) and its spread."""
+    """The plan in force's measured/predicted ratio here (1 when it has none), its spread, and its
+    shaped prediction over its plain one (``shape``: what its shapes' residuals explain)."""
 
     ratio: float = 1.0
     spread: float | None = None
+    shape: float = 1.0
+
+    @property
+    def fresh(self) -> float:
+        """The ratio a plan that never ran here is weighed with, on its shaped prediction: the plan
+        in force's, less the part its own shapes' residuals explain."""
+        return self.ratio / self.shape
 
     def gain(self, current: PlanEstimate, o: Option) -> float:
         """``T_now - T_new`` per step, both on this basis."""
-        return current.step_s * self.ratio - o.step_s(self.ratio)
+        return current.step_s * self.ratio - o.step_s(self.fresh)
 
     def need(self, settings: ControllerSettings, measured: bool = False, tight: bool = False) -> float:
         """The smallest relative gain admitted: the noise, or a floor if larger: ``min_gain``, which
@@ -212,7 +227,7 @@ def forced(
     if not options:
         alts = memory_rejections(rejected, float("inf"), usable)
         return Verdict("none", f"{reason}; no plan fits in memory", None, alts, True)
-    h, r = max(horizon, 1), basis.ratio
+    h, r = max(horizon, 1), basis.fresh  # a measured option's own ratio replaces it
     allowed = [o for o in options if o.left_for is None] or list(options)
     lasting = [o for o in allowed if not o.tight]
     if lasting:  # a tight plan only when it is faster than every lasting one by tight_gain
@@ -254,8 +269,8 @@ def admit(
     steps_since_switch: int,
 ) -> Verdict:
     """Keep, or switch to the option with the largest net gain if it pays (module docstring)."""
-    h, usable, r = horizon, current.usable, basis.ratio
-    now = current.step_s * r
+    h, usable, r = horizon, current.usable, basis.fresh
+    now = current.step_s * basis.ratio
     factor = 1.0 + settings.margin
     others = [o for o in options if o.est.plan != current.plan]
     alts = [_left(o, r) for o in others if o.left_for is not None]

@@ -26,10 +26,10 @@ The data types live in ``controller.state`` and are re-exported here.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from nereus_core.controller import admission, history, probe
-from nereus_core.controller.moves import MoveSchedule
+from nereus_core.controller.move_price import TransferPlanner, move_price
 from nereus_core.controller.search import Searcher, SearchSpace
 from nereus_core.controller.state import (
     Alternative,
@@ -40,23 +40,16 @@ from nereus_core.controller.state import (
     PlanRecord,
     ProbeRequest,
     ProbeTiming,
+    ShapeSample,
     StageTiming,
     TransitionTiming,
 )
-from nereus_core.controller.transition_schedule import move_basis, priced_moves
 from nereus_core.cost.calibration import Sample, fit_scales
 from nereus_core.cost.plan_estimate import PlanEstimate, fill_cache
 from nereus_core.cost.plan_estimate import evaluate_plan as plan_estimate
 from nereus_core.cost.stage_cost import Scales, Workload, estimate
 from nereus_core.cost.transition_cost import (
-    TransferLike,
-    TransitionEstimate,
     TransitionScales,
-    analytic_transition_cost,
-    recovery_seconds,
-    recovery_write,
-    transition_cost,
-    verify_seconds,
 )
 from nereus_core.plan import GlobalPlan, model_of
 
@@ -76,8 +69,6 @@ __all__ = [
     "evaluate_plan",
     "observe",
 ]
-
-TransferPlanner = Callable[[GlobalPlan, GlobalPlan], Sequence[TransferLike]]
 
 
 def evaluate_plan(
@@ -100,12 +91,15 @@ def evaluate_plan(
 def observe(observation: Observation, state: ControllerState) -> ControllerState:
     """Add the step's timings to the samples and refit the scales from all of them; note the
     step's high response length for the forecast."""
-    samples = list(state.samples)
+    samples, shapes = list(state.samples), []
     for timing in observation.timings:
         work = timing.workload or observation.workload
         model = state.models[model_of(timing.stage)]
-        raw = estimate(timing.stage, timing.layout, work, model, state.profile).raw
-        samples.append(Sample(tuple(raw.values()), timing.seconds))
+        raw = tuple(estimate(timing.stage, timing.layout, work, model, state.profile).raw.values())
+        samples.append(Sample(raw, timing.seconds))
+        shapes.append(
+            ShapeSample(shape=history.shape_of(timing.stage, timing.layout), raw=raw, seconds=timing.seconds)
+        )
     samples += [probe.sample(p, state) for p in observation.probes]
     s = state.settings
     cal = s.calibration
@@ -119,6 +113,7 @@ def observe(observation: Observation, state: ControllerState) -> ControllerState
     return state.model_copy(
         update={
             "samples": tuple(samples),
+            "shapes": history.push_shapes(state.shapes, shapes),
             "scales": scales,
             "steps_since_switch": state.steps_since_switch + (1 if state.plan is not None else 0),
             "highs": history.push_high(state.highs, observation.step, high, s.forecast_window),
@@ -164,48 +159,6 @@ def _remember(
         margin=s.workload_margin,
     )
     return state.model_copy(update={"records": records})
-
-
-def _transition(
-    current: GlobalPlan | None,
-    new: GlobalPlan,
-    state: ControllerState,
-    planner: TransferPlanner | None,
-    durable: bool = False,
-    observation: Observation | None = None,
-) -> tuple[TransitionEstimate, MoveSchedule | None]:
-    """The price of a move from ``current`` to ``new``, and the schedule it priced (schedule pricing
-    on the same devices; None otherwise)."""
-    if state.settings.transition_pricing == "schedule" and current is not None and observation is not None:
-        ready = observation.ready_devices or state.devices or observation.devices
-        return priced_moves(
-            current,
-            new,
-            state.models,
-            state.profile,
-            basis=move_basis(observation, state.settings),
-            resize=durable,
-            cold=max(0, observation.devices - ready),
-            scales=state.transition_scales,
-            engines=state.settings.rollout_engine == "vllm",
-            recovery=state.settings.switch_recovery,
-            verify=state.settings.verify_transitions,
-        )
-    recovery = {"recovery": state.settings.switch_recovery, "verify": state.settings.verify_transitions}
-    if durable:  # a new world: every stage rehydrates from the checkpoint, whether its layout changes or not
-        old = dict(current.layouts) if current is not None else {}
-        args = (old, dict(new.layouts), state.models, state.profile, state.transition_scales)
-        return analytic_transition_cost(*args, durable=True, **recovery), None  # type: ignore[arg-type]
-    if current is None or current == new:
-        return TransitionEstimate.of(0.0, 0.0, None, critical_bytes=0, transfers=0, analytic=True), None
-    if planner is not None:
-        moved = transition_cost(planner(current, new), state.profile, state.transition_scales)
-        mode = recovery_write(state.settings.switch_recovery, durable=False)
-        recovery_s = recovery_seconds(mode, current.layouts, state.models, state.profile)
-        verify_s = verify_seconds(new.layouts, state.models, state.profile) if recovery["verify"] else 0.0
-        return moved.with_recovery(recovery_s, verify_s, state.transition_scales), None
-    args = (dict(current.layouts), dict(new.layouts), state.models, state.profile, state.transition_scales)
-    return analytic_transition_cost(*args, **recovery), None  # type: ignore[arg-type]
 
 
 def _candidates(
@@ -256,7 +209,7 @@ def _option(
     margin = state.settings.workload_margin
     record = history.find(state.records, e.plan.plan_id, observation.workload, observation.devices, margin)
     durable = state.plan is not None and state.devices not in (None, observation.devices)  # a new world
-    move, moves = _transition(state.plan, e.plan, state, planner, durable=durable, observation=observation)
+    move, moves = move_price(state.plan, e.plan, state, planner, durable=durable, observation=observation)
     return admission.Option(
         est=e,
         move=move,
@@ -294,10 +247,18 @@ def decide(
     forced = admission.forced_reason(observation, state.plan, state.devices, current)
     here = _record_here(observation, state)
     pricing = _pricing(state)
-    basis = admission.Basis(history.ratio(here, pricing) or 1.0, history.spread(here, pricing, state.records))
+    residuals = history.shape_residuals(state.shapes, state.scales)
+
+    def shaped(e: PlanEstimate) -> float:
+        return history.shaped_step(e, residuals, overlap=s.overlap_disaggregated)
+
+    ratio, spread = history.ratio(here, pricing) or 1.0, history.spread(here, pricing, state.records)
+    shape = shaped(current) / current.step_s if current is not None and current.step_s > 0 else 1.0
+    basis = admission.Basis(ratio, spread, shape)
     options, rejected, variants = _weigh(
         observation, state, usable, cache, forced=bool(forced), planner=transfers
     )
+    options = [o._replace(shaped_s=shaped(o.est)) for o in options]
     horizon = min(observation.remaining_steps, s.horizon)
     verdict = _verdict(
         forced, options, rejected, state, current=current, basis=basis, horizon=horizon, usable=usable

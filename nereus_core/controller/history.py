@@ -28,13 +28,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from nereus_core.controller.state import PlanRecord, StageTiming, StepTerms
+from nereus_core.controller.state import PlanRecord, ShapeSample, StageTiming, StepTerms
 from nereus_core.cost.plan_estimate import PlanEstimate, step_seconds
 from nereus_core.cost.stage_cost import Scales, Workload
+from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan
 
 KEPT_MEASUREMENTS = 5  # per plan: the median of the last few resists one noisy step
 KEPT_RECORDS = 64  # plans remembered; the oldest measured is forgotten first
+KEPT_SHAPES = 256  # stage timings kept by shape, newest last
+SHAPE_MEASUREMENTS = 5  # per shape: the median of its last few
 
 
 def similar(record: PlanRecord, workload: Workload, devices: int, margin: float) -> bool:
@@ -115,6 +118,37 @@ def _pooled_noise(samples: Sequence[Sequence[float]]) -> float:
         squares += sum((x / mean - 1.0) ** 2 for x in rs)
         dof += len(rs) - 1
     return math.sqrt(squares / dof) if dof else 0.0
+
+
+def shape_of(stage: str, layout: Layout) -> str:
+    """A model-stage's shape for the shape residuals: the stage and its tp and pp degrees."""
+    return f"{stage}@tp{layout.tp}.pp{layout.pp}"
+
+
+def push_shapes(kept: Sequence[ShapeSample], new: Sequence[ShapeSample]) -> tuple[ShapeSample, ...]:
+    return (*kept, *new)[-KEPT_SHAPES:]
+
+
+def shape_residuals(samples: Sequence[ShapeSample], scales: Scales) -> dict[str, float]:
+    """Per shape measured (``shape_of``): the median measured/predicted seconds of its last few
+    timings, each re-priced with today's scales. The scales are fitted over every stage of every
+    shape at once; what they still miss about one shape (generation at another TP degree, say, whose
+    decode the cost model speeds up more than the engine does) is this residual, and a candidate
+    that shares the shape is weighed with it (``shaped_step``) before it has run."""
+    a, by = scales.as_array(), {}
+    for sample in reversed(samples):
+        seen = by.setdefault(sample.shape, [])
+        predicted = float(a @ np.asarray(sample.raw))
+        if len(seen) < SHAPE_MEASUREMENTS and predicted > 0:
+            seen.append(sample.seconds / predicted)
+    return {shape: statistics.median(r) for shape, r in by.items() if r}
+
+
+def shaped_step(e: PlanEstimate, residuals: Mapping[str, float], *, overlap: bool) -> float:
+    """``e``'s step seconds with each stage's prediction times its shape's residual (1 if unmeasured)."""
+    layouts = e.plan.layouts
+    stages = {s: x.seconds * residuals.get(shape_of(s, layouts[s]), 1.0) for s, x in e.stages.items()}
+    return step_seconds(layouts, stages, e.sync_s, overlap=overlap)
 
 
 def measured_workload(plan: GlobalPlan, timings: Sequence[StageTiming]) -> Workload | None:

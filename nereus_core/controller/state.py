@@ -142,6 +142,15 @@ class StageTiming(Frozen):
     )
 
 
+class ShapeSample(Frozen):
+    """One stage timing kept by its shape (the model-stage, its tp and pp): the cost model's unscaled
+    terms for it and the seconds it took (``history.shape_residuals``)."""
+
+    shape: str
+    raw: tuple[float, ...]
+    seconds: float
+
+
 class TransitionTiming(Frozen):
     """A transition that ran: what was predicted (unscaled terms inside) and how long it took."""
 
@@ -275,6 +284,9 @@ class ControllerState(Frozen):
         default=(), description="(step, high response length) of recent observations, for the forecast."
     )
     probed_at: int | None = Field(default=None, description="Step of the last probes asked for.")
+    shapes: tuple[ShapeSample, ...] = Field(
+        default=(), description="Recent stage timings by shape (model-stage, tp, pp), newest last."
+    )
 
     @classmethod
     def initial(

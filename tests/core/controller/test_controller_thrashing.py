@@ -120,10 +120,15 @@ def test_a_switch_that_measures_slower_is_undone_once_and_not_retried(monkeypatc
     a, b = path[0], path[1]
     assert path[:3] == [a, b, a]
     assert b not in path[2:]  # other plans may be tried once A slows, B never again
-    # Without the verdict "B was slower", the noisy A steps send it back to B: A -> B -> A -> B.
+    # Without the verdict "B was slower", the residuals of the shapes B ran (each 1.6x its
+    # prediction) still keep B away ...
     from nereus_core.controller import history
 
     monkeypatch.setattr(history, "mark_left", lambda records, plan_id, for_id: tuple(records))
+    shaped = _flip_world(40, slow_after=10)
+    assert shaped[:3] == [a, b, a] and b not in shaped[2:]
+    # ... and without those either, the noisy A steps send it back to B: A -> B -> A -> B.
+    monkeypatch.setattr(history, "shape_residuals", lambda samples, scales: {})
     assert _flip_world(40, slow_after=10)[:4] == [a, b, a, b]
 
 
