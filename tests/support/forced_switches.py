@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from prefect.utilities.annotations import quote
+
 from nereus_core import job
 from nereus_core.controller.transition_schedule import move_basis, schedule_moves
 from nereus_core.layout import Layout
@@ -18,6 +20,8 @@ def forced_controller(targets: Mapping[int, Mapping[str, Layout]]):
     priced as the controller prices a switch), and keeps it otherwise."""
 
     def controller_step(state: job.JobState, *, step: int, ready_devices: int | None = None, **seen: Any):
+        if isinstance(state, quote):  # the flow quotes it for Prefect's task, which unwraps it
+            state = state.unquote()
         obs = job.observation(state, step=step, ready_devices=ready_devices, **seen)
         outcome, decision, state = job.after_step(state, obs)
         change = targets.get(step)
