@@ -67,7 +67,10 @@ def _run(out: Path, monkeypatch: pytest.MonkeyPatch, *, switch: bool, fault: str
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: weights and fp32 masters both carried
+@pytest.mark.parametrize(
+    "dtype",
+    ["fp32", pytest.param("bf16", marks=pytest.mark.slow)],  # bf16: weights and fp32 masters
+)
 def test_a_switch_that_fails_in_live_workers_rolls_back_in_memory(tmp_path, monkeypatch, dtype):
     monkeypatch.setenv("NEREUS_CACHE_DIR", str(tmp_path / "cache"))
     failed = _run(tmp_path / "failed", monkeypatch, switch=True, fault="fail-worker:move", dtype=dtype)
