@@ -140,14 +140,22 @@ class StagedCheckpoint:
 
 
 def stage_checkpoint(
-    pool: DevicePool, run_dir: str, state: JobState, step: int, *, known_digests: Mapping[str, str] | None
+    pool: DevicePool,
+    run_dir: str,
+    state: JobState,
+    step: int,
+    *,
+    known_digests: Mapping[str, str] | None,
+    in_place: frozenset[str] = frozenset(),
 ) -> StagedCheckpoint:
     """Every model's whole state as ``step`` copied to host memory on its devices, its write begun
-    (``tasks.snapshots.stage_snapshot``); the record holds ``known_digests`` when given."""
+    (``tasks.snapshots.stage_snapshot``); the record holds ``known_digests`` when given. ``in_place``:
+    the model-stages whose shards are never written again, written without a copy."""
     incarnation = RunDir(run_dir).identity().incarnation
     staged = tuple(
-        stage_snapshot(pool, run_dir, model, step, *rest, incarnation=incarnation)
+        stage_snapshot(pool, run_dir, model, step, *rest, incarnation=incarnation, in_place=stage in in_place)
         for model, *rest in _snapshot_args(state)
+        for stage in [rest[2]]  # the model-stage that holds the model's state
     )
     record = _record(state)
     if known_digests is not None:

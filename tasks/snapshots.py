@@ -81,15 +81,17 @@ def stage_snapshot(
     name: str,
     optimizer: OptimizerSettings | None = None,
     incarnation: int | None = None,
+    in_place: bool = False,
 ) -> StagedSnapshot:
     """``snapshot_model``'s pieces copied to host memory on their devices and written there in the
-    background (``engine.staging``); ``finish_snapshot`` commits it once written."""
+    background (``engine.staging``); ``finish_snapshot`` commits it once written. ``in_place``: the
+    shard is never written again (``engine.staging.staged_write``): pieces in host memory not copied."""
     job = _job(name, config, layout, optimizer)
     assignment = write_assignment(job.old_map)
     store = ArrowStateStore(run_dir, model, step, incarnation)
     key = f"{model}@{step}"
     args = [(assignment[d],) for d in layout.devices]
-    pool.run(layout, staged_write, args, job=job, store=store, key=key)
+    pool.run(layout, staged_write, args, job=job, store=store, key=key, in_place=in_place)
     return StagedSnapshot(model, step, layout, _meta(name, optimizer), incarnation, key)
 
 

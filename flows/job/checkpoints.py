@@ -57,14 +57,18 @@ def stage(
     records: JobRecords,
     step: int,
     known_digests: Mapping[str, str] | None = None,
+    in_place: frozenset[str] = frozenset(),
 ) -> float:
     """Every model's state as ``step`` staged in host memory and written in the background (a switch's
     ``async`` recovery point); it becomes a checkpoint at ``finish_in_flight``. Returns the seconds
-    the job was held up (the staging)."""
+    the job was held up (the staging). ``in_place``: model-stages whose shards are never written
+    again until the write ends, written without a copy (``transition_schedule.staged_in_place``)."""
     if not _to_write(pool, state, records, step):
         return 0.0
     start = time.perf_counter()
-    staged = job_ops.stage_checkpoint(pool, str(records.run.root), state, step, known_digests=known_digests)
+    staged = job_ops.stage_checkpoint(
+        pool, str(records.run.root), state, step, known_digests=known_digests, in_place=in_place
+    )
     records.in_flight = InFlight(staged, state)
     seconds = time.perf_counter() - start
     records.checkpoint_s += seconds

@@ -306,6 +306,7 @@ class JobRecords:
             # The parts of actual_s (the decision to the next step; the rest: the engines' rebuild)
             "recovery": stats.get("recovery", ""),
             "recovery_s": stats.get("recovery_s", 0.0),
+            "staged_in_place": stats.get("staged_in_place", ""),  # written from kept shards, no copy
             "verify_s": stats.get("verify_s", 0.0),
             "moves_s": stats.get("moves_s", 0.0),
             "retire_s": stats.get("retire_s", 0.0),

@@ -30,8 +30,9 @@ from tasks.transition_ops import relink_copy, restore_stage
 
 
 def keeps_old(schedule: StageSchedule, path: str) -> bool:
-    """Whether the switch's moves keep their old shards until it ends: one wave of live moves only."""
-    return path == "live" and len(schedule.waves) == 1 and all(u.startswith("move:") for u in schedule.order)
+    """Whether the switch's moves keep their old shards until it ends: one wave of live moves only
+    (``StageSchedule.kept_sources``)."""
+    return path == "live" and bool(schedule.kept_sources)
 
 
 def can_roll_back(err: BaseException) -> bool:

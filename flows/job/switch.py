@@ -2,7 +2,8 @@
 
     controller_step (its observation, the decision) -> Keep | Fail | Switch(plan B, priced moves)
     Switch -> plan A read live (digests and probe, when verifying) -> recovery point (plan A at
-           step + 1: written, staged for a background write, or none, as ``recovery_write`` says)
+           step + 1: written, staged for a background write, or none, as ``recovery_write`` says;
+           the shards a one-wave live move keeps are written as they are: ``staged_in_place``)
            -> transition_flow (the priced schedule) -> verify the live state against the digests
            read before, rebuild the vLLM engines -> record (every part's seconds) -> commit
     (a switch that failed in live workers and rolled back in memory: recorded, plan A goes on)
@@ -26,7 +27,7 @@ from flows.job.step_context import StepContext
 from flows.job.transition import transition_flow
 from nereus_core import job
 from nereus_core.controller.decide import Decision, TransitionTiming
-from nereus_core.controller.transition_schedule import has_durable_units
+from nereus_core.controller.transition_schedule import has_durable_units, staged_in_place
 from nereus_core.cost.transition_cost import engines_rebuilt, recovery_write
 from storage.journal import journals
 from tasks import job_ops
@@ -67,7 +68,11 @@ def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: An
     )
     stats: dict[str, Any] = {"recovery": mode}
     plan_a = _read_plan_a(ctx, state, outcome, stats)
-    if not _recovery_point(ctx, state, outcome, transition_id, stats, step=after, digests=plan_a.digests):
+    in_place = staged_in_place(outcome.moves, mode, resize=resize)
+    stats["staged_in_place"] = ",".join(sorted(in_place))
+    if not _recovery_point(
+        ctx, state, outcome, transition_id, stats, step=after, digests=plan_a.digests, in_place=in_place
+    ):
         return job.commit(state, outcome, "aborted")
     status = "failed"
     try:
@@ -77,6 +82,8 @@ def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: An
         )
         stats["moves_s"] = stats["seconds"]
         status = stats["status"] if stats["status"] in ("refused", "rolled_back") else "committed"
+        if in_place and status == "refused":  # plan A trains the shards written in place: finish first
+            checkpoints.finish_in_flight(ctx.pool, ctx.records)
         if status == "rolled_back":
             stats["note"] = f"failed in live workers, rolled back in memory: {stats['error']}"
         if status == "committed":
@@ -106,11 +113,13 @@ def _recovery_point(
     *,
     step: int,
     digests: dict[str, str] | None,
+    in_place: frozenset[str],
 ) -> bool:
     """Plan A's state at ``step`` + 1 as ``stats["recovery"]`` says: written before anything moves
-    (``sync``), staged in host memory and written in the background (``async``), or nothing
-    (``none``); False (the switch recorded as aborted, plan A stays) when it could not be written or
-    staged. ``digests``: every model's live digest, read just before (the checkpoint record's)."""
+    (``sync``), staged in host memory and written in the background (``async``; ``in_place``: the
+    model-stages the moves keep, written from their shards with no copy), or nothing (``none``);
+    False (the switch recorded as aborted, plan A stays) when it could not be written or staged.
+    ``digests``: every model's live digest, read just before (the checkpoint record's)."""
     mode, start = stats["recovery"], time.perf_counter()
     if mode == "none":
         stats["recovery_s"] = stats["checkpoint_s"] = 0.0
@@ -120,7 +129,7 @@ def _recovery_point(
             with job_ops.disk_filled_if_armed(str(ctx.records.run.root)):
                 checkpoints.checkpoint(ctx.pool, state, ctx.records, step + 1, digests)
         else:
-            checkpoints.stage(ctx.pool, state, ctx.records, step + 1, digests)
+            checkpoints.stage(ctx.pool, state, ctx.records, step + 1, digests, in_place)
     except Exception as err:
         get_run_logger().error("switch aborted, plan A stays: the checkpoint could not be written: %s", err)
         stats["note"] = "aborted: the checkpoint could not be written"

@@ -279,7 +279,8 @@ def priced_moves(
     recovery_s = verify_s = 0.0
     if old != new or resize:
         mode = recovery_write(recovery, durable=has_durable_units(moves, resize=resize))
-        recovery_s = recovery_seconds(mode, old.layouts, models, profile, costs)
+        in_place = staged_in_place(moves, mode, resize=resize)
+        recovery_s = recovery_seconds(mode, old.layouts, models, profile, costs, in_place=in_place)
         verify_s = verify_seconds(new.layouts, models, profile, costs) if verify else 0.0
     estimate = TransitionEstimate.of(
         wire,
@@ -303,6 +304,17 @@ def has_durable_units(moves: MoveSchedule | None, *, resize: bool) -> bool:
     if resize or moves is None or moves.planned is None:
         return True
     return any(unit.startswith("load:") for unit in moves.planned.schedule.order)
+
+
+def staged_in_place(moves: MoveSchedule | None, mode: RecoveryMode, *, resize: bool) -> frozenset[str]:
+    """The model-stages whose ``async`` recovery point is written from their old shards themselves,
+    with no staging copy: those a one-wave live schedule keeps until the switch ends
+    (``StageSchedule.kept_sources``). They are never written again: a commit retires them, a
+    rollback copies them into a rebuilt stage. Every other model-stage is copied first (the next
+    step trains it in place)."""
+    if mode != "async" or resize or moves is None or moves.planned is None:
+        return frozenset()
+    return moves.planned.schedule.kept_sources
 
 
 def _key(plan: StageLayouts) -> tuple[tuple[str, Layout], ...]:

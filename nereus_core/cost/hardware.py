@@ -116,6 +116,11 @@ class TransitionCosts(Frozen):
     staging_bandwidth: float = Field(
         default=1e9, gt=0, description="Bytes/s one device copies its pieces to host memory (async)."
     )
+    host_memory: bool = Field(
+        default=False,
+        description="The devices' memory is host memory (CPU workers): an old shard a live switch keeps "
+        "is written as its own recovery point with no staging copy.",
+    )
     digest_bandwidth: float = Field(
         default=150e6,
         gt=0,
@@ -404,7 +409,7 @@ CPU_WORKERS = HardwareProfile(
     # DeepSpeed's first engine on the new workers 0.08-0.11 s, the workers forked from a server that
     # imported torch, DeepSpeed and the engine (tasks/runtime/worker_imports.py; 2026-12-07).
     transitions=TransitionCosts(
-        transition_op_overhead_s=5e-3, switch_s=1.0, worker_start_s=0.25, warm_up_s=0.1
+        transition_op_overhead_s=5e-3, switch_s=1.0, worker_start_s=0.25, warm_up_s=0.1, host_memory=True
     ),
     term_scales={
         "compute": 0.336,

@@ -235,12 +235,16 @@ def recovery_seconds(
     models: Mapping[str, ModelConfig],
     profile: HardwareProfile,
     costs: TransitionCosts | None = None,
+    *,
+    in_place: frozenset[str] = frozenset(),
 ) -> float:
     """Unscaled seconds a switch's recovery point (``recovery_write``'s mode) holds the job up,
     written from plan A (``old``): every model's distinct pieces, spread over its stage's devices,
     one stage after another as the checkpoint runs them, each one device call; ``sync`` at the
     store's write bandwidth per device, ``async`` at the host staging bandwidth (the write itself runs
-    in the background), ``none`` nothing."""
+    in the background), ``none`` nothing. ``in_place``: ``async`` model-stages written from their
+    kept old shards (``transition_schedule.staged_in_place``): no copy where the devices' memory is
+    the host's (``TransitionCosts.host_memory``), only the call."""
     if mode == "none":
         return 0.0
     costs = costs or profile.transitions
@@ -248,7 +252,8 @@ def recovery_seconds(
     seconds = 0.0
     for stage in _owners(old):
         per_device = _state_bytes(stage, models[stage.partition("/")[0]], profile) / len(old[stage].devices)
-        seconds += costs.call_s + per_device / bandwidth
+        copied = not (mode == "async" and costs.host_memory and stage in in_place)
+        seconds += costs.call_s + (per_device / bandwidth if copied else 0.0)
     return seconds
 
 

@@ -6,6 +6,7 @@ device of a model-stage copies the pieces ``durable_write`` would write (``stage
 them to one writer thread of its own and returns; ``finish_staged`` later waits for that write and
 returns its receipt for the driver to commit. The copy is the recovery point: whatever the live
 state does meanwhile (a switch moving it, the next step training it), the write holds the step's.
+A shard that is never written again (a live switch's kept source) needs no copy in host memory.
 
 Boundary: device-side functions over one ``DeviceContext`` (its ``background`` holds the writes in
 flight); the store is ``engine.reshard``'s ``StateStore`` Protocol.
@@ -17,16 +18,28 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from nereus_core.emu import SliceSpec
 from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.reshard import ReshardJob, StateStore, Wanted, old_state
 
 
 def staged_write(
-    ctx: DeviceContext, mine: Wanted, *, job: ReshardJob, store: StateStore, key: str
+    ctx: DeviceContext,
+    mine: Wanted,
+    *,
+    job: ReshardJob,
+    store: StateStore,
+    key: str,
+    in_place: bool = False,
 ) -> dict[str, float]:
     """Copy this old device's assigned pieces (``mine``) to host memory and start writing them to
-    ``store`` in the background under ``key``; returns the bytes staged and the copy's seconds."""
+    ``store`` in the background under ``key``; returns the bytes staged and the copy's seconds.
+
+    ``in_place``: the caller promises the shard is never written again (a live switch keeps it as
+    its rollback source, then retires it: ``transition_schedule.staged_in_place``), so pieces
+    already in host memory are written as they are, with no copy; the writer holds them until done."""
     if key in ctx.background:
         raise ValueError(f"device {ctx.rank}: a background write {key!r} is already in flight")
     start = time.perf_counter()
@@ -34,7 +47,7 @@ def staged_write(
     pieces = [
         (
             name,
-            source[(name, box)].detach().to("cpu", copy=True),
+            _host(source[(name, box)].detach(), copy=not in_place),
             SliceSpec(job.old_map.tensor(name).shape, box),
         )
         for name, box in mine
@@ -45,6 +58,11 @@ def staged_write(
     ctx.background[key] = writer.submit(store.write_pieces, ctx.rank, pieces)
     writer.shutdown(wait=False)  # the thread ends with its one write
     return {"staged": float(staged), "staging_s": seconds}
+
+
+def _host(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
+    """``tensor`` in host memory: a copy unless ``copy`` is False and it is there already."""
+    return tensor if tensor.device.type == "cpu" and not copy else tensor.to("cpu", copy=True)
 
 
 def finish_staged(ctx: DeviceContext, *, key: str) -> Any:

@@ -46,6 +46,17 @@ class StageSchedule:
     def order(self) -> tuple[str, ...]:
         return tuple(s for wave in self.waves for s in wave)
 
+    @property
+    def kept_sources(self) -> frozenset[str]:
+        """The model-stages whose old shards a live run of this schedule keeps until the switch ends
+        (a rollback's source, never written again): every one it moves when it is one wave of live
+        moves, whose replay already counts every old shard beside every new one; none otherwise
+        (several waves free a wave's old shards before the next allocates: that order is what
+        makes them fit)."""
+        if len(self.waves) != 1 or not all(u.startswith("move:") for u in self.order):
+            return frozenset()
+        return frozenset(u.removeprefix("move:") for u in self.order)
+
 
 class NoStageSchedule(ValueError):
     """No order of whole units is memory-safe (or the GTG interleaves two units)."""

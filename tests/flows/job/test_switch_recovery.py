@@ -4,8 +4,9 @@ The job: the demo's model on 4 slots, a response-length event before step 1 that
 (tests/support/job_configs.py's FAULT_JOB), no periodic checkpoint but the final one, the switch
 verified against live digests.
 
-- ``async``: every model's state at step 1 is staged in host memory and written while the job goes
-  on: the checkpoint of step 1 is complete only after the transition committed, and it holds plan A's
+- ``async``: every model's state at step 1 is staged in host memory (the model-stages the one-wave
+  live move keeps: written from their old shards as they are) and written while the job goes on:
+  the checkpoint of step 1 is complete only after the transition committed, and it holds plan A's
   state, the state that generated rollout 1 (transformers on the actor read back from it gives the
   log-probs the job stored);
 - ``none``: nothing is written: no checkpoint of step 1 at all.
@@ -57,6 +58,14 @@ def test_an_async_switch_writes_its_recovery_point_after_the_moves(tmp_path, mon
     assert run.read_summary()["status"] == "completed"
     row = _switch_row(out)
     assert row["recovery"] == "async" and row["predicted_recovery_s"] > 0
+    # One wave of live moves: the model-stages it moved were written from their kept old shards,
+    # with no copy, and the checkpoint still holds plan A's state (below).
+    assert row["staged_in_place"] and set(row["staged_in_place"].split(",")) <= {
+        "actor/train",
+        "critic/train",
+        "reference/infer",
+        "reward/infer",
+    }
     plans = plans_by_step(out)
     assert plans[1] != plans[0]  # plan B from step 1 on
     # The checkpoint of step 1 was completed after the transition committed, not before it moved.
