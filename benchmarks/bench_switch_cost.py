@@ -9,7 +9,10 @@ records and the new layout's groups and engine) and ``critical_over_moves``. (A 
 carries the price of the controller's own decision, not of the forced plan: no prediction here.)
 Fixed costs (about a second on this machine) dominate small states; the moves, large ones.
 
-    python -m benchmarks.bench_switch_cost [--sizes 256x4 1024x8] [--out FILE]
+    python -m benchmarks.bench_switch_cost [--sizes 256x4 1024x8] [--recovery async none] [--out FILE]
+
+With ``--recovery async none`` each size also runs with no recovery point: its moves' seconds are
+the moves with no background write beside them (on two cores the write competes with the moves).
 
 Each size is ``hidden x layers`` of a Llama-style model (intermediate 3 x hidden, 8 heads,
 vocabulary 256). Printed JSON: per size, the parameters, the bytes moved and the figures above.
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 
-def job(hidden: int, layers: int) -> dict[str, Any]:
+def job(hidden: int, layers: int, recovery: str = "async") -> dict[str, Any]:
     """The job for one model size (small batches and responses: the switch is what is measured)."""
     return {
         "name": f"switch-cost-{hidden}x{layers}",
@@ -45,7 +48,7 @@ def job(hidden: int, layers: int) -> dict[str, Any]:
             "prompt_len": 4,
             "response_len": 4,
             "adapt": True,
-            "switch_recovery": "async",
+            "switch_recovery": recovery,
             "verify_transitions": False,
             "snapshot_every": 100,
         },
@@ -55,7 +58,7 @@ def job(hidden: int, layers: int) -> dict[str, Any]:
     }
 
 
-def measure(hidden: int, layers: int, out: Path) -> dict[str, Any]:
+def measure(hidden: int, layers: int, out: Path, recovery: str = "async") -> dict[str, Any]:
     """Run the job with the switch forced after step 0; the switch's figures."""
     import pyarrow.parquet as pq
 
@@ -66,7 +69,7 @@ def measure(hidden: int, layers: int, out: Path) -> dict[str, Any]:
     from nereus_core.model.weights import param_shapes
     from tests.support.forced_switches import forced_controller
 
-    cfg = parse_config(job(hidden, layers))
+    cfg = parse_config(job(hidden, layers, recovery))
     saved = switch_module.controller_step
     switch_module.controller_step = forced_controller({0: {"actor/train": Layout(tp=2, devices=(0, 1))}})
     try:
@@ -82,6 +85,7 @@ def measure(hidden: int, layers: int, out: Path) -> dict[str, Any]:
         "parameters": params,
         "status": row["status"],
         "recovery": row["recovery"],
+        "staged_in_place": row["staged_in_place"],
         "bytes_moved": int(row["bytes_moved"]),
         **parts,
         "rest_s": round(parts["actual_s"] - parts["recovery_s"] - parts["moves_s"], 3),
@@ -92,6 +96,13 @@ def measure(hidden: int, layers: int, out: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["256x4", "1024x8"], help="hidden x layers")
+    parser.add_argument(
+        "--recovery",
+        nargs="+",
+        default=["async"],
+        choices=["async", "sync", "none"],
+        help="job.switch_recovery modes, each size run once per mode given (none: no write beside the moves)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +110,8 @@ def main() -> None:
         rows = []
         for size in args.sizes:
             hidden, layers = (int(x) for x in size.split("x"))
-            rows.append(measure(hidden, layers, Path(tmp) / size))
+            for i, mode in enumerate(args.recovery):
+                rows.append(measure(hidden, layers, Path(tmp) / f"{size}-{i}-{mode}", mode))
     report = {"machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()}, "switches": rows}
     text = json.dumps(report, indent=1)
     print(text)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect import get_run_logger
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.utilities.annotations import quote
 
 from flows.job import checkpoints
@@ -170,20 +171,27 @@ def _transition(
     The schedule is handed over ``quote``d: Prefect walks a flow's parameters for futures before
     the flow runs, and the schedule's transition graph holds every op of the move: for an 8B PPO
     switch on 16 GPUs (55,938 ops) the subflow's call took 61.5 s bare, 1.2 s quoted
-    (benchmarks/bench_prefect_parameters.py)."""
-    return transition_flow(
-        ctx.pool,
-        state.config,
-        str(ctx.records.run.root),
-        transition_id,
-        state.plan,
-        switch.plan,
-        step=step,
-        reason=switch.reason,
-        moves=quote(switch.moves),  # type: ignore[arg-type]
-        checkpoint_step=checkpoint_step,
-        devices=switch.devices,
-    )
+    (benchmarks/bench_prefect_parameters.py).
+
+    The subflow sends no heartbeats of its own: Prefect's heartbeat thread sleeps in one-second
+    slices and the flow run waits for it to end, up to a second added to every switch (an empty
+    subflow took 1.3 s with heartbeats, 0.33 s without). The job's flow run, in the same process,
+    keeps sending them: a driver that dies mid-switch stops those, and the job's run is marked
+    Crashed (prefect-automations.yaml); its Retry resumes the switch from the journal."""
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        return transition_flow(
+            ctx.pool,
+            state.config,
+            str(ctx.records.run.root),
+            transition_id,
+            state.plan,
+            switch.plan,
+            step=step,
+            reason=switch.reason,
+            moves=quote(switch.moves),  # type: ignore[arg-type]
+            checkpoint_step=checkpoint_step,
+            devices=switch.devices,
+        )
 
 
 def _check_and_rebuild(

@@ -1,4 +1,5 @@
-"""The transition subflow gets the controller's schedule ``quote``d, so Prefect does not walk it.
+"""The transition subflow gets the controller's schedule ``quote``d, so Prefect does not walk it,
+and sends no heartbeats of its own (the job's flow run does), so it does not wait for their thread.
 
 Before a flow runs, Prefect walks its parameters for futures to resolve (``visit_collection``, to
 any depth, into pydantic models). A move schedule holds the transition graph with every op of the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 from prefect.utilities.annotations import quote
 from prefect.utilities.collections import visit_collection
 from prefect.utilities.engine import resolve_to_final_result
@@ -46,11 +48,18 @@ def test_the_schedule_reaches_the_subflow_quoted(monkeypatch) -> None:
     moves = schedule_moves(old, new, models, MoveBasis(slots=16, memory_per_device=80 << 30))
     assert moves.planned is not None and len(moves.planned.graph.ops) > 1000
     seen = {}
-    monkeypatch.setattr(switch_module, "transition_flow", lambda *a, **kw: seen.update(kw))
+
+    def transition_flow(*args, **kw):
+        seen.update(kw, heartbeat=get_current_settings().flows.heartbeat_frequency)
+
+    monkeypatch.setattr(switch_module, "transition_flow", transition_flow)
     ctx = SimpleNamespace(pool=None, records=SimpleNamespace(run=SimpleNamespace(root="run")))
     state = SimpleNamespace(config=None, plan=old)
     switch = SimpleNamespace(plan=new, reason="test", moves=moves, devices=8)
-    switch_module._transition(ctx, state, switch, "t000", step=0, checkpoint_step=1)  # type: ignore[arg-type]
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 30}):  # as `nereus` sets it
+        switch_module._transition(ctx, state, switch, "t000", step=0, checkpoint_step=1)  # type: ignore[arg-type]
     assert isinstance(seen["moves"], quote) and seen["moves"].unquote() is moves
+    # No heartbeat thread of its own: the flow run would wait up to a second for it to stop.
+    assert seen["heartbeat"] is None
     # What the quote saves: the walk of the bare schedule against the quoted one's.
     assert _walk(seen["moves"]) < 0.01 < _walk(moves)
