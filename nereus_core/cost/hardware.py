@@ -355,7 +355,7 @@ H100_SXM = HardwareProfile(
         # with a warm compile cache (vllm-project/vllm#20264).
         group_setup_s=2.0,
         engine_rebuild_s=34.11 + 7.51,
-        switch_s=1.0,  # the driver's Prefect subflow, as on the CPU runtime (below)
+        switch_s=0.5,  # the driver's Prefect subflow, as on the CPU runtime (below)
     ),
 )
 
@@ -403,13 +403,14 @@ CPU_WORKERS = HardwareProfile(
     # train stage rehydrated 0.05-0.09 s, an inference one 0.01-0.025 s; a relink (a call, maybe
     # groups) 0.01-0.045 s; a prepared 2 -> 4 world 0.055-0.06 s. Starting and warming workers: the
     # pool's own start-up (DeepSpeed's first engine ~8 s). These are the TransitionCosts defaults.
-    # switch_s: the demo's three switches spent 0.5-1.9 s (mean 1.2 s) outside their recovery point,
-    # verification and moves (2026-12-07): the transition subflow's flow run, journal and records.
+    # switch_s: the demo's three switches spent 0.50-0.63 s (mean 0.55 s) outside their recovery
+    # point, verification and moves (2026-12-07, once the transition subflow stopped waiting for a
+    # heartbeat thread; 0.5-1.9 s before): the subflow's flow run, journal and records.
     # worker_start_s, warm_up_s: a cold grow 2 -> 4 slots took 0.30 s (world rebuild included) and
     # DeepSpeed's first engine on the new workers 0.08-0.11 s, the workers forked from a server that
     # imported torch, DeepSpeed and the engine (tasks/runtime/worker_imports.py; 2026-12-07).
     transitions=TransitionCosts(
-        transition_op_overhead_s=5e-3, switch_s=1.0, worker_start_s=0.25, warm_up_s=0.1, host_memory=True
+        transition_op_overhead_s=5e-3, switch_s=0.5, worker_start_s=0.25, warm_up_s=0.1, host_memory=True
     ),
     term_scales={
         "compute": 0.336,
