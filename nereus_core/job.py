@@ -34,6 +34,7 @@ from nereus_core.controller.decide import (
     decide,
 )
 from nereus_core.controller.moves import MoveSchedule
+from nereus_core.controller.state import ProbeTiming
 from nereus_core.controller.transition_schedule import JOB_CONTROLLER
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.stage_cost import Workload
@@ -63,6 +64,7 @@ class JobState:
     devices: int
     controller: ControllerState
     last_transition: TransitionTiming | None = None
+    probes: tuple[ProbeTiming, ...] = ()  # the last decision's probes, timed: the next one sees them
 
     @property
     def layouts(self) -> Mapping[ModelStage, Layout]:
@@ -123,7 +125,7 @@ def controller_settings(config: NereusConfig) -> ControllerSettings:
     """The controller's settings for a job of ``config`` (``nereus run`` and ``nereus plan`` alike):
     moves priced as the transition flow runs them, generation's engine (vLLM: no pipelined
     generation, a change of its layout rebuilds the engines), what a switch writes and verifies;
-    only the features the runtime runs (``controller.features``: no probes, no overlap)."""
+    only the features the runtime runs (``controller.features``: no overlap)."""
     from nereus_core.controller.features import runtime_settings
 
     job = config.job
@@ -192,6 +194,7 @@ def observation(
         timings=stage_timings(rows, state.layouts),
         memory_peaks=dict(memory_peaks or {}),
         transition=state.last_transition,
+        probes=state.probes,
         ready_devices=ready_devices,
     )
 
@@ -200,7 +203,7 @@ def after_step(state: JobState, obs: Observation) -> tuple[Outcome, Decision, Jo
     """Ask the controller after a step. Returns the outcome, the decision behind it and the state
     in force until the outcome is carried out (a Keep advances the controller at once)."""
     decision = decide(obs, state.controller)
-    state = replace(state, last_transition=None)
+    state = replace(state, last_transition=None, probes=())
     if decision.action == "none":
         return Fail(f"{decision.reason}; give the job more devices or memory"), decision, state
     wanted = state.config.cluster.devices

@@ -29,7 +29,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -251,6 +251,15 @@ class JobRecords:
         stats["bookkeeping_s"] = time.perf_counter() - start  # the trackers' time included
         self.history.append(stats)
         self.run.write_rows(HISTORY_TABLE, self.history)
+
+    def probes_ran(self, step: int, timings: Sequence[Any], seconds: float) -> None:
+        """The probes run after ``step`` (``tasks.probes``) in its history line: ``probe_s``, the
+        seconds they held the job up, and ``probes``, each ``stage@tp<degree>: seconds``."""
+        row = next((h for h in reversed(self.history) if h["step"] == step), None)
+        if row is not None:
+            what = (f"{t.request.stage}@tp{t.request.tp}: {t.seconds:.4f} s" for t in timings)
+            row.update(probe_s=row.get("probe_s", 0.0) + seconds, probes="; ".join(what))
+            self.run.write_rows(HISTORY_TABLE, self.history)
 
     def checkpoint_outcome(self, step: int, errors: list[str], attempts: int) -> None:
         """The periodic checkpoint after ``step`` in its history line (``errors``: its failed attempts'

@@ -15,7 +15,7 @@ Boundary: the controller decides (tasks/controller.py), the transition moves the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prefect import get_run_logger
@@ -33,6 +33,7 @@ from nereus_core.cost.transition_cost import engines_rebuilt, recovery_write
 from storage.journal import journals
 from tasks import job_ops
 from tasks.controller import controller_step
+from tasks.probes import run_probes
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: An
         **seen,
     )
     log_decision(decision, after)
+    if decision.probes:  # timed now, seen by the next decision
+        state = _probe(ctx, state, decision, after)
     if isinstance(outcome, job.Fail):
         raise job.JobFailed(f"after step {after}{why}: {outcome.reason}")
     if isinstance(outcome, job.Keep):
@@ -95,6 +98,15 @@ def decide_and_switch(ctx: StepContext, *, after: int, why: str = "", **seen: An
     _log_transition(transition_id, status, state, outcome, stats)
     kept = "aborted" if status == "rolled_back" else status  # rolled back in memory: plan A goes on
     return job.commit(state, outcome, kept, _timing(decision, status, stats))  # type: ignore[arg-type]
+
+
+def _probe(ctx: StepContext, state: job.JobState, decision: Decision, after: int) -> job.JobState:
+    """The probes ``decision`` asked for, run on the pool in force and noted in step ``after``'s
+    history line; the state carries their timings to the next decision."""
+    start = time.perf_counter()
+    timings = run_probes(ctx.pool, state.config, decision.probes)
+    ctx.records.probes_ran(after, timings, time.perf_counter() - start)
+    return replace(state, probes=timings)
 
 
 def _new_transition_id(ctx: StepContext, after: int) -> str:

@@ -2,8 +2,10 @@
 controller (``nereus_core.job.controller_settings``) and the simulator's Nereus
 (``nereus_core.sim.strategies``), so the simulator offers its Nereus nothing the runtime lacks.
 
-- Probes of generation's TP collectives (``ControllerSettings.probe_every``): the job runs none (its
-  flow ignores ``Decision.probes``), so the controller asks for none.
+- Probes of the TP collectives at the degrees the plan in force does not run
+  (``ControllerSettings.probe_every``, ``controller.probe``): the job runs them after the decision
+  that asks (``tasks.probes.run_probes``; ``metrics/probes.parquet``) and the next decision sees
+  them; the simulator charges their seconds.
 - One-step off-policy overlap of disaggregated pools (``overlap_disaggregated``): the job has none;
   pools take turns within a step.
 - A switch's recovery point (``job.switch_recovery``): ``async`` (the default), ``sync`` or
@@ -28,7 +30,6 @@ PERIODIC_CHECKPOINT: RecoveryMode = "sync"  # how a periodic checkpoint is writt
 
 # Controller settings of features the runtime lacks: the value the runtime runs, and why.
 LACKS: dict[str, tuple[object, str]] = {
-    "probe_every": (0, "the Nereus runtime runs no probes (the job ignores Decision.probes)"),
     "overlap_disaggregated": (
         False,
         "the Nereus runtime has no one-step off-policy overlap (disaggregated pools take turns)",

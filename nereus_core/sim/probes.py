@@ -1,4 +1,5 @@
-"""The world's answer to the controller's probes (``controller.probe``): what a timed probe measures.
+"""The world's answer to the controller's probes (``controller.probe``): what a timed probe measures
+and what running it costs the job (``charged_s``).
 
 Boundary: the simulator's truth for a probe, as ``stage_world`` prices the same collectives
 inside a stage, so a probe tells the controller nothing the world's stages would not: a decode
@@ -46,3 +47,19 @@ def answer(world: World, k: int, requests: tuple[ProbeRequest, ...]) -> tuple[Pr
         )
         out.append(ProbeTiming(request=r, seconds=true_probe_s(world, r) * float(noise)))
     return tuple(out)
+
+
+def charged_s(world: World, timings: tuple[ProbeTiming, ...], built: set[tuple]) -> float:
+    """What running ``timings``' probes cost the job, as the runtime runs them (``tasks.probes``):
+    each probe's seconds and one device call, and the first time a probe's slots are probed in a
+    world, their process groups (``group_setup_s``: NCCL communicators on a GPU). ``built`` holds
+    the slots whose groups this world built so far; it is updated."""
+    costs = world.profile.transitions
+    seconds = 0.0
+    for t in timings:
+        key = (t.request.tp, t.request.devices)
+        if key not in built:
+            built.add(key)
+            seconds += costs.group_setup_s + costs.groups_s
+        seconds += t.seconds + costs.call_s
+    return seconds

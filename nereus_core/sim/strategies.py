@@ -3,12 +3,13 @@
 - ``nereus``: the controller (``controller.decide``) after every step (or every k steps,
   and always when the devices or the capacity change), fed the stage times the world
   measured; it recalibrates, searches and switches when a plan pays for its move. It has only
-  what the runtime has (``controller.features.runtime_settings``: no probes, no overlap). A
+  what the runtime has (``controller.features.runtime_settings``: no overlap). A
   switch's time is the world's true cost of what the controller estimated, with what the runtime
   writes for it (``checkpoints.SwitchWrites``: the job's recovery point, its verification), and is
   reported back to it so it calibrates the transition cost too. A checkpoint every
-  ``snapshot_every`` steps is charged by the loop. Probes a decision asks for (none under the
-  runtime's rule) would be answered by the world (``sim.probes``), uncharged.
+  ``snapshot_every`` steps is charged by the loop. Probes a decision asks for are answered by the
+  world (``sim.probes``) and charged as the runtime runs them (``probes.charged_s``: their
+  collectives, a device call each, their groups once per world), with the decision's seconds.
   Generation's waves are the rollout engine's, as for every strategy (``World.run_plan``: the
   engine admits what its KV budget holds); every other micro-batch count is the controller's.
 - ``static``: the plan the controller picks at step 0 (the same start as nereus) with
@@ -97,6 +98,7 @@ class NereusStrategy:
         self.timings: list[StageTiming] = []
         self.last: TransitionTiming | None = None
         self.probes: tuple[ProbeTiming, ...] = ()  # the last decision's probes, answered by the world
+        self.probe_world, self.probe_groups = 0, set()  # the probes' groups built in this world
 
     def _decide(self, observation: Observation, world: World, k: int) -> tuple[Decision, float, float]:
         assert self.state is not None
@@ -106,6 +108,9 @@ class NereusStrategy:
         charged = wall if self.decision.cost == "measured" else self.decision.seconds
         self.state = d.state
         self.probes = probes.answer(world, k, d.probes)  # timed now, seen by the next decision
+        if int(world.trace.devices[k]) != self.probe_world:  # a new world: the probes' groups are gone
+            self.probe_world, self.probe_groups = int(world.trace.devices[k]), set()
+        charged += probes.charged_s(world, self.probes, self.probe_groups)
         return d, charged, wall
 
     def begin(self, world: World) -> Move:

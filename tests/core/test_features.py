@@ -23,10 +23,14 @@ def test_the_rule_states_what_the_job_runs() -> None:
     assert features.DEFAULT_RECOVERY == "async" == ControllerSettings().switch_recovery
     assert features.SNAPSHOT_EVERY == 10
     assert features.PERIODIC_CHECKPOINT == "sync"
-    # The controller's defaults ask for probes; the runtime runs none.
-    assert features.lacking(ControllerSettings()) == ["probe_every"]
-    settings = features.runtime_settings(ControllerSettings(overlap_disaggregated=True, margin=0.3))
-    assert (settings.probe_every, settings.overlap_disaggregated, settings.margin) == (0, False, 0.3)
+    # The controller's defaults ask for probes, which the runtime runs (tasks/probes.py); it has no
+    # one-step off-policy overlap.
+    assert features.lacking(ControllerSettings()) == []
+    assert features.lacking(ControllerSettings(overlap_disaggregated=True)) == ["overlap_disaggregated"]
+    settings = features.runtime_settings(
+        ControllerSettings(overlap_disaggregated=True, margin=0.3, probe_every=7)
+    )
+    assert (settings.probe_every, settings.overlap_disaggregated, settings.margin) == (7, False, 0.3)
     assert features.lacking(settings) == []
 
 
@@ -56,8 +60,8 @@ def test_the_simulated_nereus_has_only_what_the_runtime_has(kind: str) -> None:
     [
         ({"controller": {"overlap_disaggregated": True}}, "controller.overlap_disaggregated: "),
         (
-            {"strategies": {"fast": {"kind": "nereus", "controller": {"probe_every": 5}}}},
-            "strategies.fast.controller.probe_every: ",
+            {"strategies": {"fast": {"kind": "nereus", "controller": {"overlap_disaggregated": True}}}},
+            "strategies.fast.controller.overlap_disaggregated: ",
         ),
         (
             {"strategies": {"s": {"kind": "static", "controller": {"overlap_disaggregated": True}}}},

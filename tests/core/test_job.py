@@ -16,6 +16,7 @@ from nereus_core import job as job_rules
 from nereus_core.config import NereusConfig, ScenarioEvent, parse_config
 from nereus_core.controller.decide import decide
 from nereus_core.controller.moves import MoveBasis
+from nereus_core.controller.state import ProbeTiming
 from nereus_core.controller.transition_schedule import priced_moves
 from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
@@ -193,3 +194,17 @@ def test_the_controller_sees_the_real_prompt_tokens_and_memory_their_longest() -
     for stage in ("actor/generate", "actor/train"):
         held = estimate(stage, layout, seen, model, state.controller.profile).memory.activations
         assert held > estimate(stage, layout, mean_only, model, state.controller.profile).memory.activations
+
+
+def test_the_job_asks_for_probes_and_the_next_decision_calibrates_on_their_timings() -> None:
+    """The job's controller asks for probes (the runtime runs them: tasks/probes.py); the timings the
+    flow puts in the state reach the next observation, become calibration samples, and are gone after."""
+    state = job_rules.start(demo())
+    _, decision, state = job_rules.after_step(state, job_rules.observation(state, step=0))
+    assert decision.probes and {p.stage for p in decision.probes} <= {"actor/generate", "actor/train"}
+    timed = tuple(ProbeTiming(request=p, seconds=0.01) for p in decision.probes)
+    seen = job_rules.observation(replace(state, probes=timed), step=1)
+    assert seen.probes == timed
+    before = len(state.controller.samples)
+    _, next_decision, after = job_rules.after_step(replace(state, probes=timed), seen)
+    assert len(next_decision.state.samples) == before + len(timed) and after.probes == ()

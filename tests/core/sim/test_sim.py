@@ -135,8 +135,9 @@ def test_calibration_learns_a_world_that_is_not_the_cost_model() -> None:
 
 def test_controller_decision_time_is_counted_as_overhead() -> None:
     tr = trace(12)
-    free = run(config(decision={"seconds": 0.0}), tr, "nereus")
-    slow = run(config(decision={"seconds": 1.5}), tr, "nereus")
+    quiet = {"probe_every": 0}  # a decision's probes are charged with it (test_probes_are_charged)
+    free = run(config(decision={"seconds": 0.0}, controller=quiet), tr, "nereus")
+    slow = run(config(decision={"seconds": 1.5}, controller=quiet), tr, "nereus")
     assert [r["plan_id"] for r in free.records] == [r["plan_id"] for r in slow.records]
     calls = slow.summary["controller_calls"]
     assert calls == tr.steps  # the first decision and one after every step but the last
@@ -145,9 +146,21 @@ def test_controller_decision_time_is_counted_as_overhead() -> None:
     assert extra == pytest.approx(1.5 * calls / tr.steps)
     assert slow.summary["total_s"] - free.summary["total_s"] == pytest.approx(1.5 * calls)
     assert slow.summary["controller_overhead_frac"] > free.summary["controller_overhead_frac"] == 0
-    measured = run(config(decision={"cost": "measured"}), tr, "nereus")
+    measured = run(config(decision={"cost": "measured"}, controller=quiet), tr, "nereus")
     assert all(r["decide_s"] == r["decide_wall_s"] for r in measured.records)
     assert measured.summary["controller_s_total"] > 0
+
+
+def test_probes_are_charged_with_the_decision_that_asks_for_them() -> None:
+    """The runtime runs the probes a decision asks for (tasks/probes.py); the simulated Nereus pays
+    what they take: their collectives, a device call each and their groups once per world."""
+    tr = trace(12)
+    without = run(config(decision={"seconds": 0.0}, controller={"probe_every": 0}), tr, "nereus")
+    probing = run(config(decision={"seconds": 0.0}, controller={"probe_every": 5}), tr, "nereus")
+    assert without.summary["controller_s_total"] == 0
+    charged = [r["decide_s"] for r in probing.records if r["decide_s"] > 0]
+    assert charged and probing.summary["controller_s_total"] == pytest.approx(sum(charged))
+    assert len(charged) <= -(-tr.steps // 5) + 1  # only the decisions that asked for probes
 
 
 def test_devices_changing_rescales_static_and_forces_nereus_to_move() -> None:

@@ -140,14 +140,19 @@ def test_a_failed_step_reruns_the_steps_since_the_last_checkpoint() -> None:
     assert all(r["restart_s"] == pytest.approx(r["stages_s"] + restart) for r in peer)
 
 
-def test_the_simulated_nereus_asks_for_no_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_simulated_nereus_probes_as_the_job_does_and_pays_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job runs the probes its controller asks for (tasks/probes.py), so the simulated Nereus asks
+    for them too (every 10 steps by default), and every answered probe is charged with its decision."""
     asked: list = []
+    answer = probes.answer
 
-    def answer(world, k, requests):
+    def recorded(world, k, requests):
         asked.extend(requests)
-        return ()
+        return answer(world, k, requests)
 
-    monkeypatch.setattr(probes, "answer", answer)
-    cfg = config(controller={"margin": 0.2})  # the controller's defaults would probe every 10 steps
+    monkeypatch.setattr(probes, "answer", recorded)
+    cfg = config(controller={"margin": 0.2}, decision={"seconds": 0.0})
     result = run_job(SimJob(cfg, trace(12), "nereus", 0))
-    assert asked == [] and len(result.records) == 12 and not math.isnan(result.summary["total_s"])
+    assert asked and {str(r.stage) for r in asked} <= {"actor/generate", "actor/train"}
+    assert result.summary["controller_s_total"] > 0 and len(result.records) == 12
+    assert not math.isnan(result.summary["total_s"])

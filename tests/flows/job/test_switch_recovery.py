@@ -81,6 +81,9 @@ def test_an_async_switch_writes_its_recovery_point_after_the_moves(tmp_path, mon
     }
     assert run.checkpoint_steps() == [1, 3]
     assert_rollout_made_by_checkpoint(out, 1, tmp_path)  # it holds the state that generated step 1
+    # The decision after step 0 asked for probes of actor/train's TP collectives; they ran on the pool.
+    first = run.read_rows("metrics/history.parquet")[0]
+    assert first["probe_s"] > 0 and "actor/train@tp2: " in first["probes"]
 
 
 @pytest.mark.timeout(600)
