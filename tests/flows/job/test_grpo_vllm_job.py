@@ -1,12 +1,13 @@
 """A GRPO job with ``rollout.engine: vllm`` through the job flow, its generation switched live from tp1
-dp2 to tp2 dp1 after step 0 and back after step 1 (forced: tests/support/forced_switches.py):
+dp2 to tp2 dp1 after step 0 (forced: tests/support/forced_switches.py; once: a switch back, with its
+engine set started, cost the default suite about 40 s on two cores):
 
 - it completes and learns: the rule score rises over the run;
 - vLLM's engines generate every step and take actor/train's weights in place after every step, and
   their log-prob of every sampled token equals the old log-prob the train layout recomputes on the same
   weights (Nereus's own decoder), on the engines of every layout, and transformers' on the actor
   exported after every step (a checkpoint each step);
-- each switch rebuilds the engines: the old engines' greedy answer to a probe batch equals the new
+- the switch rebuilds the engines: the old engines' greedy answer to a probe batch equals the new
   ones' (tokens and log-probs), every model's state is verified bitwise against the checkpoint before
   the switch, and the rebuild's seconds are part of the switch's measured seconds (the engine term's
   pricing: tests/core/controller/test_transition_schedule.py).
@@ -34,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(
         not vllm_installed(), reason="vLLM is not installed (pip install -e '.[vllm]' or make install-vllm)"
     ),
-    pytest.mark.timeout(900),  # three engine sets started (one of tp 2): about two to three minutes
+    pytest.mark.timeout(900),  # two engine sets started (one of tp 2): about two minutes
 ]
 
 GROUP, STEPS, T = 4, 5, 6
@@ -62,7 +63,7 @@ def run_dir(tmp_path_factory):
     data["job"] |= {"adapt": True, "verify_transitions": True, "snapshot_every": 1, "keep_checkpoints": 0}
     out = tmp_path_factory.mktemp("grpo-vllm-run")
     with pytest.MonkeyPatch.context() as patch:
-        targets = {0: {"actor/generate": TP2}, 1: {"actor/generate": DP2}}
+        targets = {0: {"actor/generate": TP2}}
         patch.setattr(switch_module, "controller_step", forced_controller(targets))
         rl_job(config=parse_config(data), out_dir=str(out))
     return out
@@ -82,7 +83,7 @@ def test_the_job_completes_on_vllm_and_learns(run_dir):
 def test_vllm_logprobs_equal_the_train_layouts_after_every_sync(run_dir):
     history = RunDir(run_dir).read_rows("metrics/history.parquet")
     assert [h["step"] for h in history] == list(range(STEPS))
-    for h in history:  # steps 1 on tp 2, the others on two tp-1 engines
+    for h in history:  # step 0 on two tp-1 engines, the others on one tp-2 engine
         assert h["rollout_logp_diff_max"] < TOLERANCE, h
     for step in range(STEPS):
         r = RunDir(run_dir).read_rollout(step)
@@ -95,8 +96,8 @@ def test_vllm_logprobs_equal_the_train_layouts_after_every_sync(run_dir):
 
 def test_vllm_logprobs_equal_transformers_on_the_actor_exported_after_every_sync(run_dir, tmp_path):
     """A checkpoint after every step: the actor exported at step N is the one every engine was synced
-    to before generating step N, on the tp-2 engine (step 1), the rebuilt tp-1 engines (step 2) and
-    the synced ones after (steps 3, 4)."""
+    to before generating step N, on the tp-2 engine the switch started (step 1) and synced after
+    (steps 2-4)."""
     from transformers import AutoModelForCausalLM
 
     steps = [s for s in RunDir(run_dir).checkpoint_steps() if s < STEPS]
@@ -115,12 +116,9 @@ def test_vllm_logprobs_equal_transformers_on_the_actor_exported_after_every_sync
         assert gap.max() < TOLERANCE, (step, gap.max())  # measured: 6e-7
 
 
-def test_each_switch_of_generations_tp_rebuilds_the_engines_verified(run_dir):
+def test_a_switch_of_generations_tp_rebuilds_the_engines_verified(run_dir):
     rows = pq.read_table(run_dir / "metrics" / "transitions.parquet").to_pylist()
-    assert [(r["step"], r["status"], r["route"]) for r in rows] == [
-        (0, "committed", "live"),
-        (1, "committed", "live"),
-    ]
+    assert [(r["step"], r["status"], r["route"]) for r in rows] == [(0, "committed", "live")]
     for r in rows:
         assert r["verified_bitwise"] is True, r
         assert r["engine_verified"] is True and r["engine_probe_logp_diff_max"] <= TOLERANCE, r
