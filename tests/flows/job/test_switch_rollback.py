@@ -6,7 +6,8 @@ device raises once its new shard is installed. The switch is then undone in memo
 the same workers, plan A's shards rebuilt from the ones the devices kept, and the job runs its
 remaining steps on plan A. Its final state equals, bit for bit, that of the same job never asked to
 switch; no checkpoint was read to get there (the switch's recovery point is written in the
-background and never read). In fp32 and in bf16 with fp32 masters.
+background from the kept shards, and never read; it equals the other run's checkpoint of the same
+step). In fp32 and in bf16 with fp32 masters.
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ JOB = {
 }
 
 
-def _run(out: Path, monkeypatch: pytest.MonkeyPatch, *, switch: bool, fault: str | None, dtype: str) -> Path:
+def _run(
+    out: Path, monkeypatch: pytest.MonkeyPatch, *, switch: bool, fault: str | None, dtype: str, every: int = 0
+) -> Path:
     targets = {0: {"actor/train": Layout(tp=2, devices=(0, 1))}} if switch else {}
     monkeypatch.setattr(switch_module, "controller_step", forced_controller(targets))
     faults.arm([fault] if fault else [])  # as the CLI does; the device pool arms it on its workers
+    data = {**JOB, "model": {**JOB["model"], "dtype": dtype}, "job": {**JOB["job"], "snapshot_every": every}}
     try:
-        rl_job(config=parse_config({**JOB, "model": {**JOB["model"], "dtype": dtype}}), out_dir=str(out))
+        rl_job(config=parse_config(data), out_dir=str(out))
     finally:
         faults.arm(())
     return out
@@ -79,16 +83,20 @@ def test_a_switch_that_fails_in_live_workers_rolls_back_in_memory(tmp_path, monk
     (row,) = pq.read_table(failed / "metrics" / "transitions.parquet").to_pylist()
     assert row["status"] == "rolled_back" and row["route"] == "live" and row["rollback_s"] > 0
     assert "injected fault" in row["reason"] and "rolled back in memory" in row["reason"]
+    assert row["staged_in_place"] == "actor/train"  # its recovery point: the kept shards, no copy
     plans = plans_by_step(failed)
     assert len(set(plans.values())) == 1  # every step on plan A
     (journal,) = [j for j in journals(failed) if j.transition_id.startswith("t000")]
     (end,) = [e for e in journal.entries() if e["op"] == "transition" and e["phase"] != "start"]
     assert end["phase"] == "abort" and end["rolled_back"]
 
-    kept = _run(tmp_path / "kept", monkeypatch, switch=False, fault=None, dtype=dtype)
+    kept = _run(tmp_path / "kept", monkeypatch, switch=False, fault=None, dtype=dtype, every=1)
     assert plans_by_step(kept) == plans
     final = digests(failed, 3, ("actor",))
     assert final == digests(kept, 3, ("actor",))
+    # The switch's recovery point, written from the shards the devices kept (and the rollback then
+    # rebuilt plan A from), holds the state after step 0: the other run's checkpoint of step 1.
+    assert digests(failed, 1, ("actor",)) == digests(kept, 1, ("actor",))
     # The steps after the rollback trained: the moments the rollback carried over are not zeros.
     moments = [b for k, b in final["actor"].items() if k.endswith(":exp_avg_sq")]
     assert moments and any(b.strip(b"\x00") for b in moments)
