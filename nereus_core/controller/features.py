@@ -4,8 +4,8 @@ controller (``nereus_core.job.controller_settings``) and the simulator's Nereus
 
 - Probes of the TP collectives at the degrees the plan in force does not run
   (``ControllerSettings.probe_every``, ``controller.probe``): the job runs them after the decision
-  that asks (``tasks.probes.run_probes``; ``metrics/probes.parquet``) and the next decision sees
-  them; the simulator charges their seconds.
+  that asks (``tasks.probes.run_probes``; ``probe_s`` and ``probes`` in the step's history row),
+  and the next decision sees them; the simulator charges their seconds.
 - One-step off-policy overlap of disaggregated pools (``overlap_disaggregated``): the job has none;
   pools take turns within a step.
 - A switch's recovery point (``job.switch_recovery``): ``async`` (the default), ``sync`` or

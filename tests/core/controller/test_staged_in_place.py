@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from nereus_core.config import ModelConfig
 from nereus_core.controller.moves import MoveBasis
 from nereus_core.controller.transition_schedule import priced_moves, schedule_moves, staged_in_place
 from nereus_core.cost.hardware import CPU_WORKERS, H100_SXM
@@ -19,16 +18,9 @@ from nereus_core.cost.transition_cost import recovery_seconds
 from nereus_core.gtg.execution import StageSchedule
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, models_for
+from tests.support.model_configs import SHARDABLE
 
-TINY = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-MODELS = models_for(TINY)
+MODELS = models_for(SHARDABLE)
 STAGES = ("actor/generate", "actor/train", "critic/train", "critic/infer", "reference/infer", "reward/infer")
 ROOMY = MoveBasis(slots=2, memory_per_device=1 << 30)
 
