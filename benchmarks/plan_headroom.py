@@ -47,9 +47,9 @@ from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import step_seconds
 from nereus_core.cost.stage_cost import Scales
 from nereus_core.plan import GlobalPlan
-from nereus_core.sim.baselines import sample_steps
 from nereus_core.sim.config import SimConfig, parse_sim_config
 from nereus_core.sim.job import make_strategy
+from nereus_core.sim.peers import sample_steps
 from nereus_core.sim.strategies import FixedStrategy, rescale
 from nereus_core.sim.trace import Trace
 from nereus_core.sim.world import World, usable_bytes

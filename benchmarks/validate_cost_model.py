@@ -317,7 +317,7 @@ PROMPT_ASSUMED = 150
 def nemo_rl_check() -> dict[str, object]:
     """The prior and the world on NeMo RL's published 8B GRPO step (held out: fitted to neither)."""
     from nereus_core.config import LLAMA_3_8B
-    from nereus_core.sim.world import model_size
+    from nereus_core.sim.shapes import model_size
 
     n, prompt = NEMO_RL["gpus"], PROMPT_ASSUMED
     mean = float(NEMO_RL["mean_sequence"] - prompt)

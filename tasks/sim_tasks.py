@@ -58,7 +58,9 @@ def load_traces(config: SimConfig, config_dir: str) -> dict[str, Trace]:
         except OSError as err:
             raise ConfigError(f"traces.{spec.name}.file: cannot read {path}: {err.strerror or err}") from None
         try:
-            out[spec.name] = parse_trace(text, name=spec.name, devices=spec.devices, steps=spec.steps)
+            out[spec.name] = parse_trace(
+                text, name=spec.name, devices=spec.devices, steps=spec.steps, shrinks=spec.shrinks
+            )
         except TraceError as err:
             raise ConfigError(f"traces.{spec.name}.file ({path}): {err}") from None
     return out

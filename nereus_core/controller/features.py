@@ -13,6 +13,9 @@ controller (``nereus_core.job.controller_settings``) and the simulator's Nereus
   writes one synchronously first in every mode (``cost.transition_cost.recovery_write``).
 - Periodic checkpoints: every ``job.snapshot_every`` steps (default 10), always written
   synchronously (the step waits for them).
+- Activation recomputation (``ACTIVATION_RECOMPUTE``): the runtime has none (``engine/train.py``
+  keeps every activation of a pass), so the simulated Nereus never takes the world's recomputation
+  option; a plan that does not fit without it fails its step there as it would here.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ RECOVERY_MODES: tuple[RecoveryMode, ...] = get_args(RecoveryMode)
 DEFAULT_RECOVERY: RecoveryMode = JobConfig.model_fields["switch_recovery"].default
 SNAPSHOT_EVERY: int = JobConfig.model_fields["snapshot_every"].default
 PERIODIC_CHECKPOINT: RecoveryMode = "sync"  # how a periodic checkpoint is written
+ACTIVATION_RECOMPUTE = False  # the runtime keeps every activation of a pass
 
 # Controller settings of features the runtime lacks: the value the runtime runs, and why.
 LACKS: dict[str, tuple[object, str]] = {

@@ -3,11 +3,10 @@ placement, OpenRLHF's Ray placement).
 
 Both keep one plan for the whole run (neither changes TP/PP while it runs), pay the
 weight sync from the trainer to the rollout engine every step, and run through the
-same engine and true cost as Nereus. Every open choice is taken in their favour:
-their config is picked offline by an oracle that knows the world's true cost and the
-whole trace (``tune_steps`` steps sampled from it; candidates from the uncalibrated cost
-model's search, scored in truth), and micro-batch counts (vLLM's
-waves, verl's dynamic batch size) are re-picked every step at the true cost.
+same engine and true cost as Nereus. How they run through time (launch-time flags, checkpoints, a
+relaunch when devices change or memory runs out) is ``peers``. Their config is the fastest in the
+world's true cost on what a user knows at launch (``PeerStrategy.launch_works``: step 0's workload;
+candidates from the uncalibrated cost model's search, scored in truth), in their favour.
 
 - ``verl`` (HybridFlow, ``main_ppo.py``): every role colocated in one slot group and
   time-shared, so a step is the sum of its stages plus the colocated reshard of the
@@ -26,7 +25,7 @@ waves, verl's dynamic batch size) are re-picked every step at the true cost.
   models on different GPUs run those phases concurrently (OpenRLHF calls their Ray
   actors together), models sharing GPUs one after another, and groups idle otherwise.
 
-``config: default`` replaces the oracle by each one's documented example for an 8B model
+``config: default`` replaces that choice by each one's documented example for an 8B model
 (``DEFAULTS``): verl's ``ppo_trainer.yaml`` (one colocated slot group, FSDP, vLLM
 ``tensor_model_parallel_size: 2``) and OpenRLHF's README PPO command for Llama-3-8B
 (``--colocate_all_models``, ``--vllm_tensor_parallel_size 2``, ZeRO-3); the train and forward
@@ -66,7 +65,7 @@ from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, GlobalPlan, Placement
 from nereus_core.sim.config import StrategySpec
 from nereus_core.sim.loop import SimError
-from nereus_core.sim.strategies import FixedStrategy
+from nereus_core.sim.peers import PeerStrategy
 from nereus_core.sim.world import World, largest_dp, usable_bytes
 
 INF = float("inf")
@@ -99,11 +98,6 @@ def job_slot_groups(placement: str, stages: Sequence[str]) -> dict[str, tuple[st
     job's stages, and a group left with none (GRPO's critic group) is not created."""
     groups = {p: tuple(s for s in held if s in stages) for p, held in SLOT_GROUPS[placement].items()}
     return {p: held for p, held in groups.items() if held}
-
-
-def sample_steps(steps: int, count: int) -> list[int]:
-    """``count`` steps spread evenly over a run (first and last included)."""
-    return sorted({round(float(x)) for x in np.linspace(0, steps - 1, min(count, steps))})
 
 
 def oracle_seconds(
@@ -147,18 +141,20 @@ def tp_options(world: World, limit: int) -> list[int]:
     return out
 
 
-class VerlStrategy(FixedStrategy):
-    """verl: one colocated plan, the best the true cost finds over the trace; rollout TP only."""
+class VerlStrategy(PeerStrategy):
+    """verl: one colocated plan, the best the true cost finds at launch; rollout TP only."""
+
+    framework = "verl"
 
     def __init__(self, name: str, *, spec: StrategySpec, settings: ControllerSettings) -> None:
-        super().__init__(name, headroom=settings.headroom)
-        self.spec, self.settings = spec, settings
+        super().__init__(name, spec=spec, headroom=settings.headroom)
+        self.settings = settings
 
     def initial_plan(self, world: World) -> GlobalPlan:
         tr = world.trace
         n = int(tr.devices[0])
         usable = usable_bytes(tr.memory_bytes(0), self.headroom)
-        works = [tr.workloads[i] for i in sample_steps(tr.steps, self.spec.tune_steps)]
+        works = self.launch_works(world, self.spec.tune_steps)
         world.sharded_weights = True  # FSDP full shard: ppo_trainer.yaml's actor, critic and ref strategy
         if self.spec.config == "default":
             return default_plan(world, "verl", works, usable, self.combine)
@@ -203,13 +199,14 @@ class VerlStrategy(FixedStrategy):
         return step_seconds(plan.layouts, stage_s, sync_s, overlap=False)
 
 
-class OpenRLHFStrategy(FixedStrategy):
-    """OpenRLHF: models on their own slot groups (or its colocation flags), the fastest config for
-    the trace."""
+class OpenRLHFStrategy(PeerStrategy):
+    """OpenRLHF: models on their own slot groups (or its colocation flags), the fastest config at
+    launch."""
+
+    framework = "openrlhf"
 
     def __init__(self, name: str, *, spec: StrategySpec, settings: ControllerSettings) -> None:
-        super().__init__(name, headroom=settings.headroom)
-        self.spec = spec
+        super().__init__(name, spec=spec, headroom=settings.headroom)
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
         return step_seconds(plan.layouts, stage_s, sync_s, overlap=False)
@@ -218,7 +215,7 @@ class OpenRLHFStrategy(FixedStrategy):
         tr = world.trace
         n = int(tr.devices[0])
         usable = usable_bytes(tr.memory_bytes(0), self.headroom)
-        works = [tr.workloads[i] for i in sample_steps(tr.steps, self.spec.tune_steps)]
+        works = self.launch_works(world, self.spec.tune_steps)
         world.per_tensor_sync = True  # _broadcast_to_vllm: one NCCL broadcast per parameter
         world.sharded_weights = True  # ZeRO-3: its README's 8B PPO command (--zero_stage 3)
         if self.spec.config == "default":

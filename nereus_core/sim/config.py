@@ -19,6 +19,7 @@ from nereus_core.controller.decide import ControllerSettings
 from nereus_core.frozen import Frozen
 from nereus_core.plan import ModelStage, stages_for
 from nereus_core.rl.algorithm import AlgorithmConfig
+from nereus_core.sim.trace import Shrinks
 
 StrategyKind = Literal["nereus", "static", "openrlhf", "verl"]
 OpenRLHFPlacement = Literal["separate", "paired", "colocated"]
@@ -76,17 +77,18 @@ class StrategySpec(Frozen):
         min_length=1,
         description="openrlhf only: placements it may use (its flags); the fastest is taken, in its favour.",
     )
-    config: Literal["oracle", "default"] = Field(
-        default="oracle",
-        description="openrlhf and verl: oracle (the fastest config for the trace, picked offline in "
-        "truth) or default (the layout of their documented example for an 8B model: baselines.DEFAULTS).",
+    config: Literal["launch", "default", "hindsight"] = Field(
+        default="launch",
+        description="openrlhf and verl: launch (the fastest config in truth on step 0's workload, what a "
+        "user knows at launch), default (the layout of their documented example for an 8B model: "
+        "baselines.DEFAULTS) or hindsight (a what-if: the fastest over `tune_steps` steps of the whole "
+        "trace); sim/peers.py.",
     )
     tune_steps: int = Field(
         default=16,
         ge=1,
         le=10_000,
-        description="openrlhf and verl: trace steps sampled to pick their fixed config offline (an oracle "
-        "that knows the whole trace and the true cost, in their favour).",
+        description="openrlhf and verl with config hindsight: trace steps sampled to pick their config.",
     )
 
 
@@ -100,6 +102,12 @@ class TraceSpec(Frozen):
     )
     steps: int | None = Field(default=None, ge=1, description="Use only the first N steps.")
     strategies: tuple[str, ...] = Field(default=(), description="Strategies to run on it (empty: all).")
+    shrinks: Shrinks = Field(
+        default="planned",
+        description="How devices leave: planned (a lease ends; a job may write before they go) or "
+        "unplanned (preemption: every strategy restarts from its newest checkpoint, rerunning the steps "
+        "since it).",
+    )
 
 
 class SweepSettings(Frozen):
@@ -142,8 +150,8 @@ class SimConfig(Frozen):
         ge=0,
         le=1_000_000,
         description="nereus and static (Nereus's runtime): a synchronous checkpoint after every K steps "
-        "and after the last, as the job's job.snapshot_every (0: after the last only); the peers are "
-        "charged none.",
+        "and after the last, as the job's job.snapshot_every (0: after the last only); the peers write "
+        "theirs at their own cadence (sim/peers.py).",
     )
     noise: NoiseSettings = NoiseSettings()
     decision: DecisionSettings = DecisionSettings()

@@ -15,8 +15,11 @@ charged to step 0). A strategy on Nereus's runtime writes a synchronous checkpoi
 ``checkpoint_every`` steps and after the last (``checkpoint_s``, ``World.checkpoint_s``), and its
 restart reruns the steps since its last periodic checkpoint; a strategy with no checkpoints
 charged (the peers, ``checkpoint_every`` None) restarts as if one were taken every step, in its
-favour. A transition's and a checkpoint's time are recorded on the step they follow and count in
-the run's total time, not in any step's latency.
+favour. When the trace's devices shrink without notice after step k (``Trace.unplanned_shrink``),
+the steps since the strategy's last checkpoint are lost and rerun (``lost_s``: their stage seconds,
+as they ran); the restart itself is the strategy's move after step k. A transition's, a checkpoint's
+and lost steps' time are recorded on the step they follow and count in the run's total time, not in
+any step's latency.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from nereus_core.plan import GlobalPlan
 from nereus_core.sim.trace import Trace
 from nereus_core.sim.world import World
 
-MoveKind = Literal["start", "keep", "switch", "retune", "rescale", "none"]
-# Moves that change a layout's degrees, devices or placement (state moves): the paper's "transitions".
-TRANSITION_KINDS = ("switch", "rescale")
+MoveKind = Literal["start", "keep", "switch", "retune", "rescale", "relaunch", "none"]
+# Moves that change a layout's degrees, devices or placement: the paper's "transitions" (state moves),
+# and a peer's relaunch (stop, restart on the new devices, reload its checkpoint).
+TRANSITION_KINDS = ("switch", "rescale", "relaunch")
 
 
 class SimError(RuntimeError):
@@ -60,6 +64,7 @@ class Prepared:
 
     plan: GlobalPlan
     true_s: dict[str, float]
+    failed: bool = False  # the step first ran out of memory on the strategy's launch flags (peers)
 
 
 @dataclass
@@ -113,7 +118,7 @@ def _restart_and_checkpoint(
     checkpoint after it. A step whose plan does not fit fails: its attempt is lost, the job restarts
     from its last checkpoint, reruns the steps since it (none for a strategy charged no checkpoints,
     ``every`` None: as if one were taken every step), then runs the step again."""
-    restart = 0.0 if fits else stage_s + world.restart_s(plan) + since
+    restart = 0.0 if fits else stage_s + world.relaunch_s(k, plan) + since
     due = every is not None and (k + 1 == world.steps or (every > 0 and (k + 1) % every == 0))
     checkpoint = world.checkpoint_s(plan) if due else 0.0
     return restart, checkpoint, 0.0 if due or every is None else since + stage_s
@@ -139,11 +144,14 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
         stage_s = strategy.combine(plan, measured, sync)
         true_s = strategy.combine(plan, prepared.true_s, true_sync)
         predicted = strategy.predict(plan, work, world, k)
-        fits = world.peak_bytes(plan, work) <= tr.memory_bytes(k)
+        fits = not prepared.failed and world.peak_bytes(plan, work) <= tr.memory_bytes(k)
         restart, checkpoint, since_checkpoint = _restart_and_checkpoint(
             world, plan, k, fits, stage_s, every, since_checkpoint
         )
         move = strategy.after(k, world, StepRun(k, plan, work, measured))
+        lost, since_checkpoint = (
+            (since_checkpoint, 0.0) if tr.unplanned_shrink(k) else (0.0, since_checkpoint)
+        )
         decide_s, decide_wall = carried_s + move.decide_s, carried_wall + move.decide_wall_s
         calls = carried_calls + move.decide_calls
         carried_s = carried_wall = 0.0
@@ -167,6 +175,7 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
                 "decide_calls": calls,
                 "restart_s": restart,
                 "checkpoint_s": checkpoint,
+                "lost_s": lost,
                 "step_s": stage_s + decide_s + restart,
                 "true_step_s": true_s,
                 "floor_step_s": sum(world.floor_s(k).values()),

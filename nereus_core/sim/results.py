@@ -6,13 +6,15 @@ controller (``decide_wall_s``) is left out of the summary so that the same confi
 and seed always give the same summary (it stays in the step records).
 
 Per run (one trace, strategy and seed):
-- ``total_s``: every step's latency plus every transition and periodic checkpoint.
+- ``total_s``: every step's latency plus every transition, periodic checkpoint and lost step.
 - ``mean_step_s``: the mean step latency (stages + weight sync + controller time, and for a
   step whose plan did not fit, its failed attempt and a restart: ``restart_s_total``);
   ``mean_step_with_transitions_s``: the same with every transition's and checkpoint's time spread
   over the steps.
 - ``checkpoint_s_total``, ``checkpoint_overhead_frac``: the periodic checkpoints' time (Nereus's
-  runtime writes one every ``snapshot_every`` steps; the peers are charged none) and its share.
+  runtime writes one every ``snapshot_every`` steps, the peers at their documented cadence) and its
+  share; ``lost_s_total``: the steps rerun after devices were lost without notice (``loop``);
+  ``relaunches``, ``relaunch_s_total``: a peer's stop, restart and reload when its devices change.
 - ``throughput_tokens_per_s``: tokens (prompt + response of every sequence) / total_s.
 - ``transitions``: moves that change a layout's degrees, slots or placement (switches
   and DP rescales), and how many of them the devices, memory or a gain caused
@@ -41,6 +43,9 @@ FIELDS = (
     "restart_s_total",
     "checkpoint_s_total",
     "checkpoint_overhead_frac",
+    "lost_s_total",
+    "relaunches",
+    "relaunch_s_total",
     "throughput_tokens_per_s",
     "transitions",
     "transition_s_total",
@@ -75,7 +80,8 @@ def cause(record: dict) -> str:
     """Why a transition ran: ``devices`` (the device set changed), ``memory`` (the plan stopped
     fitting) or ``gain`` (the controller admitted a faster plan)."""
     reason = record["reason"]
-    if record["move"] == "rescale" or reason.startswith("device set changed") or "beyond the" in reason:
+    moved = record["move"] in ("rescale", "relaunch")
+    if moved or reason.startswith("device set changed") or "beyond the" in reason:
         return "devices"
     if "needs" in reason or "peaked" in reason:
         return "memory"
@@ -87,7 +93,8 @@ def summarize_run(records: Sequence[dict]) -> dict[str, float | int | None]:
     steps = sum(r["step_s"] for r in records)
     transition_s = sum(r["transition_s"] for r in records)
     checkpoint_s = sum(r.get("checkpoint_s", 0.0) for r in records)
-    total = steps + transition_s + checkpoint_s
+    lost = sum(r.get("lost_s", 0.0) for r in records)
+    total = steps + transition_s + checkpoint_s + lost
     tokens = sum(r["tokens"] for r in records)
     controller = sum(r["decide_s"] for r in records)
     # Runs kept by a sweep before the floor was recorded have none.
@@ -99,6 +106,9 @@ def summarize_run(records: Sequence[dict]) -> dict[str, float | int | None]:
         "restart_s_total": sum(r.get("restart_s", 0.0) for r in records),
         "checkpoint_s_total": checkpoint_s,
         "checkpoint_overhead_frac": checkpoint_s / total,
+        "lost_s_total": lost,
+        "relaunches": sum(r["move"] == "relaunch" for r in records),
+        "relaunch_s_total": sum(r["transition_s"] for r in records if r["move"] == "relaunch"),
         "throughput_tokens_per_s": tokens / total,
         "transitions": sum(r["move"] in TRANSITION_KINDS for r in records),
         "transition_s_total": transition_s,

@@ -20,8 +20,9 @@
   runtime: the same rule of features, recovery points and periodic checkpoints as ``nereus``.
 Every strategy plans the job's model-stages and no others (``World.stages``, which
 ``SimConfig.stages`` sets: PPO's six, GRPO's actor pair and the reference with a KL term).
-Every strategy has the same memory option: a train stage that would not fit otherwise
-turns on full activation recomputation at its time cost (``World.run_plan``, ``World.tune``).
+A train stage that would not fit otherwise may turn on full activation recomputation at its time
+cost (``World.run_plan``, ``World.tune``) where the strategy's runtime has it: the peers (launch
+flags, ``peers``), not Nereus's runtime (``features.ACTIVATION_RECOMPUTE``), so not nereus or static.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from collections.abc import Mapping
 
 from nereus_core.config import ModelConfig
+from nereus_core.controller import features
 from nereus_core.controller.decide import (
     ControllerSettings,
     ControllerState,
@@ -127,7 +129,8 @@ class NereusStrategy:
     def prepare(self, k: int, world: World) -> Prepared:
         assert self.plan is not None
         usable = usable_bytes(world.trace.memory_bytes(k), self.settings.headroom)
-        return Prepared(*world.run_plan(self.plan, world.trace.workloads[k], usable))
+        work = world.trace.workloads[k]
+        return Prepared(*world.run_plan(self.plan, work, usable, recompute=features.ACTIVATION_RECOMPUTE))
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
         return step_seconds(plan.layouts, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)
@@ -179,7 +182,7 @@ class NereusStrategy:
         seconds = (
             world.transition_s(k, estimate, old, self.plan, self.writes) if estimate is not None else 0.0
         )
-        if estimate is not None and seconds > 0:
+        if estimate is not None and seconds > 0 and not tr.unplanned_shrink(k):  # a restart: no move
             self.last = TransitionTiming(predicted=estimate, seconds=seconds)
         return Move(
             self.plan,
@@ -216,8 +219,9 @@ class FixedStrategy:
     """A plan fixed at the start; DP rescaled when the devices change; micro-batches re-picked in truth."""
 
     name: str
-    writes: SwitchWrites | None = None  # what a rescale writes: nothing (the peers restart instead)
-    checkpoint_every: int | None = None  # the peers are charged no checkpoints
+    writes: SwitchWrites | None = None  # what a rescale writes
+    checkpoint_every: int | None = None  # steps between periodic checkpoints (None: charged none)
+    recomputes = True  # whether the runtime may turn on activation recomputation where nothing fits
 
     def __init__(self, name: str, *, headroom: float) -> None:
         self.name, self.headroom = name, headroom
@@ -235,7 +239,8 @@ class FixedStrategy:
     def prepare(self, k: int, world: World) -> Prepared:
         assert self.base is not None
         usable = usable_bytes(world.trace.memory_bytes(k), self.headroom)
-        plan, _, seconds = world.tune(self.base, world.trace.workloads[k], usable)
+        never = None if self.recomputes else dict.fromkeys(self.base.layouts, False)
+        plan, _, seconds = world.tune(self.base, world.trace.workloads[k], usable, recompute=never)
         return Prepared(plan, seconds)
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
@@ -280,6 +285,7 @@ class StaticStrategy(FixedStrategy):
         self.model, self.profile, self.settings = model, profile, runtime_settings(settings)
         self.writes = SwitchWrites(self.settings.switch_recovery, self.settings.verify_transitions)
         self.checkpoint_every = snapshot_every
+        self.recomputes = features.ACTIVATION_RECOMPUTE
 
     def initial_plan(self, world: World) -> GlobalPlan:
         state = ControllerState.initial(

@@ -10,6 +10,11 @@ data is in data/traces/README.md and data/traces/build_traces.py.
 Columns: ``step, devices, capacity_gb, batch, prompt_len, response_mean, response_p90,
 response_max``; ``devices`` may be left out when the caller fixes it; columns named
 ``src_*`` (provenance) and any others are ignored.
+
+How devices leave (``shrinks``, the trace's, set by its config): ``planned`` (a lease that ends: the
+job knows the step and may write before the devices go) or ``unplanned`` (preemption or failure:
+the devices are gone after the step, and every strategy restarts from its newest checkpoint,
+rerunning the steps since it).
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import hashlib
 import io
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
 import numpy as np
 
 from nereus_core.cost.stage_cost import Workload
 
 GB = 10**9
+Shrinks = Literal["planned", "unplanned"]
 REQUIRED = ("step", "capacity_gb", "batch", "prompt_len", "response_mean", "response_p90", "response_max")
 
 
@@ -48,10 +55,11 @@ class Trace:
     response_p90: np.ndarray
     response_max: np.ndarray
     ppo_epochs: int = 1
+    shrinks: Shrinks = "planned"
 
     def digest(self) -> str:
         """A hash of every column's values: two traces with the same digest replay the same steps."""
-        h = hashlib.sha256(f"{self.name}/{self.ppo_epochs}".encode())
+        h = hashlib.sha256(f"{self.name}/{self.ppo_epochs}/{self.shrinks}".encode())
         for field in COLUMNS:
             column = np.ascontiguousarray(getattr(self, field))
             h.update(f"{field}:{column.dtype}:".encode() + column.tobytes())
@@ -70,6 +78,10 @@ class Trace:
     @property
     def steps(self) -> int:
         return len(self.devices)
+
+    def unplanned_shrink(self, k: int) -> bool:
+        """Whether devices are lost without notice after step ``k`` (fewer at ``k + 1``)."""
+        return self.shrinks == "unplanned" and k + 1 < self.steps and self.devices[k + 1] < self.devices[k]
 
     def memory_bytes(self, k: int) -> int:
         return int(self.capacity_gb[k] * GB)
@@ -117,7 +129,14 @@ def _number(text: str, row: int, column: str) -> float:
         raise TraceError(f"row {row}, column {column}: {text!r} is not a number") from None
 
 
-def parse_trace(text: str, *, name: str, devices: int | None = None, steps: int | None = None) -> Trace:
+def parse_trace(
+    text: str,
+    *,
+    name: str,
+    devices: int | None = None,
+    steps: int | None = None,
+    shrinks: Shrinks = "planned",
+) -> Trace:
     """A ``Trace`` from CSV text; ``devices`` replaces the devices column, ``steps`` keeps the first N."""
     reader = csv.DictReader(io.StringIO(text))
     header = reader.fieldnames or []
@@ -163,4 +182,5 @@ def parse_trace(text: str, *, name: str, devices: int | None = None, steps: int 
         response_mean=arr["response_mean"],
         response_p90=arr["response_p90"].astype(np.int64),
         response_max=arr["response_max"].astype(np.int64),
+        shrinks=shrinks,
     )

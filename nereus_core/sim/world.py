@@ -19,6 +19,7 @@ fits (it gates feasibility).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -49,6 +50,7 @@ from nereus_core.plan import (
 from nereus_core.sim import checkpoints, stage_world, transitions
 from nereus_core.sim.checkpoints import SwitchWrites
 from nereus_core.sim.config import NoiseSettings
+from nereus_core.sim.shapes import model_size, weight_tensors
 from nereus_core.sim.trace import Trace
 
 SYNC = len(MODEL_STAGES)  # noise column of the weight sync
@@ -61,28 +63,6 @@ class StageEval(NamedTuple):
     seconds: float
     persistent: float
     transient: float
-
-
-def model_size(m: ModelConfig) -> stage_world.ModelSize:
-    """Parameters, layers, bf16 KV bytes per token and width of a decoder (Llama/Qwen shapes)."""
-    h, kv = m.hidden_size, m.num_key_value_heads * m.head_dim
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * m.intermediate_size
-    head = 1 if m.head == "value" else m.vocab_size * h
-    embed = m.vocab_size * h + (0 if m.tie_word_embeddings else head)
-    return stage_world.ModelSize(
-        params=float(m.num_hidden_layers * per_layer + embed),
-        layers=m.num_hidden_layers,
-        kv_bytes_per_token=2.0 * m.num_hidden_layers * kv * 2,
-        hidden=h,
-        head_params=float(head),
-    )
-
-
-def weight_tensors(m: ModelConfig) -> int:
-    """Tensors of a Llama/Qwen decoder's state dict: per layer q, k, v, o, gate, up, down and two norms
-    (plus three biases with ``attention_bias``); embeddings, final norm and an untied head."""
-    per_layer = 9 + (3 if m.attention_bias else 0)
-    return m.num_hidden_layers * per_layer + 2 + (0 if m.tie_word_embeddings else 1)
 
 
 class World:
@@ -121,6 +101,7 @@ class World:
         self._geometries: dict[tuple, Geometry] = {}
         self._evals: dict[tuple, StageEval] = {}
         self.k = 0
+        self.recomputed: set[str] = set()  # the train stages the last ``tune`` ran with recomputation
 
     @property
     def steps(self) -> int:
@@ -288,12 +269,22 @@ class World:
         """What a move after step ``k`` takes here: the moved bytes at link speed, the fixed costs and,
         on Nereus's runtime, what it ``writes`` (``checkpoints.switch_s``: its recovery point, and a
         read back when the device set changes after step ``k``)."""
+        if self.trace.unplanned_shrink(k):  # the devices are gone: restart from the newest checkpoint
+            return self.relaunch_s(k, new)
         fixed = transitions.fixed_s(dict(old.layouts), dict(new.layouts), old.placement != new.placement)
         if writes is not None:
             durable = bool(self.trace.devices[min(k + 1, self.steps - 1)] != self.trace.devices[k])
             a, b, per_node = dict(old.layouts), dict(new.layouts), self.profile.devices_per_node
             fixed += checkpoints.switch_s(a, b, self.params, per_node, writes, durable=durable)
         return (estimate.wire_s + fixed) * float(self.transition_noise[k])
+
+    def relaunch_s(self, k: int, new: GlobalPlan, old: GlobalPlan | None = None) -> float:
+        """A job stopped after step ``k`` and started again on ``new``: a synchronous checkpoint of
+        ``old`` first (when given), the new engine and process groups, and every device's read of the
+        checkpoint (``checkpoints.read_s``)."""
+        save = self.checkpoint_s(old) if old is not None else 0.0
+        start = self.restart_s(new) + checkpoints.read_s(dict(new.layouts), self.params)
+        return (save + start) * float(self.transition_noise[k])
 
     def checkpoint_s(self, plan: GlobalPlan) -> float:
         """A periodic checkpoint of ``plan``, written synchronously (``checkpoints.write_s``)."""
@@ -316,16 +307,27 @@ class World:
         return {s: float(on_device[np.asarray(v.devices)].max()) for s, v in plan.layouts.items()}
 
     def _choose(
-        self, stage: str, layout: Layout, ms: list[int], work: Workload, room: float, by_time: bool
-    ) -> tuple[Layout, bool]:
+        self,
+        stage: str,
+        layout: Layout,
+        ms: list[int],
+        work: Workload,
+        room: float,
+        by_time: bool,
+        recompute: bool | None = None,
+    ) -> tuple[Layout, bool, bool]:
         """The micro-batch count of ``ms`` that fits ``room`` transient bytes (fastest in truth when
         ``by_time``, else the only one given); a train stage that fits with none turns on full activation
-        recomputation at its time cost (every strategy has this option). Stored for ``stage()``."""
+        recomputation at its time cost (``recompute`` None; True or False fixes it, a launch flag).
+        Stored for ``stage()``. Returns the layout, whether it fits, and whether it recomputes."""
         one = self._geometry(stage, layout)
         geo = Geometry(*(np.repeat(f, len(ms)) for f in one))._replace(m=np.asarray(ms, dtype=np.int64))
-        raw, persistent, transient = self.tables(stage, geo, work)
-        ok, recompute = transient <= room, False
-        if not ok.any() and stage_kind(stage) == "train" and self.profile.activation_recompute != "full":
+        train = stage_kind(stage) == "train" and self.profile.activation_recompute != "full"
+        forced = bool(recompute) and train
+        raw, persistent, transient = self.tables(stage, geo, work, self._recompute if forced else None)
+        auto = recompute is None
+        ok, recompute = transient <= room, forced
+        if auto and not ok.any() and train:
             raw, persistent, transient = self.tables(stage, geo, work, self._recompute)
             ok, recompute = transient <= room, True
         options = [layout.model_copy(update={"micro_batches": m}) for m in ms]
@@ -339,44 +341,54 @@ class World:
         self._evals[self._eval_key(stage, chosen, work)] = StageEval(
             raw[:, i], float(secs[i]), float(persistent[i]), float(transient[i])
         )
-        return chosen, bool(ok.any())
+        return chosen, bool(ok.any()), recompute
 
     def tune(
-        self, plan: GlobalPlan, work: Workload, usable: float
+        self,
+        plan: GlobalPlan,
+        work: Workload,
+        usable: float,
+        *,
+        recompute: Mapping[str, bool] | None = None,
+        keep: frozenset[str] = frozenset(),
     ) -> tuple[GlobalPlan, bool, dict[str, float]]:
         """The plan with each stage's micro-batch count (generation: waves) that runs fastest in truth
         while every device fits ``usable`` bytes; the degrees and devices stay. Returns the plan, whether
         it fits, and each stage's true seconds. When nothing fits, the least-memory choice is kept.
         Memory per device = resident + the largest transient of its stages, so stages choose independently.
+        Launch flags a framework fixes: ``recompute`` per train stage (else recomputation turns on only
+        where nothing fits) and the micro-batch counts of the stages in ``keep``. The stages that
+        recompute are in ``self.recomputed``.
         """
         resident = self.resident(plan, work)
         layouts, fits = {}, True
+        self.recomputed = set()
         for stage, layout in plan.layouts.items():
-            ms = micro_batch_options(stage, layout, work.batch, self.profile)
-            layouts[stage], ok = self._choose(stage, layout, ms, work, usable - resident[stage], True)
+            ms = (
+                [layout.micro_batches]
+                if stage in keep
+                else micro_batch_options(stage, layout, work.batch, self.profile)
+            )
+            flag = None if recompute is None else recompute.get(stage)
+            room = usable - resident[stage]
+            layouts[stage], ok, again = self._choose(stage, layout, ms, work, room, True, flag)
+            if again:
+                self.recomputed.add(stage)
             fits = fits and ok
         tuned = GlobalPlan.model_construct(placement=plan.placement, layouts=layouts)
         return tuned, fits, {s: self.stage(s, v, work).seconds for s, v in layouts.items()}
 
     def run_plan(
-        self, plan: GlobalPlan, work: Workload, usable: float
+        self, plan: GlobalPlan, work: Workload, usable: float, *, recompute: bool = True
     ) -> tuple[GlobalPlan, dict[str, float]]:
         """``plan`` as it runs, and each stage's true seconds on it: every stage's micro-batches kept,
-        with the same recomputation option the fixed strategies get where a train stage would not fit
-        ``usable``, except generation's waves, which are the rollout engine's (it admits the sequences
-        its KV budget holds, for every strategy alike: the count ``tune`` picks)."""
-        resident = self.resident(plan, work)
-        layouts = dict(plan.layouts)
-        for stage, layout in plan.layouts.items():
-            engine = stage == GENERATE
-            ms = (
-                micro_batch_options(stage, layout, work.batch, self.profile)
-                if engine
-                else [layout.micro_batches]
-            )
-            layouts[stage], _ = self._choose(stage, layout, ms, work, usable - resident[stage], engine)
-        ran = GlobalPlan.model_construct(placement=plan.placement, layouts=layouts)
-        return ran, {s: self.stage(s, v, work).seconds for s, v in layouts.items()}
+        with the world's recomputation option where a train stage would not fit ``usable`` (unless
+        ``recompute`` is False: a runtime without it), except generation's waves, which are the rollout
+        engine's (it admits the sequences its KV budget holds, for every strategy alike)."""
+        kept = frozenset(s for s in plan.layouts if s != GENERATE)
+        never = None if recompute else {s: False for s in kept}
+        ran, _, seconds = self.tune(plan, work, usable, recompute=never, keep=kept)
+        return ran, seconds
 
     def peak_bytes(self, plan: GlobalPlan, work: Workload) -> float:
         """Bytes on the busiest device of ``plan`` (``plan.evaluate_plan``'s rule, true memory)."""

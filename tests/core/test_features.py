@@ -83,3 +83,37 @@ def test_the_peers_settings_are_not_nereus_features() -> None:
     """verl and OpenRLHF take the controller settings only for their memory headroom."""
     cfg = sim_config(strategies={"verl": {"kind": "verl", "controller": {"probe_every": 5}}})
     assert cfg.strategies["verl"].controller is not None
+
+
+def test_the_simulated_nereus_never_takes_recomputation_the_runtime_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The runtime keeps every activation (features.ACTIVATION_RECOMPUTE), so the simulated Nereus and
+    static run every train stage without the world's recomputation option (sim/peers.py: the peers
+    have theirs, as launch flags)."""
+    from nereus_core.cost.hardware import H100_SXM
+    from nereus_core.sim.trace import parse_trace
+    from nereus_core.sim.world import World
+
+    assert features.ACTIVATION_RECOMPUTE is False
+    rows = ["step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"]
+    rows += [f"{k},16,80,1024,100,600,1200,1800" for k in range(2)]
+    tr = parse_trace("\n".join(rows) + "\n", name="t")
+    asked: list[tuple[str, object]] = []
+    tune = World.tune
+
+    def spy(self, plan, work, usable, *, recompute=None, keep=frozenset()):
+        trains = [s for s in plan.layouts if s.endswith("/train")]
+        asked.append((current, None if recompute is None else {recompute.get(s) for s in trains}))
+        return tune(self, plan, work, usable, recompute=recompute, keep=keep)
+
+    monkeypatch.setattr(World, "tune", spy)
+    cfg = sim_config()
+    for current in ("nereus", "static"):
+        strategy = make_strategy(cfg, current)
+        world = World(tr, cfg.model, H100_SXM, cfg.noise, 0, stages=cfg.stages)
+        strategy.begin(world)
+        asked.clear()
+        world.begin_step(0)
+        strategy.prepare(0, world)
+        assert asked and all(flags == {False} for _, flags in asked), (current, asked)

@@ -13,7 +13,7 @@ from nereus_core.cost.geometry import model_stats, pipeline_split
 from nereus_core.layout import Layout, stage_layer_counts
 from nereus_core.model.weights import head_layers, stage_layers
 from nereus_core.sim import stage_world as sw
-from nereus_core.sim.world import model_size
+from nereus_core.sim.shapes import model_size
 
 # Qwen2.5-7B's config.json shapes (untied 152,064-token head).
 QWEN_7B = ModelConfig(

@@ -233,7 +233,8 @@ def test_openrlhf_separate_gives_each_model_its_own_gpus() -> None:
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             assert not slots[a] & slots[b], (a, b)
-    assert plan.layouts["critic/infer"] == plan.layouts["critic/train"]
+    infer, train = plan.layouts["critic/infer"], plan.layouts["critic/train"]
+    assert (infer.tp, infer.pp, infer.dp, infer.devices) == (train.tp, train.pp, train.dp, train.devices)
     assert all(v.pp == 1 for v in plan.layouts.values())
 
 
@@ -313,7 +314,7 @@ def test_transitions_pay_fixed_costs_and_a_step_that_does_not_fit_pays_a_restart
     plan = make_strategy(cfg, "static").begin(world).plan
     records, _ = simulate(World(squeezed, cfg.model, H100_SXM, cfg.noise, 0), Pinned(plan), trace="t", seed=0)
     assert all(not r["fits"] for r in records)
-    restart = World(squeezed, cfg.model, H100_SXM, cfg.noise, 0).restart_s(plan)
+    restart = World(squeezed, cfg.model, H100_SXM, cfg.noise, 0).relaunch_s(0, plan)  # no noise here
     for r in records:
         assert r["restart_s"] == pytest.approx(r["stages_s"] + restart)
         assert r["step_s"] == pytest.approx(r["stages_s"] + r["decide_s"] + r["restart_s"])

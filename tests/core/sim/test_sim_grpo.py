@@ -134,10 +134,11 @@ def test_grpo_steps_lose_the_critics_and_reward_models_time_on_the_same_trace() 
         # colocated: a step is its stages one after another; the actor's stages have at least as much
         # room for micro-batches without the critic beside them, so they take no longer
         assert p["stages_s"] - g["stages_s"] >= gone * (1 - 1e-9)
-    # every strategy's GRPO steps are faster than its PPO steps on the same trace and seed
+    # every strategy's GRPO steps are faster than its PPO steps on the same trace and seed (their stages:
+    # a peer's launch flags may run out of memory in one run and not the other, and it then restarts)
     for name in ("nereus", "static", "openrlhf", "verl"):
         p_run, g_run = run_job(SimJob(ppo, tr, name, 0)), run_job(SimJob(grpo, tr, name, 0))
-        assert g_run.summary["mean_step_s"] < p_run.summary["mean_step_s"], name
+        assert sum(r["stages_s"] for r in g_run.records) < sum(r["stages_s"] for r in p_run.records), name
 
 
 def test_the_grpo_example_simulates_grpo_with_every_strategy() -> None:

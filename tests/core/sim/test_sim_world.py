@@ -17,8 +17,9 @@ from nereus_core.sim import stage_world as sw
 from nereus_core.sim import transitions
 from nereus_core.sim.baselines import INFER, TRAIN, OpenRLHFStrategy, VerlStrategy, _phase, job_slot_groups
 from nereus_core.sim.config import NoiseSettings, StrategySpec, parse_sim_config
+from nereus_core.sim.shapes import weight_tensors
 from nereus_core.sim.trace import parse_trace
-from nereus_core.sim.world import World, weight_tensors
+from nereus_core.sim.world import World
 
 HEADER = "step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"
 
