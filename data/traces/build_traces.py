@@ -23,6 +23,13 @@ from, and how it is scaled, is written into data/traces/README.md; in short:
 - capacity_gb: 80 (H100 SXM). No GPU-memory time series of an RL job is public
   (the data README says so); the two reduced-capacity windows of grow_1024.csv are
   an assumption, not data.
+- devices (churn_median.csv, churn_p90.csv): a job that borrows idle GPUs without a lease and loses
+  them when the scheduler hands them to other jobs. Every 1,000-step window (one step per 8 minutes,
+  a window starting at each day's midnight) of every Helios Earth VC and of the Philly cluster: the
+  free share of the cluster over the step's 8 minutes (the minimum; Helios: idle GPUs over the VC's
+  GPUs; Philly: total minus active nodes over total nodes), times 1,024, at least 16, rounded down to
+  a power of two. The windows are ranked by their device changes; the one at the median and the one
+  at the 90th percentile are written (the first such window in source order).
 
     python data/traces/build_traces.py SHARED_DATA_DIR [--out data/traces]
 """
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 from pathlib import Path
 
@@ -76,6 +84,55 @@ def availability(data: Path) -> tuple[list[int], list[int], list[int]]:
         minutes.append(minute)
         leased.append(free)
     return devices, minutes, leased
+
+
+def free_shares(data: Path) -> dict[str, np.ndarray]:
+    """Per 5-minute row, the free share of each Helios Earth VC and of the Philly cluster."""
+    rows = read_csv(data / "cluster" / "helios_earth_vc_idle_gpus_5min.csv")
+    capacity = {
+        r["vc"]: int(r["total_gpus"])
+        for r in read_csv(data / "cluster" / "helios_earth_vc_capacity_2020-05.csv")
+    }
+    out = {f"helios/{vc}": np.array([int(r[vc]) for r in rows]) / total for vc, total in capacity.items()}
+    philly = read_csv(data / "cluster" / "philly_nodes_5min.csv")
+    total = np.array([float(r["total_nodes_min"]) for r in philly])
+    active = np.array([float(r["active_nodes_max"]) for r in philly])
+    out["philly"] = np.clip((total - active) / total, 0.0, 1.0)
+    return out
+
+
+def borrowed(share: np.ndarray, first: int) -> list[int]:
+    """Devices per step of a 1,000-step window from 5-minute row ``first``: no lease."""
+    out = []
+    for k in range(GROW_STEPS):
+        row = first + k * STEP_MINUTES // 5
+        free = float(share[row : row + max(1, STEP_MINUTES // 5)].min())
+        out.append(pow2_floor(min(TARGET_GPUS, max(MIN_GPUS, free * TARGET_GPUS))))
+    return out
+
+
+def churn_windows(data: Path) -> tuple[dict[str, tuple[str, int, list[int]]], dict]:
+    """The windows at the median and the 90th percentile of device changes, and the distribution."""
+    per_day = 24 * 60 // 5
+    rows_per_window = GROW_STEPS * STEP_MINUTES // 5 + 1
+    windows = []
+    for source, share in free_shares(data).items():
+        for first in range(0, len(share) - rows_per_window, per_day):
+            devices = borrowed(share, first)
+            changes = sum(a != b for a, b in itertools.pairwise(devices))
+            windows.append((changes, source, first, devices))
+    counts = np.array([w[0] for w in windows])
+    picked = {}
+    for name, q in (("churn_median", 0.5), ("churn_p90", 0.9)):
+        target = float(np.quantile(counts, q, method="lower"))
+        changes, source, first, devices = next(w for w in windows if w[0] == target)
+        picked[name] = (source, first, devices)
+    stats = {
+        "windows": len(windows),
+        "changes_median": float(np.median(counts)),
+        "changes_p90": float(np.quantile(counts, 0.9)),
+    }
+    return picked, stats
 
 
 def orz_lengths(data: Path, model: str, first: int, count: int) -> np.ndarray:
@@ -144,7 +201,7 @@ def write(path: Path, columns: dict[str, list]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data", type=Path, help="the shared data folder (cluster/, rl_length/, lengths/)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "data" / "traces")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shape = length_shape(args.data)
@@ -174,6 +231,25 @@ def main() -> None:
         "src_orz_step": list(range(fixed_first, fixed_first + fixed_count)),
     }
     changes = [(k, devices[k]) for k in range(GROW_STEPS) if k == 0 or devices[k] != devices[k - 1]]
+    windows, churn = churn_windows(args.data)
+    for name, (source, first, borrowed_devices) in windows.items():
+        columns = {
+            **{c: grow[c] for c in ("step", "capacity_gb")},
+            "devices": borrowed_devices,
+            **{c: grow[c] for c in ("batch", "prompt_len", "response_mean", "response_p90", "response_max")},
+            "src_cluster": [source] * GROW_STEPS,
+            "src_row": [first + k * STEP_MINUTES // 5 for k in range(GROW_STEPS)],
+        }
+        columns["capacity_gb"] = [80.0] * GROW_STEPS
+        shrinks = sum(b < a for a, b in itertools.pairwise(borrowed_devices))
+        moved = sum(b != a for a, b in itertools.pairwise(borrowed_devices))
+        churn[name] = {
+            "rows": write(args.out / f"{name}.csv", columns),
+            "source": source,
+            "first_row": first,
+            "changes": moved,
+            "shrinks": shrinks,
+        }
     print(
         json.dumps(
             {
@@ -181,6 +257,7 @@ def main() -> None:
                 "grow_1024.csv": write(args.out / "grow_1024.csv", grow),
                 "orz7b_fixed.csv": write(args.out / "orz7b_fixed.csv", fixed),
                 "device_changes": changes,
+                "churn": churn,
                 "length_shape_p90_p99_over_mean": [round(v, 3) for v in shape],
                 "template_tokens": round(template_tokens(args.data), 1),
             },

@@ -16,8 +16,8 @@ when their devices change or a step runs out of memory. Their plans (``baselines
 - **Out of memory.** A step that does not fit with the launch flags fails: the loop charges the
   attempt, the restart and the steps since the last checkpoint (``loop``); the job is relaunched with
   what the docs advise, recomputation on and smaller micro-batches (OpenRLHF's README: "if an OOM
-  occurs"; verl's performance-tuning guide), here every train stage recomputing and every
-  micro-batch re-picked for the failing step.
+  occurs"; verl's performance-tuning guide): every train stage recomputing and, where micro-batch
+  sizes are launch flags (OpenRLHF), each halved until the failing step fits.
 - **Checkpoints.** Every ``CHECKPOINT_EVERY`` steps, written synchronously (``World.checkpoint_s``).
   verl's ``ppo_trainer.yaml`` (``trainer.save_freq: -1``) and OpenRLHF's ``--save_steps -1`` write none
   by default, which loses the whole run on an unplanned shrink; both are given the cadence of verl's
@@ -52,6 +52,17 @@ FIXED_MICRO = {"verl": False, "openrlhf": True}  # micro-batch sizes fixed at la
 def sample_steps(steps: int, count: int) -> list[int]:
     """``count`` steps spread evenly over a run (first and last included)."""
     return sorted({round(float(x)) for x in np.linspace(0, steps - 1, min(count, steps))})
+
+
+def _halved(plan: GlobalPlan, stages: frozenset[str], batch: int) -> GlobalPlan:
+    """``plan`` with the micro-batch size of each of ``stages`` halved (twice the micro-batches) where
+    its replica's batch still splits evenly."""
+    layouts = dict(plan.layouts)
+    for s in stages:
+        v = layouts[s]
+        if (batch // v.dp) % (2 * v.micro_batches) == 0:
+            layouts[s] = v.model_copy(update={"micro_batches": 2 * v.micro_batches})
+    return GlobalPlan.model_construct(placement=plan.placement, layouts=layouts)
 
 
 class PeerStrategy(FixedStrategy):
@@ -104,9 +115,16 @@ class PeerStrategy(FixedStrategy):
         plan, fits, seconds = world.tune(self.base, work, usable, recompute=flags, keep=self._keep(self.base))
         if fits:
             return Prepared(plan, seconds)
-        # Out of memory with the launch flags: relaunched with recomputation on, micro-batches re-picked.
+        # Out of memory with the launch flags: relaunched with recomputation on and, where micro-batch
+        # sizes are launch flags, each halved until the step fits (what the docs advise after an OOM).
         self.recompute = dict.fromkeys(self.recompute, True)
-        plan, _, seconds = world.tune(self.base, work, usable, recompute=self.recompute)
+        keep, base = self._keep(self.base), self.base
+        while True:
+            plan, fits, seconds = world.tune(base, work, usable, recompute=self.recompute, keep=keep)
+            halved = _halved(base, keep, work.batch)
+            if fits or halved == base:
+                break
+            base = halved
         self.base = plan
         return Prepared(plan, seconds, failed=True)
 

@@ -67,11 +67,16 @@ def test_a_batch_that_does_not_split_into_groups_is_one_line_and_exit_2(tmp_path
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("name", ["paper_sim.yaml", "paper_sim_grpo.yaml"])
+@pytest.mark.parametrize("name", ["paper_sim.yaml", "paper_sim_grpo.yaml", "paper_sim_churn.yaml"])
 def test_the_shipped_simulation_configs_pass_the_group_check(name: str) -> None:
     from flows.simulate import check_groups, read_sim_config
     from tasks.sim_tasks import load_traces
 
     path = Path(__file__).resolve().parents[2] / "examples" / name
     config = read_sim_config(path)
-    check_groups(config, load_traces.fn(config, str(path.parent)))
+    traces = load_traces.fn(config, str(path.parent))
+    check_groups(config, traces)
+    for spec in config.traces:  # how devices leave travels from the config to the trace
+        assert traces[spec.name].shrinks == spec.shrinks
+    if name == "paper_sim_churn.yaml":
+        assert {t.name: t.shrinks for t in traces.values()}["churn-p90"] == "unplanned"

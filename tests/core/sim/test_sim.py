@@ -56,6 +56,15 @@ def test_shipped_traces_parse_and_grow_to_1024_gpus() -> None:
     assert grow.steps == 1000 and int(grow.devices.max()) == 1024 and int(grow.devices.min()) >= 16
     assert all(d & (d - 1) == 0 for d in grow.devices.tolist())  # powers of two (README)
     assert grow.response_mean[-100:].mean() > 5 * grow.response_mean[:20].mean()  # responses grow
+    for name, changes in (("churn_median", 37), ("churn_p90", 85)):  # data/traces/README.md
+        churn = parse_trace((TRACES / f"{name}.csv").read_text(), name=name, shrinks="unplanned")
+        moved = int((churn.devices[1:] != churn.devices[:-1]).sum())
+        assert churn.steps == 1000 and moved == changes and int(churn.devices.min()) >= 16, name
+        assert all(d & (d - 1) == 0 for d in churn.devices.tolist())
+        assert sum(churn.unplanned_shrink(k) for k in range(churn.steps)) == int(
+            (churn.devices[1:] < churn.devices[:-1]).sum()
+        )
+        assert np.array_equal(churn.response_mean, grow.response_mean)  # the same responses
     fixed = parse_trace((TRACES / "orz7b_fixed.csv").read_text(), name="fixed", devices=64, steps=100)
     assert fixed.steps == 100 and set(fixed.devices.tolist()) == {64}
     w = fixed.workloads[0]
