@@ -17,8 +17,9 @@ run, and the summary is the one a sweep run straight through writes.
 
 summary.json: the job (algorithm, group_size, its model-stages), per trace its devices
 and steps, per strategy the mean over seeds of mean_step_s, throughput_tokens_per_s,
-transitions, transition_s_total, transition_overhead_frac, checkpoint_s_total (Nereus's
-periodic checkpoints; the peers are charged none) (and the controller's share, retunes, per-seed
+transitions, transition_s_total, transition_overhead_frac, checkpoint_s_total (periodic
+checkpoints, each strategy's own cadence), lost_s_total (steps rerun after devices were lost),
+relaunches and relaunch_s_total (the peers' restarts) (and the controller's share, retunes, per-seed
 values; nereus_core/sim/results.py defines each), and ``compare``: the
 adaptive strategy's throughput ratio and step-latency change against every other
 strategy. Everything in it is deterministic in the config and seeds; wall time and the

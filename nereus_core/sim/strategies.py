@@ -179,9 +179,7 @@ class NereusStrategy:
             )
         old, self.plan = self.plan, d.plan
         estimate = d.transition
-        seconds = (
-            world.transition_s(k, estimate, old, self.plan, self.writes) if estimate is not None else 0.0
-        )
+        seconds = world.transition_s(k, old, self.plan, self.writes) if estimate is not None else 0.0
         if estimate is not None and seconds > 0 and not tr.unplanned_shrink(k):  # a restart: no move
             self.last = TransitionTiming(predicted=estimate, seconds=seconds)
         return Move(
@@ -263,7 +261,7 @@ class FixedStrategy:
         return Move(
             self.base,
             "rescale",
-            transition_s=world.transition_s(k, estimate, old, self.base, self.writes),
+            transition_s=world.transition_s(k, old, self.base, self.writes),
             predicted_transition_s=estimate.seconds,
             reason=f"devices {before} -> {new}: DP rescaled",
         )

@@ -1,10 +1,17 @@
-"""What a transition, a weight sync and a restart really take in the simulated world: fixed costs.
+"""What a transition, a weight sync and a restart really take in the simulated world.
 
-Boundary: pure arithmetic over two plans' layouts and, for a transition, the cost model's byte
-accounting (``TransitionEstimate.wire_s``: the busiest port's bytes at link speed, taken as the
-physics of the moved bytes); the fixed costs added here and the weight sync (``sync_s``) are the
-world's, from published GPU figures. Figures measured by this repository's CPU runs (process groups of gloo on
-one host) are not used: they say nothing of NCCL on GPUs.
+Boundary: pure arithmetic over two plans' layouts and each model's parameter count, the world's own
+(it shares no formula with the cost model's EMU exchange plan): the moved bytes (``moved_s``), the
+fixed costs and the weight sync (``sync_s``), from published GPU figures. Figures measured by this
+repository's CPU runs (process groups of gloo on one host) are not used: they say nothing of NCCL on
+GPUs.
+
+- Moved bytes (``moved_s``): a model-stage's bytes (its checkpointed state where it owns the model's
+  state, ``checkpoints.state_bytes``; a bf16 copy of the weights otherwise) lie on a line cut into
+  tp x pp equal pieces, pipeline-major, and every data-parallel replica holds all of them. A device
+  of the new layout receives its new piece less what it held of it before; devices receive at once,
+  each over NVLink when an old holder of the stage shares its node, else over its InfiniBand port;
+  the switch waits for the device that receives most.
 
 - Process-group creation per changed layout, for its largest group: 2 s at 8 ranks
   (NVIDIA/nccl#534: 8 communicators of 8 ranks in 16.3 s) growing to 150 s at 4,096
@@ -43,6 +50,43 @@ IPC_BYTES_PER_S = 16.06e9 / 0.57  # Llama-3-8B bf16 weights in verl PR 116's col
 NVLINK_BYTES_PER_S = 380e9  # NVLink 4 one way, measured (NVIDIA/nccl#1264)
 IB_BYTES_PER_S = 0.9 * 50e9  # 8 x 400 Gb/s per node, at calculon-ai/calculon's 0.9 efficiency
 PER_TENSOR_S = 20.0 / 291  # vllm-project/vllm#5723: 8B one matrix at a time, 20-40 s (low end)
+
+
+def _piece(layout: Layout, device: int) -> tuple[float, float]:
+    """The share of a stage's bytes ``device`` holds in ``layout``: [start, end) on the unit line."""
+    i = layout.devices.index(device) % (layout.tp * layout.pp)
+    n = layout.tp * layout.pp
+    return i / n, (i + 1) / n
+
+
+def moved_s(
+    old: dict[str, Layout], new: dict[str, Layout], stage_bytes: dict[str, float], per_node: int
+) -> float:
+    """Seconds the moved bytes of a switch from ``old`` to ``new`` layouts take (the module's rule);
+    ``stage_bytes`` is each model-stage's bytes."""
+    received: dict[int, list[float]] = {}  # device -> [NVLink bytes, InfiniBand bytes]
+    for stage, v in new.items():
+        before = old.get(stage)
+        if before is not None and (before.tp, before.pp, before.dp, before.devices) == (
+            v.tp,
+            v.pp,
+            v.dp,
+            v.devices,
+        ):
+            continue
+        held = set(before.devices) if before is not None else set()
+        nodes = {d // per_node for d in held}
+        for d in v.devices:
+            lo, hi = _piece(v, d)
+            if d in held:
+                a, b = _piece(before, d)  # type: ignore[arg-type]
+                hi_kept, lo_kept = min(hi, b), max(lo, a)
+                kept = max(0.0, hi_kept - lo_kept)
+            else:
+                kept = 0.0
+            link = 0 if d // per_node in nodes else 1
+            received.setdefault(d, [0.0, 0.0])[link] += (hi - lo - kept) * stage_bytes[stage]
+    return max((nv / NVLINK_BYTES_PER_S + ib / IB_BYTES_PER_S for nv, ib in received.values()), default=0.0)
 
 
 def group_s(ranks: int) -> float:

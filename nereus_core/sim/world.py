@@ -35,7 +35,7 @@ from nereus_core.cost.terms import (
     model_stats,
     stage_tables,
 )
-from nereus_core.cost.transition_cost import TransitionEstimate, weight_sync_s
+from nereus_core.cost.transition_cost import weight_sync_s
 from nereus_core.layout import Layout
 from nereus_core.plan import (
     GENERATE,
@@ -84,6 +84,13 @@ class World:
         self.models = {m: v for m, v in models_for(model).items() if m in {model_of(s) for s in stages}}
         self.sizes = {name: model_size(m) for name, m in self.models.items()}
         self.params = {name: size.params for name, size in self.sizes.items()}
+        # What a switch moves of each model-stage: its state where it owns the model's, else a bf16 copy.
+        self.stage_bytes = {
+            s: checkpoints.state_bytes(s, self.params[model_of(s)])
+            if ModelStage(s).owns_state
+            else checkpoints.FROZEN_BYTES_PER_PARAM * self.params[model_of(s)]
+            for s in stages
+        }
         self.constants = stage_world.constants_for(self.sizes["actor"].params)
         self.per_tensor_sync = False  # the framework broadcasts weights one tensor at a time (OpenRLHF)
         # The framework shards train and forward weights over the data-parallel ranks (verl's FSDP,
@@ -259,24 +266,21 @@ class World:
         return true_s * float(self.stage_noise[k, SYNC])
 
     def transition_s(
-        self,
-        k: int,
-        estimate: TransitionEstimate,
-        old: GlobalPlan,
-        new: GlobalPlan,
-        writes: SwitchWrites | None = None,
+        self, k: int, old: GlobalPlan, new: GlobalPlan, writes: SwitchWrites | None = None
     ) -> float:
-        """What a move after step ``k`` takes here: the moved bytes at link speed, the fixed costs and,
-        on Nereus's runtime, what it ``writes`` (``checkpoints.switch_s``: its recovery point, and a
-        read back when the device set changes after step ``k``)."""
+        """What a move after step ``k`` takes here: the moved bytes at link speed (``transitions.moved_s``),
+        the fixed costs and, on Nereus's runtime, what it ``writes`` (``checkpoints.switch_s``: its
+        recovery point, and a read back when the device set changes after step ``k``)."""
         if self.trace.unplanned_shrink(k):  # the devices are gone: restart from the newest checkpoint
             return self.relaunch_s(k, new)
-        fixed = transitions.fixed_s(dict(old.layouts), dict(new.layouts), old.placement != new.placement)
+        a, b = dict(old.layouts), dict(new.layouts)
+        wire = transitions.moved_s(a, b, self.stage_bytes, self.profile.devices_per_node)
+        fixed = transitions.fixed_s(a, b, old.placement != new.placement)
         if writes is not None:
             durable = bool(self.trace.devices[min(k + 1, self.steps - 1)] != self.trace.devices[k])
-            a, b, per_node = dict(old.layouts), dict(new.layouts), self.profile.devices_per_node
+            per_node = self.profile.devices_per_node
             fixed += checkpoints.switch_s(a, b, self.params, per_node, writes, durable=durable)
-        return (estimate.wire_s + fixed) * float(self.transition_noise[k])
+        return (wire + fixed) * float(self.transition_noise[k])
 
     def relaunch_s(self, k: int, new: GlobalPlan, old: GlobalPlan | None = None) -> float:
         """A job stopped after step ``k`` and started again on ``new``: a synchronous checkpoint of
