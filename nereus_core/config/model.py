@@ -76,6 +76,12 @@ class ModelConfig(Frozen):
             "(DeepSpeed's bf16 mode). fp16 is refused: it needs loss scaling."
         ),
     )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Train passes keep only each decoder layer's input and recompute the layer in the "
+        "backward pass (verl's model.enable_gradient_checkpointing, OpenRLHF's --gradient_checkpointing): "
+        "activations of one layer instead of all, for one more forward of every layer.",
+    )
     init_std: float = Field(default=0.02, gt=0, description="Std of the seeded normal init.")
     seed: int = Field(default=0, ge=0, description="Seed of the weights; every rank builds the same.")
     path: str | None = Field(

@@ -13,15 +13,18 @@ controller (``nereus_core.job.controller_settings``) and the simulator's Nereus
   writes one synchronously first in every mode (``cost.transition_cost.recovery_write``).
 - Periodic checkpoints: every ``job.snapshot_every`` steps (default 10), always written
   synchronously (the step waits for them).
-- Activation recomputation (``ACTIVATION_RECOMPUTE``): the runtime has none (``engine/train.py``
-  keeps every activation of a pass), so the simulated Nereus never takes the world's recomputation
-  option; a plan that does not fit without it fails its step there as it would here.
+- Activation recomputation (``activation_recompute``): a launch flag, ``model.gradient_checkpointing``
+  (every decoder layer of every train pass recomputed in the backward pass, ``model/llama.py``, for
+  the whole run); the runtime has no per-step or per-plan choice of it. The simulated Nereus runs
+  with the flag its config's model has, never with the world's recompute-where-nothing-fits option;
+  a plan that does not fit fails its step there as it would here.
 """
 
 from __future__ import annotations
 
 from typing import get_args
 
+from nereus_core.config import ModelConfig
 from nereus_core.config.job import JobConfig
 from nereus_core.controller.state import ControllerSettings
 from nereus_core.cost.transition_cost import RecoveryMode
@@ -30,7 +33,6 @@ RECOVERY_MODES: tuple[RecoveryMode, ...] = get_args(RecoveryMode)
 DEFAULT_RECOVERY: RecoveryMode = JobConfig.model_fields["switch_recovery"].default
 SNAPSHOT_EVERY: int = JobConfig.model_fields["snapshot_every"].default
 PERIODIC_CHECKPOINT: RecoveryMode = "sync"  # how a periodic checkpoint is written
-ACTIVATION_RECOMPUTE = False  # the runtime keeps every activation of a pass
 
 # Controller settings of features the runtime lacks: the value the runtime runs, and why.
 LACKS: dict[str, tuple[object, str]] = {
@@ -58,3 +60,8 @@ def asked_but_lacking(settings: ControllerSettings) -> list[tuple[str, str]]:
 def lacking(settings: ControllerSettings) -> list[str]:
     """The fields of ``settings`` whose value (explicit or default) the runtime does not run."""
     return [name for name, (value, _) in LACKS.items() if getattr(settings, name) != value]
+
+
+def activation_recompute(model: ModelConfig) -> bool:
+    """Whether the runtime recomputes the job's train passes: the model's launch flag."""
+    return model.gradient_checkpointing

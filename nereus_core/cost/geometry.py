@@ -58,6 +58,7 @@ class ModelStats:
     norm_params: int
     total_params: int
     precision: ValueBytes | None = None  # the model's own sizes; None: fp32, the profile's sizes
+    recompute: bool = False  # train passes recompute every decoder layer (``gradient_checkpointing``)
 
     @property
     def flop_params(self) -> int:
@@ -90,6 +91,7 @@ def model_stats(model: ModelConfig) -> ModelStats:
         norm_params=model.hidden_size * (2 * model.num_hidden_layers + 1),
         total_params=sum(numel.values()),
         precision=_model_precision(model),
+        recompute=bool(getattr(model, "gradient_checkpointing", False)),
     )
 
 

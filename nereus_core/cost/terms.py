@@ -104,6 +104,12 @@ def bubble_fraction(p: Num, m: Num) -> Num:
     return (p - 1) / (m + p - 1)
 
 
+def recompute_mode(stats: ModelStats, profile: HardwareProfile, train: bool) -> str:
+    """How a pass keeps its activations: ``full`` for a train pass of a model with gradient
+    checkpointing (only each layer's input kept), else the profile's (``HardwareProfile``)."""
+    return "full" if train and stats.recompute else profile.activation_recompute
+
+
 def korthikanti_bytes(
     stats: ModelStats, batch: Num, seq: Num, activation_bytes: int, recompute: str = "none"
 ) -> Num:
@@ -304,7 +310,7 @@ def _forward_backward(
     act = sizes.activation
     # Training FLOPs (Narayanan et al. 2021): 2*params + 4*L*h*s per token forward, 6*params + 12*L*h*s train.
     mult, attn = (6.0, 12.0) if train else (2.0, 4.0)
-    if train and profile.activation_recompute == "full":
+    if train and recompute_mode(stats, profile, train) == "full":
         mult, attn = 8.0, 16.0  # one more forward per micro-batch
     compute_mb = (
         bm * seq * (mult * geo.stage_flop_params + attn * layers * h * seq) * slow / (profile.flops * tp)
@@ -343,7 +349,7 @@ def _pass_memory(
     act = value_bytes(stats, profile).activation
     seq_high = work.prompt_longest + work.response_high
     bm, m = pass_rows(work, np.ceil(work.batch / geo.dp), geo.m)
-    per_layer = korthikanti_bytes(stats, bm, seq_high, act, profile.activation_recompute) / tp
+    per_layer = korthikanti_bytes(stats, bm, seq_high, act, recompute_mode(stats, profile, train)) / tp
     logits = bm * seq_high * stats.logit_width / tp * 4.0  # fp32 log-softmax input on the last stage
     if not train:
         _set(mem, MEMORY_PARTS, activations=per_layer + logits)

@@ -189,7 +189,7 @@ def value_fields(path: str | os.PathLike[str]) -> dict[str, Any]:
 # The fields a directory decides; the others stay the config's: head, seed, init_std, path, tokenizer,
 # and dtype (the precision the job trains in, as verl's; the file's is only how it is stored: a bf16
 # file into fp32 is widened exactly, an fp32 file into bf16 is rounded to nearest).
-KEPT = ("head", "seed", "init_std", "path", "tokenizer", "dtype")
+KEPT = ("head", "seed", "init_std", "path", "tokenizer", "dtype", "gradient_checkpointing")
 
 
 def imported_section(section: dict[str, Any], model: type[M]) -> dict[str, Any]:

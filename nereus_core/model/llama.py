@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from nereus_core.config import ModelConfig, RopeScaling
 from nereus_core.model.tensor_parallel import (
@@ -449,8 +450,12 @@ class LlamaStage(nn.Module):
             mask = attention_mask_bool(
                 queries=s, past=past, attention_mask=attention_mask, device=hidden.device
             )
+        recompute = self.config.gradient_checkpointing and cache is None and torch.is_grad_enabled()
         for key, layer in self.model.layers.items():
-            hidden = layer(hidden, cos_sin, mask, cache, int(key))
+            if recompute:  # keep the layer's input only; its activations are rebuilt in the backward
+                hidden = checkpoint(layer, hidden, cos_sin, mask, None, int(key), use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos_sin, mask, cache, int(key))
         if cache is not None:
             cache.advance(s)
         if not self.last:

@@ -113,15 +113,18 @@ def _trace_row(tr: Trace, k: int) -> dict[str, Any]:
 
 def _restart_and_checkpoint(
     world: World, plan: GlobalPlan, k: int, fits: bool, stage_s: float, every: int | None, since: float
-) -> tuple[float, float, float]:
-    """Step ``k``'s restart and periodic checkpoint seconds, and the stage seconds since the last
+) -> tuple[float, float, float, float]:
+    """Step ``k``'s restart, periodic checkpoint and lost seconds, and the stage seconds since the last
     checkpoint after it. A step whose plan does not fit fails: its attempt is lost, the job restarts
     from its last checkpoint, reruns the steps since it (none for a strategy charged no checkpoints,
-    ``every`` None: as if one were taken every step), then runs the step again."""
+    ``every`` None: as if one were taken every step), then runs the step again. Devices lost without
+    notice after step ``k`` lose the steps since the last checkpoint (rerun after the restart)."""
     restart = 0.0 if fits else stage_s + world.relaunch_s(k, plan) + since
     due = every is not None and (k + 1 == world.steps or (every > 0 and (k + 1) % every == 0))
     checkpoint = world.checkpoint_s(plan) if due else 0.0
-    return restart, checkpoint, 0.0 if due or every is None else since + stage_s
+    since = 0.0 if due or every is None else since + stage_s
+    lost = since if world.trace.unplanned_shrink(k) else 0.0
+    return restart, checkpoint, lost, since - lost
 
 
 def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tuple[list[dict], dict[str, str]]:
@@ -145,13 +148,10 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
         true_s = strategy.combine(plan, prepared.true_s, true_sync)
         predicted = strategy.predict(plan, work, world, k)
         fits = not prepared.failed and world.peak_bytes(plan, work) <= tr.memory_bytes(k)
-        restart, checkpoint, since_checkpoint = _restart_and_checkpoint(
+        restart, checkpoint, lost, since_checkpoint = _restart_and_checkpoint(
             world, plan, k, fits, stage_s, every, since_checkpoint
         )
         move = strategy.after(k, world, StepRun(k, plan, work, measured))
-        lost, since_checkpoint = (
-            (since_checkpoint, 0.0) if tr.unplanned_shrink(k) else (0.0, since_checkpoint)
-        )
         decide_s, decide_wall = carried_s + move.decide_s, carried_wall + move.decide_wall_s
         calls = carried_calls + move.decide_calls
         carried_s = carried_wall = 0.0

@@ -22,7 +22,8 @@ Every strategy plans the job's model-stages and no others (``World.stages``, whi
 ``SimConfig.stages`` sets: PPO's six, GRPO's actor pair and the reference with a KL term).
 A train stage that would not fit otherwise may turn on full activation recomputation at its time
 cost (``World.run_plan``, ``World.tune``) where the strategy's runtime has it: the peers (launch
-flags, ``peers``), not Nereus's runtime (``features.ACTIVATION_RECOMPUTE``), so not nereus or static.
+flags, ``peers``); nereus and static run Nereus's runtime, whose recomputation is the model's launch
+flag (``features.activation_recompute``: on for every train pass, or never).
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ class NereusStrategy:
         assert self.plan is not None
         usable = usable_bytes(world.trace.memory_bytes(k), self.settings.headroom)
         work = world.trace.workloads[k]
-        return Prepared(*world.run_plan(self.plan, work, usable, recompute=features.ACTIVATION_RECOMPUTE))
+        recompute = features.activation_recompute(self.model)
+        return Prepared(*world.run_plan(self.plan, work, usable, recompute=recompute))
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
         return step_seconds(plan.layouts, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)
@@ -219,7 +221,7 @@ class FixedStrategy:
     name: str
     writes: SwitchWrites | None = None  # what a rescale writes
     checkpoint_every: int | None = None  # steps between periodic checkpoints (None: charged none)
-    recomputes = True  # whether the runtime may turn on activation recomputation where nothing fits
+    recomputes: bool | None = None  # activation recomputation: None where nothing fits, else a flag
 
     def __init__(self, name: str, *, headroom: float) -> None:
         self.name, self.headroom = name, headroom
@@ -237,8 +239,8 @@ class FixedStrategy:
     def prepare(self, k: int, world: World) -> Prepared:
         assert self.base is not None
         usable = usable_bytes(world.trace.memory_bytes(k), self.headroom)
-        never = None if self.recomputes else dict.fromkeys(self.base.layouts, False)
-        plan, _, seconds = world.tune(self.base, world.trace.workloads[k], usable, recompute=never)
+        flags = None if self.recomputes is None else dict.fromkeys(self.base.layouts, self.recomputes)
+        plan, _, seconds = world.tune(self.base, world.trace.workloads[k], usable, recompute=flags)
         return Prepared(plan, seconds)
 
     def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
@@ -283,7 +285,7 @@ class StaticStrategy(FixedStrategy):
         self.model, self.profile, self.settings = model, profile, runtime_settings(settings)
         self.writes = SwitchWrites(self.settings.switch_recovery, self.settings.verify_transitions)
         self.checkpoint_every = snapshot_every
-        self.recomputes = features.ACTIVATION_RECOMPUTE
+        self.recomputes = features.activation_recompute(model)
 
     def initial_plan(self, world: World) -> GlobalPlan:
         state = ControllerState.initial(

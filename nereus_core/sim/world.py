@@ -383,15 +383,15 @@ class World:
         return tuned, fits, {s: self.stage(s, v, work).seconds for s, v in layouts.items()}
 
     def run_plan(
-        self, plan: GlobalPlan, work: Workload, usable: float, *, recompute: bool = True
+        self, plan: GlobalPlan, work: Workload, usable: float, *, recompute: bool | None = None
     ) -> tuple[GlobalPlan, dict[str, float]]:
         """``plan`` as it runs, and each stage's true seconds on it: every stage's micro-batches kept,
-        with the world's recomputation option where a train stage would not fit ``usable`` (unless
-        ``recompute`` is False: a runtime without it), except generation's waves, which are the rollout
-        engine's (it admits the sequences its KV budget holds, for every strategy alike)."""
+        with the world's recomputation option where a train stage would not fit ``usable`` (or
+        ``recompute``, a runtime's flag for every train stage), except generation's waves, which are
+        the rollout engine's (it admits the sequences its KV budget holds, for every strategy alike)."""
         kept = frozenset(s for s in plan.layouts if s != GENERATE)
-        never = None if recompute else {s: False for s in kept}
-        ran, _, seconds = self.tune(plan, work, usable, recompute=never, keep=kept)
+        flags = None if recompute is None else dict.fromkeys(kept, recompute)
+        ran, _, seconds = self.tune(plan, work, usable, recompute=flags, keep=kept)
         return ran, seconds
 
     def peak_bytes(self, plan: GlobalPlan, work: Workload) -> float:

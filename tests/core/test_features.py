@@ -85,17 +85,19 @@ def test_the_peers_settings_are_not_nereus_features() -> None:
     assert cfg.strategies["verl"].controller is not None
 
 
-def test_the_simulated_nereus_never_takes_recomputation_the_runtime_lacks(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_simulated_nereus_recomputes_as_its_models_launch_flag_says(
+    monkeypatch: pytest.MonkeyPatch, flag: bool
 ) -> None:
-    """The runtime keeps every activation (features.ACTIVATION_RECOMPUTE), so the simulated Nereus and
-    static run every train stage without the world's recomputation option (sim/peers.py: the peers
-    have theirs, as launch flags)."""
+    """The runtime recomputes train passes only with model.gradient_checkpointing, for the whole run
+    (features.activation_recompute), so the simulated Nereus and static run every train stage with that
+    flag, never with the world's recompute-where-nothing-fits option (sim/peers.py: the peers' flags)."""
     from nereus_core.cost.hardware import H100_SXM
     from nereus_core.sim.trace import parse_trace
     from nereus_core.sim.world import World
 
-    assert features.ACTIVATION_RECOMPUTE is False
+    cfg = sim_config(model={**sim_config().model.model_dump(), "gradient_checkpointing": flag})
+    assert features.activation_recompute(cfg.model) is flag
     rows = ["step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"]
     rows += [f"{k},16,80,1024,100,600,1200,1800" for k in range(2)]
     tr = parse_trace("\n".join(rows) + "\n", name="t")
@@ -108,7 +110,6 @@ def test_the_simulated_nereus_never_takes_recomputation_the_runtime_lacks(
         return tune(self, plan, work, usable, recompute=recompute, keep=keep)
 
     monkeypatch.setattr(World, "tune", spy)
-    cfg = sim_config()
     for current in ("nereus", "static"):
         strategy = make_strategy(cfg, current)
         world = World(tr, cfg.model, H100_SXM, cfg.noise, 0, stages=cfg.stages)
@@ -116,4 +117,5 @@ def test_the_simulated_nereus_never_takes_recomputation_the_runtime_lacks(
         asked.clear()
         world.begin_step(0)
         strategy.prepare(0, world)
-        assert asked and all(flags == {False} for _, flags in asked), (current, asked)
+        assert asked and all(flags == {flag} for _, flags in asked), (current, asked)
+        assert world.recomputed == ({"actor/train", "critic/train"} if flag else set()), current

@@ -133,3 +133,24 @@ def test_a_budget_s_micro_batches_set_the_pass_s_overheads_and_pipeline_bubble()
     coarse = estimate("actor/train", layout, _packed(tokens // 8), LLAMA_3_8B, H100_SXM).terms
     assert fine["overhead"] > coarse["overhead"]  # more micro-batches, more launches
     assert fine["pp_comm"] < coarse["pp_comm"]  # smaller micro-batches, a smaller bubble
+
+
+def test_gradient_checkpointing_keeps_each_layer_s_input_only_in_train_passes() -> None:
+    """Korthikanti et al. 2022, full recomputation: 2 values per token per layer (the layer's input)
+    held in a train pass, for one more forward (8 x params FLOPs per token instead of 6)."""
+    layout = Layout.contiguous(pp=2, micro_batches=1)
+    stage_layers = int(layout_geometry(model_stats(LLAMA_3_8B), H100_SXM, layout).stage_layers[0])
+    checkpointed = LLAMA_3_8B.model_copy(update={"gradient_checkpointing": True})
+    work = _packed(16384)
+
+    def act(config, stage: str) -> int:
+        return estimate(stage, layout, work, config, H100_SXM).memory.activations
+
+    logits = 16384 * VOCAB * 4
+    assert act(checkpointed, "actor/train") == pytest.approx(
+        2 * stage_layers * 16384 * HIDDEN * 2 * ACT_BYTES / 2 + 2 * logits, rel=1e-9
+    )
+    assert act(checkpointed, "actor/train") < 0.3 * act(LLAMA_3_8B, "actor/train")  # logits stay
+    assert act(checkpointed, "reference/infer") == act(LLAMA_3_8B, "reference/infer")  # no backward
+    plain, again = (estimate("actor/train", layout, work, c, H100_SXM) for c in (LLAMA_3_8B, checkpointed))
+    assert again.seconds > plain.seconds  # the extra forward is priced

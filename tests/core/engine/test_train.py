@@ -19,6 +19,7 @@ from nereus_core.engine.optimizer import OptimizerSettings
 from nereus_core.engine.shard import load_shard
 from nereus_core.engine.train import train_step
 from nereus_core.layout import Layout
+from nereus_core.model.llama import DecoderLayer
 from nereus_core.model.weights import hf_config, init_full_state
 from nereus_core.rl.ppo import PPOConfig
 from nereus_core.rl.rollout import actor_objective
@@ -141,13 +142,17 @@ def _whole_batch_stats(batch: dict[str, torch.Tensor]) -> dict[str, float]:
     return {**{k: float(v.detach()) for k, v in stats.items()}, "grad_norm": float(grad_sq.sqrt())}
 
 
-def _stats_world(rank: int, world: int, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _stats_world(
+    rank: int, world: int, batch: dict[str, torch.Tensor], layouts: dict | None = None
+) -> dict[str, Any]:
+    """Each layout's train-step statistics; a name ending in ``-gc`` trains with gradient
+    checkpointing (``model.gradient_checkpointing``)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # DeepSpeed reads them; the world exists
     ctx = DeviceContext(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"))
     objective = functools.partial(actor_objective, settings=ACTOR)
     out = {}
-    for name, (layout, zero_stage) in STAT_LAYOUTS.items():
+    for name, (layout, zero_stage) in (layouts or STAT_LAYOUTS).items():
         ctx.build_groups(layout)  # collective: every rank, member or not
         if rank not in layout.devices:
             continue
@@ -155,12 +160,26 @@ def _stats_world(rank: int, world: int, batch: dict[str, torch.Tensor]) -> dict[
             ctx,
             name=name,
             layout=layout,
-            config=STATS_MODEL,
+            config=STATS_MODEL.model_copy(update={"gradient_checkpointing": name.endswith("-gc")}),
             optimizer=OptimizerSettings(zero_stage=zero_stage),
         )
         part = per_device_batch(layout, batch)[layout.devices.index(rank)]
+        before = _LAYER_CALLS[0]
         out[name] = train_step(ctx, part, name=name, loss_fn=objective, with_entropy=True)
+        out[f"{name}:layer_calls"] = _LAYER_CALLS[0] - before
     return out
+
+
+_LAYER_CALLS = [0]  # decoder-layer forwards run in this process (a recompute runs one more)
+_layer_forward = DecoderLayer.forward
+
+
+def _counted(self: DecoderLayer, *args: Any, **kwargs: Any) -> torch.Tensor:
+    _LAYER_CALLS[0] += 1
+    return _layer_forward(self, *args, **kwargs)
+
+
+DecoderLayer.forward = _counted  # type: ignore[method-assign]
 
 
 @pytest.mark.timeout(240)
@@ -179,3 +198,27 @@ def test_train_step_statistics_match_one_device_in_every_layout(padded: bool) ->
         for key, value in expected.items():
             assert got[key] == pytest.approx(value, abs=1e-5, rel=1e-5), f"{name}: {key}"
         assert len({r["grad_norm"] for r in replicas}) == 1, f"{name}: grad_norm differs between replicas"
+
+
+CHECKPOINTED = {
+    f"{name}{gc}": STAT_LAYOUTS[name] for name in ("tp2", "pp2", "dp2-zero2") for gc in ("", "-gc")
+}
+
+
+@pytest.mark.timeout(240)
+def test_gradient_checkpointing_changes_no_statistic_of_a_train_step_in_any_layout() -> None:
+    """Recomputing each decoder layer in the backward pass (tp all-reduces, pipeline sends and ZeRO
+    reductions included) gives the step without it exactly, and both match one device."""
+    batch = _stats_batch()
+    expected = _reference_stats(batch)
+    results = run_world(2, _stats_world, batch, CHECKPOINTED, timeout_s=200)
+    for name in ("tp2", "pp2", "dp2-zero2"):
+        plain = [r[name] for r in results if r.get(name) is not None]
+        again = [r[f"{name}-gc"] for r in results if r.get(f"{name}-gc") is not None]
+        assert plain and plain == again, name  # bitwise: the same floats, replica by replica
+        for r in results:  # and each layer really ran again in the backward pass
+            if r.get(name) is not None:
+                assert r[f"{name}-gc:layer_calls"] == 2 * r[f"{name}:layer_calls"] > 0, name
+        got = {key: sum(r[key] for r in again) / len(again) for key in again[0]}
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, abs=1e-5, rel=1e-5), f"{name}-gc: {key}"

@@ -108,3 +108,23 @@ def test_history_logs_the_ppo_statistics_and_response_lengths_of_every_step(run_
         assert 0.0 <= h["critic_value_clip_frac"] <= 1.0 and h["critic_grad_norm"] > 0
         # the count task's responses are fixed-length: every one reaches the limit
         assert h["response_len_mean"] == h["response_len_max"] == 4 and h["response_clip_frac"] == 1.0
+
+
+@pytest.mark.slow  # another run of the job: about 40 s
+def test_gradient_checkpointing_trains_the_same_models_bitwise(run_dir, tmp_path, monkeypatch):
+    """model.gradient_checkpointing (every decoder layer recomputed in the backward pass, tp2 pp2 actor,
+    dp2 critic) ends the run with the actor and the critic equal bit for bit to the run without it."""
+    import copy
+
+    config = copy.deepcopy(SMALL)
+    config["model"]["gradient_checkpointing"] = True
+    out = tmp_path / "checkpointed"
+    monkeypatch.setenv("NEREUS_CACHE_DIR", str(out / "cache"))
+    rl_job(config=parse_config(config), out_dir=str(out))
+    for model in ("actor", "critic"):
+        plain, again = (read_full_state(d, model, step=2) for d in (run_dir, out))
+        assert plain.keys() == again.keys() and all(torch.equal(plain[k], again[k]) for k in plain), model
+    history = [RunDir(d).read_rows("metrics/history.parquet") for d in (run_dir, out)]
+    assert [h["actor_loss"] for h in history[0]] == [h["actor_loss"] for h in history[1]]
+    models = parse_config(config).models  # the flag reaches both trained models
+    assert models["actor"].gradient_checkpointing and models["critic"].gradient_checkpointing
