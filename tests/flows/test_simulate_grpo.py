@@ -67,7 +67,10 @@ def test_a_batch_that_does_not_split_into_groups_is_one_line_and_exit_2(tmp_path
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("name", ["paper_sim.yaml", "paper_sim_grpo.yaml", "paper_sim_churn.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    ["paper_sim.yaml", "paper_sim_grpo.yaml", "paper_sim_churn.yaml", "paper_sim_churn_recompute.yaml"],
+)
 def test_the_shipped_simulation_configs_pass_the_group_check(name: str) -> None:
     from flows.simulate import check_groups, read_sim_config
     from tasks.sim_tasks import load_traces
