@@ -15,10 +15,11 @@ scheduler's workers are counted when the pool starts), and plans the controller 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nereus_core.config import ConfigError, NereusConfig
+from nereus_core.config import ConfigError, ModelConfig, NereusConfig
 from nereus_core.controller.decide import ControllerState, evaluate_plan
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import memory_per_device
@@ -185,17 +186,28 @@ def plan_memory_problem(cfg: NereusConfig) -> str | None:
     ``cluster.memory_per_device``, by the memory model ``nereus plan`` and the controller use; or None.
     Checked whether or not ``job.adapt`` is on: the first step always runs on this plan."""
     plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))
-    state = ControllerState.initial(cfg.models, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan)
     capacity = int(cfg.cluster.memory_per_device)
-    usable = int(capacity * (1.0 - state.settings.headroom))
-    estimate = evaluate_plan(plan, Workload.from_config(cfg), state, usable)
-    if estimate.fits:
+
+    def peak(models: Mapping[str, ModelConfig]) -> tuple[int, int, float]:
+        state = ControllerState.initial(models, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan)
+        usable = int(capacity * (1.0 - state.settings.headroom))
+        estimate = evaluate_plan(plan, Workload.from_config(cfg), state, usable)
+        return estimate.memory_peak, usable, state.settings.headroom
+
+    need, usable, headroom = peak(cfg.models)
+    models = cfg.models.items()
+    if need <= usable:
         return None
+    fix = "raise it, spread the plan over more slots or shrink the batch"
+    if not cfg.model.gradient_checkpointing:  # what recomputing the train passes would need
+        again, _, _ = peak({m: c.model_copy(update={"gradient_checkpointing": True}) for m, c in models})
+        if again < need:
+            fits = "which fits" if again <= usable else "still too much"
+            fix += f", or set model.gradient_checkpointing: true (then {_size(again)}, {fits})"
     return (
         f"cluster.memory_per_device={_size(capacity)}: the initial plan {plan.plan_id} needs "
-        f"{_size(estimate.memory_peak)} on its busiest slot, more than the {_size(usable)} usable "
-        f"({state.settings.headroom:.0%} kept free); raise it, spread the plan over more slots or "
-        "shrink the batch (nereus plan CONFIG shows plans that fit)"
+        f"{_size(need)} on its busiest slot, more than the {_size(usable)} usable "
+        f"({headroom:.0%} kept free); {fix} (nereus plan CONFIG shows plans that fit)"
     )
 
 

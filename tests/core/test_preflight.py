@@ -141,6 +141,24 @@ def test_the_plan_check_agrees_with_the_controller(mib: int, partial_plan: bool)
     assert (plan_memory_problem(cfg) is None) == _controller_says_fits(cfg)
 
 
+def test_a_plan_that_fits_only_with_gradient_checkpointing_is_refused_naming_the_flag() -> None:
+    """The refusal says what model.gradient_checkpointing would need, and that claim holds: the same
+    config with the flag set passes the check."""
+    cfg = example(cluster={"memory_per_device": 20 * 2**20})
+    line = plan_memory_problem(cfg)
+    assert line is not None and "\n" not in line
+    assert "or set model.gradient_checkpointing: true (then " in line and "which fits" in line, line
+    data = cfg.model_dump(mode="json")
+    data["model"]["gradient_checkpointing"] = True
+    assert plan_memory_problem(parse_config(data)) is None
+    tiny = plan_memory_problem(example(cluster={"memory_per_device": 2**20}))
+    assert tiny is not None and "still too much" in tiny
+    assert "gradient_checkpointing" not in (
+        plan_memory_problem(parse_config(data | {"cluster": {**data["cluster"], "memory_per_device": 2**20}}))
+        or ""
+    )  # already on: no hint
+
+
 def test_both_outcomes_occur_in_the_agreement_table() -> None:
     """The table above is only a test if some sizes fit and some do not."""
     fits = [_controller_says_fits(example(cluster={"memory_per_device": m * 2**20})) for m in (32, 34)]
