@@ -99,7 +99,13 @@ def _plan_header(cfg: NereusConfig, profile: str, obs: Any, headroom: float) -> 
     return (
         f"nereus plan: {cfg.name} on {obs.devices} slots x {gib:.2f} GiB ({profile} profile, "
         f"{headroom:.0%} headroom)\nworkload: batch {w.batch}, prompt {w.prompt_len}, "
-        f"response mean {w.response_mean:g} (high {w.response_high})" + passes_line(w)
+        f"response mean {w.response_mean:g} (high {w.response_high})"
+        + passes_line(w)
+        + (
+            "\ntrain passes: gradient checkpointing (each layer's input kept, one more forward)"
+            if cfg.model.gradient_checkpointing
+            else ""
+        )
     )
 
 

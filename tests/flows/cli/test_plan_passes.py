@@ -49,3 +49,17 @@ def test_plan_with_packing_and_no_budget_says_what_it_counts(tmp_path, capsys) -
     assert lines[2] == (
         "passes: packed; a micro-batch's activations counted at its real tokens (rows x mean length)"
     )
+
+
+def test_plan_with_gradient_checkpointing_says_so_and_its_train_stages_need_less(tmp_path, capsys) -> None:
+    plain = _plan(tmp_path, capsys, None)
+    assert not any(line.startswith("train passes:") for line in plain)
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["model"]["gradient_checkpointing"] = True
+    config = tmp_path / "checkpointed.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(config)]) == 0
+    again = capsys.readouterr().out.splitlines()
+    assert "train passes: gradient checkpointing (each layer's input kept, one more forward)" in again
+    assert _gib_per_slot(again, "actor/train") < _gib_per_slot(plain, "actor/train")
+    assert _gib_per_slot(again, "reference/infer") == _gib_per_slot(plain, "reference/infer")
