@@ -109,3 +109,19 @@ def test_peers_checkpoint_at_their_cadence() -> None:
     for name in ("verl", "openrlhf"):
         records = run_job(SimJob(cfg, tr, name, 0)).records
         assert [r["step"] for r in records if r["checkpoint_s"] > 0] == [19, 39, 44], name
+
+
+def test_the_recompute_example_is_the_churn_example_with_gradient_checkpointing() -> None:
+    import yaml
+
+    from nereus_core.config import LLAMA_3_8B
+    from nereus_core.sim.config import parse_sim_config
+    from tests.core.sim.test_sim import ROOT
+
+    read = lambda name: parse_sim_config(yaml.safe_load((ROOT / "examples" / name).read_text()))  # noqa: E731
+    churn, again = read("paper_sim_churn.yaml"), read("paper_sim_churn_recompute.yaml")
+    assert again.model == LLAMA_3_8B.model_copy(update={"gradient_checkpointing": True})
+    assert again.traces == churn.traces and {s.kind for s in again.strategies.values()} == {
+        "nereus",
+        "static",
+    }
