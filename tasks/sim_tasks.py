@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt
 from nereus_core.config import ConfigError
 from nereus_core.sim.config import SimConfig, SweepSettings
 from nereus_core.sim.job import SimJob, SimResult, run_job
+from nereus_core.sim.loop import TRANSITION_KINDS
 from nereus_core.sim.trace import Trace, TraceError, parse_trace
 from storage.sim_dir import SimDir
 from tasks.runtime.cluster import Client, DaskCluster, FutureCancelledError, KilledWorker
@@ -179,13 +180,13 @@ def _step_time_plot(trace: str, rows: list[dict], path: Path) -> Path:
         runs = sorted((r for r in mine if r["strategy"] == name), key=lambda r: r["step"])
         color = f"C{i}"
         ax.plot([r["step"] for r in runs], [r["step_s"] for r in runs], color=color, lw=0.8, label=name)
-        moves = [r for r in runs if r["move"] in ("switch", "rescale")]
+        moves = [r for r in runs if r["move"] in TRANSITION_KINDS]
         ax.scatter(
             [r["step"] for r in moves], [r["step_s"] for r in moves], color=color, marker="v", s=30, zorder=3
         )
     ax.set_yscale("log")
     ax.set_ylabel("step latency (s)")
-    ax.set_title(f"{trace}: step latency per strategy (triangles: transitions), seed {seed}")
+    ax.set_title(f"{trace}: step latency per strategy (triangles: transitions, relaunches), seed {seed}")
     ax.legend(fontsize=8)
     first = sorted((r for r in mine if r["strategy"] == mine[0]["strategy"]), key=lambda r: r["step"])
     dev.step([r["step"] for r in first], [r["devices"] for r in first], where="post", color="k")
