@@ -130,14 +130,12 @@ class PeerStrategy(FixedStrategy):
 
     def after(self, k: int, world: World, run: StepRun) -> Move:
         assert self.base is not None
-        tr = world.trace
-        if k + 1 >= tr.steps or tr.devices[k + 1] == self.devices:
+        change = self.device_change(k, world)
+        if change is None:
             return Move(self.base)
-        new, before = int(tr.devices[k + 1]), self.devices
-        old = self.base
-        self.base = self._launch(world, rescale(old, before, new, int(tr.batch[k + 1])), k)
-        self.devices = new
-        unplanned = tr.unplanned_shrink(k)
+        (before, new), old = change, self.base
+        self.base = self._launch(world, rescale(old, before, new, int(world.trace.batch[k + 1])), k)
+        unplanned = world.trace.unplanned_shrink(k)
         seconds = world.relaunch_s(k, self.base, None if unplanned else old)
         how = "lost: restarted from its last checkpoint" if unplanned else "checkpoint, restart"
         return Move(self.base, "relaunch", transition_s=seconds, reason=f"devices {before} -> {new}: {how}")

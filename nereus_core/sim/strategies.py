@@ -249,14 +249,22 @@ class FixedStrategy:
     def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float | None:
         return None
 
-    def after(self, k: int, world: World, run: StepRun) -> Move:
-        assert self.base is not None
+    def device_change(self, k: int, world: World) -> tuple[int, int] | None:
+        """(devices before, after) when the trace's devices change after step ``k`` (now held), else
+        None."""
         tr = world.trace
         if k + 1 >= tr.steps or tr.devices[k + 1] == self.devices:
+            return None
+        before, self.devices = self.devices, int(tr.devices[k + 1])
+        return before, self.devices
+
+    def after(self, k: int, world: World, run: StepRun) -> Move:
+        assert self.base is not None
+        change = self.device_change(k, world)
+        if change is None:
             return Move(self.base)
-        new, before = int(tr.devices[k + 1]), self.devices
-        old, self.base = self.base, rescale(self.base, before, new, int(tr.batch[k + 1]))
-        self.devices = new
+        (before, new), batch = change, int(world.trace.batch[k + 1])
+        old, self.base = self.base, rescale(self.base, before, new, batch)
         estimate = analytic_transition_cost(
             dict(old.layouts), dict(self.base.layouts), world.models, world.profile
         )
