@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from nereus_core.config import LLAMA_3_8B, ConfigError, ModelConfig
 from nereus_core.controller import features
@@ -90,6 +90,16 @@ class StrategySpec(Frozen):
         le=10_000,
         description="openrlhf and verl with config hindsight: trace steps sampled to pick their config.",
     )
+
+    @field_validator("config", mode="before")
+    @classmethod
+    def _renamed(cls, value: Any) -> Any:
+        if value == "oracle":
+            raise ValueError(
+                "'oracle' is now 'hindsight' (a what-if: the fastest config over the whole trace); the "
+                "peers as they run choose at launch on step 0 ('launch', the default)"
+            )
+        return value
 
 
 class TraceSpec(Frozen):

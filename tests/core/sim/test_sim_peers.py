@@ -125,3 +125,21 @@ def test_the_recompute_example_is_the_churn_example_with_gradient_checkpointing(
         "nereus",
         "static",
     }
+
+
+@pytest.mark.parametrize(
+    ("strategy", "trace", "needle"),
+    [
+        ({"kind": "verl", "config": "oracle"}, {}, "strategies.v.config: 'oracle' is now 'hindsight'"),
+        ({"kind": "verl"}, {"shrinks": "sometimes"}, "traces[0].shrinks: must be 'planned' or 'unplanned'"),
+    ],
+)
+def test_an_old_or_unknown_peer_setting_is_refused_in_one_line(
+    strategy: dict, trace: dict, needle: str
+) -> None:
+    from nereus_core.config import ConfigError
+    from nereus_core.sim.config import parse_sim_config
+
+    with pytest.raises(ConfigError) as err:
+        parse_sim_config({"traces": [{"name": "t", "file": "t.csv", **trace}], "strategies": {"v": strategy}})
+    assert str(err.value).startswith(needle) and "\n" not in str(err.value)
