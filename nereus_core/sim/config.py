@@ -91,6 +91,15 @@ class StrategySpec(Frozen):
         description="openrlhf and verl with config hindsight: trace steps sampled to pick their config.",
     )
 
+    checkpoint_every: int = Field(
+        default=20,
+        ge=1,
+        le=1_000_000,
+        description="openrlhf and verl: steps between their synchronous checkpoints (20, verl's GRPO "
+        "example's trainer.save_freq; both default to none, which would lose the whole run on a "
+        "preemption); sim/peers.py.",
+    )
+
     @field_validator("config", mode="before")
     @classmethod
     def _renamed(cls, value: Any) -> Any:

@@ -18,7 +18,8 @@ when their devices change or a step runs out of memory. Their plans (``baselines
   what the docs advise, recomputation on and smaller micro-batches (OpenRLHF's README: "if an OOM
   occurs"; verl's performance-tuning guide): every train stage recomputing and, where micro-batch
   sizes are launch flags (OpenRLHF), each halved until the failing step fits.
-- **Checkpoints.** Every ``CHECKPOINT_EVERY`` steps, written synchronously (``World.checkpoint_s``).
+- **Checkpoints.** Every ``StrategySpec.checkpoint_every`` steps (20 by default), written synchronously
+  (``World.checkpoint_s``).
   verl's ``ppo_trainer.yaml`` (``trainer.save_freq: -1``) and OpenRLHF's ``--save_steps -1`` write none
   by default, which loses the whole run on an unplanned shrink; both are given the cadence of verl's
   GRPO example (``trainer.save_freq=20``), in their favour.
@@ -45,7 +46,6 @@ from nereus_core.sim.loop import Move, Prepared, StepRun
 from nereus_core.sim.strategies import FixedStrategy, rescale
 from nereus_core.sim.world import World, usable_bytes
 
-CHECKPOINT_EVERY = 20  # verl examples/grpo_trainer/run_qwen2-7b.sh: trainer.save_freq=20
 FIXED_MICRO = {"verl": False, "openrlhf": True}  # micro-batch sizes fixed at launch (OpenRLHF's flags)
 
 
@@ -74,7 +74,7 @@ class PeerStrategy(FixedStrategy):
     def __init__(self, name: str, *, spec: StrategySpec, headroom: float) -> None:
         super().__init__(name, headroom=headroom)
         self.spec = spec
-        self.checkpoint_every = CHECKPOINT_EVERY
+        self.checkpoint_every = spec.checkpoint_every
         self.recompute: dict[str, bool] = {}  # the launch flag of each train stage
 
     def launch_works(self, world: World, count: int) -> list[Workload]:

@@ -11,7 +11,6 @@ from nereus_core.cost.stage_cost import stage_kind
 from nereus_core.sim import checkpoints
 from nereus_core.sim.config import NoiseSettings
 from nereus_core.sim.job import SimJob, make_strategy, run_job
-from nereus_core.sim.peers import CHECKPOINT_EVERY
 from nereus_core.sim.trace import parse_trace
 from nereus_core.sim.world import World
 from tests.core.sim.test_sim import config, csv_text
@@ -57,7 +56,7 @@ def test_an_unplanned_shrink_loses_the_steps_since_the_last_checkpoint_for_every
     assert [k for k in range(tr.steps) if tr.unplanned_shrink(k)] == [5]
     for name in ("verl", "openrlhf", "nereus", "static"):
         result = run_job(SimJob(cfg, tr, name, 0))
-        every = CHECKPOINT_EVERY if name in ("verl", "openrlhf") else 4
+        every = 20 if name in ("verl", "openrlhf") else 4  # the peers' default cadence (StrategySpec)
         last = max(k for k in range(6) if (k + 1) % every == 0) if every <= 6 else -1
         since = sum(r["stages_s"] for r in result.records if last < r["step"] <= 5)
         lost = {r["step"]: r["lost_s"] for r in result.records if r["lost_s"] > 0}
@@ -104,11 +103,20 @@ def test_launch_flags_stay_until_a_step_runs_out_of_memory_then_it_relaunches_re
 
 
 def test_peers_checkpoint_at_their_cadence() -> None:
-    cfg = config(noise=QUIET)
+    cfg = config(
+        noise=QUIET,
+        strategies={
+            "verl": {"kind": "verl"},
+            "openrlhf": {"kind": "openrlhf"},
+            "often": {"kind": "verl", "checkpoint_every": 10},
+        },
+    )
     tr = parse_trace(csv_text(45), name="t")
     for name in ("verl", "openrlhf"):
         records = run_job(SimJob(cfg, tr, name, 0)).records
         assert [r["step"] for r in records if r["checkpoint_s"] > 0] == [19, 39, 44], name
+    often = run_job(SimJob(cfg, tr, "often", 0)).records
+    assert [r["step"] for r in often if r["checkpoint_s"] > 0] == [9, 19, 29, 39, 44]
 
 
 def test_the_recompute_example_is_the_churn_example_with_gradient_checkpointing() -> None:
