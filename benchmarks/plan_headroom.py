@@ -50,9 +50,10 @@ from nereus_core.plan import GlobalPlan
 from nereus_core.sim.config import SimConfig, parse_sim_config
 from nereus_core.sim.job import make_strategy
 from nereus_core.sim.peers import sample_steps
+from nereus_core.sim.splits import usable_bytes
 from nereus_core.sim.strategies import FixedStrategy, rescale
 from nereus_core.sim.trace import Trace
-from nereus_core.sim.world import World, usable_bytes
+from nereus_core.sim.world import World
 from tasks.sim_tasks import load_traces
 
 ROOT = Path(__file__).resolve().parents[1]

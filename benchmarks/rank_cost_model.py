@@ -46,9 +46,10 @@ from nereus_core.plan import GENERATE, GlobalPlan
 from nereus_core.sim.config import SimConfig, parse_sim_config
 from nereus_core.sim.job import make_strategy
 from nereus_core.sim.loop import simulate
+from nereus_core.sim.splits import usable_bytes
 from nereus_core.sim.strategies import NereusStrategy
 from nereus_core.sim.trace import parse_trace
-from nereus_core.sim.world import World, usable_bytes
+from nereus_core.sim.world import World
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "paper_sim.yaml"

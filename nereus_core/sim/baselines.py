@@ -66,7 +66,8 @@ from nereus_core.plan import GENERATE, GlobalPlan, Placement
 from nereus_core.sim.config import StrategySpec
 from nereus_core.sim.loop import SimError
 from nereus_core.sim.peers import PeerStrategy
-from nereus_core.sim.world import World, largest_dp, usable_bytes
+from nereus_core.sim.splits import largest_dp, usable_bytes
+from nereus_core.sim.world import World
 
 INF = float("inf")
 INFER = ("reference/infer", "reward/infer", "critic/infer")

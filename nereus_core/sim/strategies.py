@@ -54,7 +54,8 @@ from nereus_core.sim import probes
 from nereus_core.sim.checkpoints import SwitchWrites
 from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.loop import Move, Prepared, SimError, StepRun
-from nereus_core.sim.world import World, largest_dp, usable_bytes
+from nereus_core.sim.splits import largest_dp, usable_bytes
+from nereus_core.sim.world import World
 
 
 def same_degrees(a: GlobalPlan, b: GlobalPlan) -> bool:

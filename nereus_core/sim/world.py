@@ -18,7 +18,6 @@ fits (it gates feasibility).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -51,6 +50,7 @@ from nereus_core.sim import checkpoints, stage_world, transitions
 from nereus_core.sim.checkpoints import SwitchWrites
 from nereus_core.sim.config import NoiseSettings
 from nereus_core.sim.shapes import model_size, weight_tensors
+from nereus_core.sim.splits import micro_batch_options
 from nereus_core.sim.trace import Trace
 
 SYNC = len(MODEL_STAGES)  # noise column of the weight sync
@@ -398,27 +398,3 @@ class World:
         """Bytes on the busiest device of ``plan`` (``plan.evaluate_plan``'s rule, true memory)."""
         resident = self.resident(plan, work)
         return max(resident[s] + self.stage(s, v, work).transient for s, v in plan.layouts.items())
-
-
-def micro_batch_options(stage: str, layout: Layout, batch: int, profile: HardwareProfile) -> list[int]:
-    """Micro-batch counts (waves for generation) that split a replica's batch evenly: powers of two."""
-    per_replica = batch // layout.dp
-    cap = min(per_replica, profile.max_generate_waves) if stage == GENERATE else per_replica
-    out, m = [], 1
-    while m <= cap:
-        if per_replica % m == 0:
-            out.append(m)
-        m *= 2
-    return out or [1]
-
-
-def largest_dp(batch: int, slots: int) -> int:
-    """The largest data-parallel degree <= ``slots`` that divides ``batch``."""
-    for d in range(max(1, slots), 0, -1):
-        if batch % d == 0:
-            return d
-    return 1
-
-
-def usable_bytes(capacity: float, headroom: float) -> float:
-    return math.floor(capacity * (1.0 - headroom))

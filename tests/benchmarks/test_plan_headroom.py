@@ -13,8 +13,9 @@ from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.stage_cost import Scales
 from nereus_core.layout import Layout
 from nereus_core.sim.config import parse_sim_config
+from nereus_core.sim.splits import usable_bytes
 from nereus_core.sim.trace import parse_trace
-from nereus_core.sim.world import World, usable_bytes
+from nereus_core.sim.world import World
 
 HEADER = "step,devices,capacity_gb,batch,prompt_len,response_mean,response_p90,response_max"
 CONFIG = parse_sim_config(yaml.safe_load(ph.CONFIG.read_text()))

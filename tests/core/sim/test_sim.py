@@ -17,9 +17,10 @@ from nereus_core.sim.config import LLAMA_3_8B, NoiseSettings, StrategySpec, pars
 from nereus_core.sim.job import SimJob, make_strategy, run_job
 from nereus_core.sim.loop import simulate
 from nereus_core.sim.results import build_summary, summarize_run
+from nereus_core.sim.splits import largest_dp, micro_batch_options, usable_bytes
 from nereus_core.sim.strategies import FixedStrategy
 from nereus_core.sim.trace import TraceError, parse_trace
-from nereus_core.sim.world import World, largest_dp, micro_batch_options, usable_bytes
+from nereus_core.sim.world import World
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACES = ROOT / "data" / "traces"
