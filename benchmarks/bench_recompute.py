@@ -2,16 +2,18 @@
 step side by side on one CPU device.
 
 A Llama decoder (``--layers`` layers of width ``--hidden``) trains on ``--rows`` rows of ``--seq``
-tokens (random ids, the loss over every token): forward, ``lm_loss``, backward, through one
-``LlamaStage`` as a train stage runs it. Each variant's peak memory is the most bytes allocated at
-once while the step runs (``torch.profiler`` allocation events: ``bench_logprob_memory.peak_bytes``),
-its time the median of ``--repeats`` steps. The gradients of the two are compared bit for bit.
+tokens (random ids, the loss over every token): forward, the engine's log-probs, ``lm_loss``,
+backward, through one ``LlamaStage`` (``bench_logprob_memory.train_step``). Each variant's peak
+memory is the most bytes allocated at once while the step runs (``torch.profiler`` allocation
+events: ``bench_logprob_memory.peak_bytes``), its time the median of ``--repeats`` steps
+(``bench_runtime.median_s``). The gradients of the two are compared bit for bit.
 
 Beside the measurement, the cost model's prediction of what the flag frees (the pass's activations,
 ``cost.stage_cost.estimate`` on the CPU profile, one micro-batch) and the time it adds: the measured
 peak difference against the predicted activation difference (``saved_ratio``). The physical limit:
-recomputation can free at most the activations of all layers but the one being recomputed, and
-costs at most one more forward (``extra_forward_bound``: forward / (forward + backward) of the step).
+recomputation can free at most the activations of all layers but the one being recomputed; its
+time is one more forward of every layer (``one_more_forward``: the step's time plus a no-grad
+forward's, over the step's), to which autograd's bookkeeping of the recomputed forward adds.
 
     python -m benchmarks.bench_recompute [--layers 8] [--hidden 256] [--rows 8] [--seq 512]
 """
@@ -21,17 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from typing import Any
 
 import torch
 
-from benchmarks.bench_logprob_memory import peak_bytes
+from benchmarks.bench_logprob_memory import chunked_logprobs, peak_bytes, train_step
+from benchmarks.bench_runtime import median_s
 from nereus_core.config import ModelConfig
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.stage_cost import Workload, estimate
-from nereus_core.engine.train import lm_loss
 from nereus_core.layout import Layout
 from nereus_core.model.llama import LlamaStage
 from nereus_core.model.weights import init_full_state
@@ -50,27 +50,9 @@ def model(args: argparse.Namespace, checkpointed: bool) -> ModelConfig:
     )
 
 
-def step(stage: LlamaStage, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    stage.zero_grad(set_to_none=True)
-    logits = stage(ids, torch.arange(ids.shape[1]))
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-    del logits
-    lm_loss(logp, {}).backward()
-    return {name: p.grad.clone() for name, p in stage.named_parameters()}
-
-
 def forward_only(stage: LlamaStage, ids: torch.Tensor) -> None:
     with torch.no_grad():
         stage(ids, torch.arange(ids.shape[1]))
-
-
-def median_s(fn: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -93,12 +75,17 @@ def main() -> None:
         config = model(args, flag)
         stage = LlamaStage(config, layers=range(args.layers), first=True, last=True)
         stage.load_full_state(init_full_state(config))
-        step(stage, ids)  # warm-up
-        peak, grads[name] = peak_bytes(lambda s=stage: step(s, ids))
+
+        def step(s: LlamaStage = stage) -> dict[str, Any]:
+            return train_step(s, {"ids": ids}, chunked_logprobs)  # the engine's log-probs, lm_loss
+
+        step()  # warm-up
+        peak, result = peak_bytes(step)
+        grads[name] = result["grads"]
         predicted = estimate("actor/train", layout, work, config, profile)
         out[name] = {
             "peak_bytes": peak,
-            "step_s": median_s(lambda s=stage: step(s, ids), args.repeats),
+            "step_s": median_s(step, args.repeats),
             "forward_s": median_s(lambda s=stage: forward_only(s, ids), args.repeats),
             "predicted_activation_bytes": int(predicted.memory.activations),
             "predicted_step_s": predicted.seconds,
@@ -112,7 +99,7 @@ def main() -> None:
     out["saved_ratio"] = out["measured_saved_bytes"] / out["predicted_saved_bytes"]
     out["step_time_ratio"] = again["step_s"] / plain["step_s"]
     out["predicted_step_time_ratio"] = again["predicted_step_s"] / plain["predicted_step_s"]
-    out["extra_forward_bound"] = 1.0 + plain["forward_s"] / plain["step_s"]
+    out["one_more_forward"] = 1.0 + plain["forward_s"] / plain["step_s"]
     print(json.dumps(out, indent=2))
 
 

@@ -70,6 +70,11 @@ class Layout(Frozen):
             return f"device {bad[0]} is outside the pool; valid slots are 0..{pool_size - 1}"
         return None
 
+    def same_placement(self, other: Layout) -> bool:
+        """Whether ``other`` has the same degrees on the same devices: moving between the two moves no
+        state (micro-batch counts alone change no placement)."""
+        return (self.tp, self.pp, self.dp, self.devices) == (other.tp, other.pp, other.dp, other.devices)
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp

@@ -37,8 +37,7 @@ class StageMove:
     @property
     def changed(self) -> bool:
         """Whether state moves (micro-batches alone change no placement)."""
-        a, b = self.old, self.new
-        return (a.tp, a.pp, a.dp, a.devices) != (b.tp, b.pp, b.dp, b.devices)
+        return not self.old.same_placement(self.new)
 
     def shard_bytes(self, which: Literal["old", "new"], dtype_bytes: int | None) -> dict[int, int]:
         """Bytes (params, grads, optimizer) of this model-stage's shard on every device of a layout."""

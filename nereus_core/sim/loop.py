@@ -13,13 +13,13 @@ decision time after it, and, when its plan does not fit in memory, the failed at
 and a restart (``restart_s``) (the first decision, which picks the starting plan, is
 charged to step 0). A strategy on Nereus's runtime writes a synchronous checkpoint after every
 ``checkpoint_every`` steps and after the last (``checkpoint_s``, ``World.checkpoint_s``), and its
-restart reruns the steps since its last periodic checkpoint; a strategy with no checkpoints
-charged (the peers, ``checkpoint_every`` None) restarts as if one were taken every step, in its
-favour. When the trace's devices shrink without notice after step k (``Trace.unplanned_shrink``),
-the steps since the strategy's last checkpoint are lost and rerun (``lost_s``: their stage seconds,
-as they ran); the restart itself is the strategy's move after step k. A transition's, a checkpoint's
-and lost steps' time are recorded on the step they follow and count in the run's total time, not in
-any step's latency.
+restart reruns the steps since its last periodic checkpoint; the peers checkpoint at their own
+cadence (``peers``), and a strategy charged no checkpoints (``checkpoint_every`` None, no shipped one)
+restarts as if one were taken every step. When the trace's devices shrink without notice after
+step k (``Trace.unplanned_shrink``), the steps since the strategy's last checkpoint are lost and
+rerun (``lost_s``: their stage seconds, as they ran); the restart itself is the strategy's move
+after step k. A transition's, a checkpoint's and lost steps' time are recorded on the step they
+follow and count in the run's total time, not in any step's latency.
 """
 
 from __future__ import annotations

@@ -35,8 +35,6 @@ when their devices change or a step runs out of memory. Their plans (``baselines
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 
 from nereus_core.cost.stage_cost import Workload, stage_kind
@@ -103,7 +101,6 @@ class PeerStrategy(FixedStrategy):
         return tuned
 
     def begin(self, world: World) -> Move:
-        world.begin_step(0)
         self.base = self._launch(world, self.initial_plan(world), 0)
         self.devices = int(world.trace.devices[0])
         return Move(self.base, "start")
@@ -111,21 +108,18 @@ class PeerStrategy(FixedStrategy):
     def prepare(self, k: int, world: World) -> Prepared:
         assert self.base is not None
         usable = usable_bytes(world.trace.memory_bytes(k), self.headroom)
-        work = world.trace.workloads[k]
-        flags: Mapping[str, bool] = self.recompute
-        plan, fits, seconds = world.tune(self.base, work, usable, recompute=flags, keep=self._keep(self.base))
+        work, keep = world.trace.workloads[k], self._keep(self.base)
+        plan, fits, seconds = world.tune(self.base, work, usable, recompute=self.recompute, keep=keep)
         if fits:
             return Prepared(plan, seconds)
         # Out of memory with the launch flags: relaunched with recomputation on and, where micro-batch
         # sizes are launch flags, each halved until the step fits (what the docs advise after an OOM).
         self.recompute = dict.fromkeys(self.recompute, True)
-        keep, base = self._keep(self.base), self.base
-        while True:
+        base = self.base
+        plan, fits, seconds = world.tune(base, work, usable, recompute=self.recompute, keep=keep)
+        while not fits and _halved(base, keep, work.batch) != base:
+            base = _halved(base, keep, work.batch)
             plan, fits, seconds = world.tune(base, work, usable, recompute=self.recompute, keep=keep)
-            halved = _halved(base, keep, work.batch)
-            if fits or halved == base:
-                break
-            base = halved
         self.base = plan
         return Prepared(plan, seconds, failed=True)
 

@@ -62,10 +62,7 @@ def same_degrees(a: GlobalPlan, b: GlobalPlan) -> bool:
     """Whether two plans differ at most in micro-batch counts (no state has to move)."""
     if a.placement != b.placement or set(a.layouts) != set(b.layouts):
         return False
-    return all(
-        (x.tp, x.pp, x.dp, x.devices) == (y.tp, y.pp, y.dp, y.devices)
-        for x, y in ((a.layouts[s], b.layouts[s]) for s in a.layouts)
-    )
+    return all(a.layouts[s].same_placement(b.layouts[s]) for s in a.layouts)
 
 
 def first_observation(world: World) -> Observation:

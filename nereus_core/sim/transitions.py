@@ -52,6 +52,12 @@ IB_BYTES_PER_S = 0.9 * 50e9  # 8 x 400 Gb/s per node, at calculon-ai/calculon's 
 PER_TENSOR_S = 20.0 / 291  # vllm-project/vllm#5723: 8B one matrix at a time, 20-40 s (low end)
 
 
+def changed(old: dict[str, Layout], new: dict[str, Layout], *, placement_changed: bool) -> list[str]:
+    """The model-stages of ``new`` whose state moves: new ones, and those on another placement (all of
+    them when the plan's placement changed)."""
+    return [s for s, v in new.items() if placement_changed or s not in old or not old[s].same_placement(v)]
+
+
 def _piece(layout: Layout, device: int) -> tuple[float, float]:
     """The share of a stage's bytes ``device`` holds in ``layout``: [start, end) on the unit line."""
     i = layout.devices.index(device) % (layout.tp * layout.pp)
@@ -65,25 +71,16 @@ def moved_s(
     """Seconds the moved bytes of a switch from ``old`` to ``new`` layouts take (the module's rule);
     ``stage_bytes`` is each model-stage's bytes."""
     received: dict[int, list[float]] = {}  # device -> [NVLink bytes, InfiniBand bytes]
-    for stage, v in new.items():
-        before = old.get(stage)
-        if before is not None and (before.tp, before.pp, before.dp, before.devices) == (
-            v.tp,
-            v.pp,
-            v.dp,
-            v.devices,
-        ):
-            continue
+    for stage in changed(old, new, placement_changed=False):
+        v, before = new[stage], old.get(stage)
         held = set(before.devices) if before is not None else set()
         nodes = {d // per_node for d in held}
         for d in v.devices:
             lo, hi = _piece(v, d)
-            if d in held:
-                a, b = _piece(before, d)  # type: ignore[arg-type]
-                hi_kept, lo_kept = min(hi, b), max(lo, a)
-                kept = max(0.0, hi_kept - lo_kept)
-            else:
-                kept = 0.0
+            kept = 0.0
+            if before is not None and d in held:
+                a, b = _piece(before, d)
+                kept = max(0.0, min(hi, b) - max(lo, a))
             link = 0 if d // per_node in nodes else 1
             received.setdefault(d, [0.0, 0.0])[link] += (hi - lo - kept) * stage_bytes[stage]
     return max((nv / NVLINK_BYTES_PER_S + ib / IB_BYTES_PER_S for nv, ib in received.values()), default=0.0)
@@ -104,17 +101,11 @@ def largest_group(layout: Layout) -> int:
 def fixed_s(old: dict[str, Layout], new: dict[str, Layout], placement_changed: bool) -> float:
     """Fixed seconds of moving from ``old`` to ``new`` layouts: the largest new process group of any
     changed stage (groups are created in parallel), and an engine rebuild if generation changed."""
-    changed = [
-        s
-        for s, v in new.items()
-        if placement_changed
-        or s not in old
-        or (old[s].tp, old[s].pp, old[s].dp, old[s].devices) != (v.tp, v.pp, v.dp, v.devices)
-    ]
-    if not changed:
+    moved = changed(old, new, placement_changed=placement_changed)
+    if not moved:
         return 0.0
-    groups = max(group_s(largest_group(new[s])) for s in changed)
-    engine = ENGINE_REBUILD_S if GENERATE in changed else 0.0
+    groups = max(group_s(largest_group(new[s])) for s in moved)
+    engine = ENGINE_REBUILD_S if GENERATE in moved else 0.0
     return groups + engine
 
 
