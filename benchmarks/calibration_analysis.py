@@ -20,9 +20,10 @@ from nereus_core.controller.decide import (
 )
 from nereus_core.cost.calibration import CalibrationSettings
 from nereus_core.cost.hardware import CPU_WORKERS
-from nereus_core.cost.stage_cost import Workload, estimate
+from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import PPO_STAGES, models_for
+from nereus_core.workload import Workload
 
 CONFIG = ModelConfig(num_attention_heads=8, num_key_value_heads=4)
 WORKLOAD = Workload(batch=8, prompt_len=16, response_mean=16, response_high=16)

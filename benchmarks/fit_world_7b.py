@@ -66,6 +66,8 @@ class Stage:
     seconds: float
     kv_share: float = 0.9
     recompute: bool = False
+    cuda_graphs: bool = False
+    max_num_seqs: int = 1024
 
 
 def _padded(batch: int, prompt: int, response: int) -> sw.StepStats:
@@ -118,15 +120,42 @@ def _f1() -> list[Stage]:
     return out
 
 
-FITTED_RUNS, HELD_OUT_RUNS = ("V1", "V2"), ("F1",)
+def _v4() -> list[Stage]:
+    """verl's vLLM 0.7 note: one PPO rollout of Qwen2-7B-Instruct, 4,096 GSM8K + MATH prompts on 8 GPUs,
+    vLLM TP2 at gpu_memory_utilization 0.5, 85 s eager and 62 s with CUDA graphs. Not published, so
+    assumed: the GPU (H100-class, as V1 and V2), the lengths (prompts ~100 tokens and responses of mean
+    270, the means verl's logs of Qwen2-7B-Instruct on GSM8K + MATH show; limit 4,096), and vLLM's
+    default max_num_seqs (256: verl passed none to vLLM 0.7)."""
+    s = sw.StepStats(4096, 100.0, 270.0, 4096)
+    g = sw.Shape(tp=2, dp=4)
+    return [
+        Stage("V4", "gen eager", "generate", QWEN2_7B, H100, s, g, 85.0, kv_share=0.5, max_num_seqs=256),
+        Stage(
+            "V4",
+            "gen graphs",
+            "generate",
+            QWEN2_7B,
+            H100,
+            s,
+            g,
+            62.0,
+            0.5,
+            cuda_graphs=True,
+            max_num_seqs=256,
+        ),
+    ]
+
+
+FITTED_RUNS, HELD_OUT_RUNS = ("V1", "V2", "V4"), ("F1",)
 
 
 def world_s(st: Stage, c: sw.WorldConstants, seed: int = 0) -> float:
     """The world's seconds of one published stage."""
-    c = replace(c, kv_share=st.kv_share)
+    c = replace(c, kv_share=st.kv_share, max_num_seqs=st.max_num_seqs)
     lengths = sw.draw_lengths(st.stats, np.random.default_rng(seed), c.length_concentration)
     if st.kind == "generate":
-        return sw.generation_s(lengths, st.stats.prompt_mean, st.model, st.gpu, c, st.shape)
+        prompt, graphs = st.stats.prompt_mean, st.cuda_graphs
+        return sw.generation_s(lengths, prompt, st.model, st.gpu, c, st.shape, cuda_graphs=graphs)
     train = st.kind == "train"
     return sw.pass_time_s(
         lengths, st.stats.prompt_mean, st.model, st.gpu, c, st.shape, train=train, recompute=st.recompute
@@ -134,18 +163,26 @@ def world_s(st: Stage, c: sw.WorldConstants, seed: int = 0) -> float:
 
 
 def fit(rows: list[Stage], start: sw.WorldConstants, *, generation: bool = True) -> sw.WorldConstants:
-    """Least squares: a generation is linear in its fixed cost and ``decode_step_s`` (decode
-    iterations), a pass in its kind's fixed cost and 1/mfu; ``generation=False`` keeps ``start``'s."""
+    """Least squares: a generation is linear in its fixed cost and its engine mode's per-iteration cost
+    (``decode_step_s`` eager, ``decode_step_graphs_s`` with CUDA graphs; decode iterations), a pass in
+    its kind's fixed cost and 1/mfu; ``generation=False`` keeps ``start``'s."""
     c = start
     gen = [r for r in rows if r.kind == "generate"]
     if generation and gen:
-        zero = replace(start, generate_fixed_s=0.0, decode_step_s=0.0)
+        zero = replace(start, generate_fixed_s=0.0, decode_step_s=0.0, decode_step_graphs_s=0.0)
         bare = np.array([world_s(r, zero) for r in gen])
-        per_iter = np.array([world_s(r, replace(zero, decode_step_s=1.0)) for r in gen]) - bare
+        one = replace(zero, decode_step_s=1.0, decode_step_graphs_s=1.0)
+        per_iter = np.array([world_s(r, one) for r in gen]) - bare
+        graphs = np.array([r.cuda_graphs for r in gen], dtype=float)
         y = np.array([r.seconds for r in gen]) - bare
-        design = np.column_stack([np.ones_like(per_iter), per_iter])
-        (fixed, step), *_ = np.linalg.lstsq(design, y, rcond=None)
-        c = replace(c, generate_fixed_s=max(float(fixed), 0.0), decode_step_s=max(float(step), 0.0))
+        design = np.column_stack([np.ones_like(per_iter), per_iter * (1 - graphs), per_iter * graphs])
+        (fixed, eager, with_graphs), *_ = np.linalg.lstsq(design, y, rcond=None)
+        c = replace(
+            c,
+            generate_fixed_s=max(float(fixed), 0.0),
+            decode_step_s=max(float(eager), 0.0),
+            decode_step_graphs_s=max(float(with_graphs), 0.0),
+        )
     passes = [r for r in rows if r.kind != "generate"]
     cols = []
     for r in passes:
@@ -207,7 +244,7 @@ def openrlhf_check(c: sw.WorldConstants) -> dict:
 
 
 def main() -> None:
-    rows = _v1() + _v2() + _f1()
+    rows = _v1() + _v2() + _v4() + _f1()
     fitted = fit([r for r in rows if r.run in FITTED_RUNS], sw.WorldConstants())
     # V1's six passes alone fix the pass constants (V2's three cannot: three rows, three unknowns);
     # generation needs both runs' longest responses to split its fixed cost from its iterations.

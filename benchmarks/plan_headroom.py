@@ -16,8 +16,7 @@ this world can beat, in or out of this plan space.
 Reported per trace: each strategy's sampled mean true step, ``ceiling`` and ``floor``; the
 strategy's total over the ceiling's (above 1: the best plan per step is that much faster); each
 one's total over the floor's (``over_floor``: no plan can be more than that factor faster).
-Step times are the world's ``step_seconds`` with pools taking turns (``overlap_disaggregated``
-off, as the job runs). The search's tables are the cost model's candidates; the ceiling is over those layouts,
+Step times are the world's (``World.step_s``: pools take turns, as the job runs). The search's tables are the cost model's candidates; the ceiling is over those layouts,
 so it bounds what this controller's search can reach, not every conceivable plan.
 
 verl and OpenRLHF hold their train and forward weights sharded over their data-parallel ranks,
@@ -44,7 +43,6 @@ import yaml
 
 from nereus_core.controller.search import Searcher, SearchSpace
 from nereus_core.cost.hardware import get_profile
-from nereus_core.cost.plan_estimate import step_seconds
 from nereus_core.cost.stage_cost import Scales
 from nereus_core.plan import GlobalPlan
 from nereus_core.sim.config import SimConfig, parse_sim_config
@@ -85,7 +83,7 @@ def true_step_s(
     tuned, fits, seconds = world.tune(plan, world.trace.workloads[k], usable)
     sync = world.true_sync_s(tuned)
     world.per_tensor_sync = world.sharded_weights = False
-    return step_seconds(tuned.layouts, seconds, sync, overlap=False) if fits else float("inf")
+    return world.step_s(tuned, seconds, sync) if fits else float("inf")
 
 
 def ceiling(

@@ -13,7 +13,7 @@ simulator, then, at the last step, with the scales calibrated on everything the 
 - ``plans``: whole plans, the best plan of every pool split the search solves
   (``Searcher.splits``, each solved as the search solves it) plus its one-stage variants of the
   best, that fit the usable memory; predicted by the controller's ``evaluate_plan``, true by the
-  world (its stage times on the plan and its weight sync, combined by ``step_seconds``).
+  world (its stage times on the plan and its weight sync, combined by its own rule, ``World.step_s``).
   Reported: Spearman over them, and the regret of the plan the model ranks first (its true step
   time over the best true step time among them, minus one), and the same for the plan the run
   ended on.
@@ -41,7 +41,6 @@ import yaml
 from nereus_core.controller.decide import ControllerState, evaluate_plan
 from nereus_core.controller.search import Searcher, SearchResult, SearchSpace
 from nereus_core.cost.hardware import get_profile
-from nereus_core.cost.plan_estimate import step_seconds
 from nereus_core.plan import GENERATE, GlobalPlan
 from nereus_core.sim.config import SimConfig, parse_sim_config
 from nereus_core.sim.job import make_strategy
@@ -150,7 +149,7 @@ def search_plans(search: Searcher) -> list[GlobalPlan]:
 def true_step_s(world: World, plan: GlobalPlan, usable: float, overlap: bool) -> float:
     work = world.trace.workloads[world.k]
     ran, stages = world.run_plan(plan, work, usable)
-    return step_seconds(ran.layouts, stages, world.true_sync_s(ran), overlap=overlap)
+    return world.step_s(ran, stages, world.true_sync_s(ran))
 
 
 def plan_ranks(

@@ -37,7 +37,6 @@ from nereus_core.controller.moves import MoveSchedule
 from nereus_core.controller.state import ProbeTiming
 from nereus_core.controller.transition_schedule import JOB_CONTROLLER
 from nereus_core.cost.hardware import get_profile
-from nereus_core.cost.stage_cost import Workload
 from nereus_core.engine.optimizer import OptimizerSettings
 from nereus_core.layout import Layout
 from nereus_core.plan import (
@@ -48,6 +47,7 @@ from nereus_core.plan import (
     problems,
     slots_needed,
 )
+from nereus_core.workload import Workload
 
 SwitchStatus = Literal["committed", "aborted", "refused"]
 

@@ -37,11 +37,11 @@ from nereus_core import faults
 from nereus_core.config import NereusConfig
 from nereus_core.controller.moves import MoveBasis, MoveSchedule, Planned
 from nereus_core.controller.transition_schedule import plan_moves
-from nereus_core.cost.stage_cost import engine_kv_bytes
 from nereus_core.gtg import TransitionGraph, TransitionInfeasible
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule
 from nereus_core.job import model_config, optimizer_settings
 from nereus_core.plan import GlobalPlan, StageLayouts, copies
+from nereus_core.workload import engine_kv_bytes
 from storage.journal import ABORT, COMMIT, DONE, START, Journal
 from tasks import model_ops
 from tasks.runtime.device_pool import DevicePool

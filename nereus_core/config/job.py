@@ -47,6 +47,7 @@ from nereus_core.frozen import Frozen
 from nereus_core.hf.files import HFDirError, value_model
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems, stages_for
+from nereus_core.recovery import RecoveryMode
 from nereus_core.rl.algorithm import AlgorithmConfig
 from nereus_core.rl.ppo import PPOConfig
 
@@ -107,7 +108,7 @@ class JobConfig(Frozen):
     )
     # PyTorch DCP's async_save stages the state in host memory and writes it while training goes on;
     # verl and OpenRLHF write no checkpoint for a switch (they have none: they restart).
-    switch_recovery: Literal["async", "sync", "none"] = Field(
+    switch_recovery: RecoveryMode = Field(
         default="async",
         description="What a live switch writes before its moves: async (every model's state staged in "
         "host memory, written to the run directory while the job goes on: a checkpoint of the step once "

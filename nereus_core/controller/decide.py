@@ -47,11 +47,12 @@ from nereus_core.controller.state import (
 from nereus_core.cost.calibration import Sample, fit_scales
 from nereus_core.cost.plan_estimate import PlanEstimate, fill_cache
 from nereus_core.cost.plan_estimate import evaluate_plan as plan_estimate
-from nereus_core.cost.stage_cost import Scales, Workload, estimate
+from nereus_core.cost.stage_cost import Scales, estimate
 from nereus_core.cost.transition_cost import (
     TransitionScales,
 )
 from nereus_core.plan import GlobalPlan, model_of
+from nereus_core.workload import Workload
 
 __all__ = [
     "Alternative",

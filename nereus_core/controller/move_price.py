@@ -17,11 +17,11 @@ from nereus_core.cost.transition_cost import (
     TransitionEstimate,
     analytic_transition_cost,
     recovery_seconds,
-    recovery_write,
     transition_cost,
     verify_seconds,
 )
 from nereus_core.plan import GlobalPlan
+from nereus_core.recovery import recovery_write
 
 TransferPlanner = Callable[[GlobalPlan, GlobalPlan], Sequence[TransferLike]]
 

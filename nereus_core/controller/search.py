@@ -39,11 +39,12 @@ from nereus_core.controller.candidates import build_table, candidates
 from nereus_core.controller.pool_solver import INF, StageTable, fitting, solve_pool, totals
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.plan_estimate import step_seconds
-from nereus_core.cost.stage_cost import Scales, Workload
+from nereus_core.cost.stage_cost import Scales
 from nereus_core.cost.terms import model_stats, split_arrays
 from nereus_core.cost.transition_cost import sync_seconds
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, GlobalPlan, ModelStage, Placement, model_of
+from nereus_core.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ from nereus_core.controller.moves import MoveSchedule
 from nereus_core.cost.calibration import CalibrationSettings, Sample
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.plan_estimate import PlanEstimate
-from nereus_core.cost.stage_cost import Scales, Workload
-from nereus_core.cost.transition_cost import RecoveryMode, TransitionEstimate, TransitionScales
+from nereus_core.cost.stage_cost import Scales
+from nereus_core.cost.transition_cost import TransitionEstimate, TransitionScales
 from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, ModelStage
+from nereus_core.recovery import RecoveryMode
+from nereus_core.workload import Workload
 
 
 class ControllerSettings(Frozen):

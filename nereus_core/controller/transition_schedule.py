@@ -43,13 +43,11 @@ from nereus_core.controller.state import ControllerSettings, Observation
 from nereus_core.cost.calibration import CalibrationSettings
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.transition_cost import (
-    RecoveryMode,
     TransitionCosts,
     TransitionEstimate,
     TransitionScales,
     engine_rebuild_seconds,
     recovery_seconds,
-    recovery_write,
     verify_seconds,
 )
 from nereus_core.emu import bytes_per_device, plan_reshard, shard_map
@@ -57,6 +55,7 @@ from nereus_core.gtg import TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import NoStageSchedule, stage_schedule
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, ModelStage, StageLayouts, copies, own_state
+from nereus_core.recovery import RecoveryMode, recovery_write
 
 # The controller of a job on a device pool: moves priced as the transition flow runs them, and each
 # measured transition moving the transition scales halfway (in log) at first: a job makes few

@@ -327,7 +327,7 @@ H100_SXM = HardwareProfile(
     optimizer_bytes=12,
     activation_bytes=2,  # Korthikanti's formula counts 16-bit activations
     kv_bytes=2,  # "KV cache 2 * 32 * 8 * 128 * 2 B = 128 KiB per token" (bf16)
-    pipeline_schedule="1f1b",  # Megatron-LM's default schedule
+    pipeline_schedule="gpipe",  # what Nereus's runtime runs (engine/train.py)
     activation_recompute="selective",  # flash attention keeps no s*s scores (Korthikanti sec. 4.2)
     max_generate_waves=64,  # vLLM admits as many sequences as the KV cache holds
     gradient_bucket_bytes=2 * 10**9,

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nereus_core.config import ModelConfig
 from nereus_core.cost.hardware import HardwareProfile
-from nereus_core.cost.stage_cost import Estimate, MemoryEstimate, Scales, Workload, estimate_many
+from nereus_core.cost.stage_cost import Estimate, MemoryEstimate, Scales, estimate_many
 from nereus_core.cost.terms import slots
 from nereus_core.cost.transition_cost import weight_sync_s
 from nereus_core.layout import Layout
@@ -42,6 +42,7 @@ from nereus_core.plan import (
     phases,
     sync_colocated,
 )
+from nereus_core.workload import Workload
 
 
 def memory_per_device(plan: GlobalPlan, memory: Mapping[str, MemoryEstimate]) -> dict[int, int]:

@@ -354,7 +354,8 @@ def _pass_memory(
     if not train:
         _set(mem, MEMORY_PARTS, activations=per_layer + logits)
         return
-    in_flight = m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp)
+    # Without a pipeline each micro-batch backpropagates before the next runs (engine/train.py).
+    in_flight = np.where(pp > 1, m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp), 1)
     _set(mem, MEMORY_PARTS, activations=in_flight * layers * per_layer + 2.0 * logits)
 
 

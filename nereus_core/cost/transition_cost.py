@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 from pydantic import Field
@@ -26,21 +26,10 @@ from nereus_core.cost.terms import Num, model_stats
 from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from nereus_core.plan import ModelStage
+from nereus_core.recovery import RecoveryMode, recovery_write
 
 # The terms of a transition's price, each calibrated on its own scale (``TransitionScales``).
 TRANSITION_TERMS = ("wire", "ops", "durable", "engine", "recovery", "verify")
-
-# What a switch writes before anything moves (``job.switch_recovery``): ``sync`` every model's state
-# to the store, ``async`` staged in host memory and written in the background (PyTorch DCP's
-# ``async_save``), ``none`` nothing (the newest complete checkpoint stays the recovery point).
-RecoveryMode = Literal["async", "sync", "none"]
-
-
-def recovery_write(mode: RecoveryMode, *, durable: bool) -> RecoveryMode:
-    """What a switch writes as its recovery point: a switch with durable units (or a new world)
-    rehydrates them from a checkpoint of the step, so it writes one synchronously whatever the mode;
-    any other writes what ``mode`` says. The one rule the runtime runs and the cost model prices."""
-    return "sync" if durable else mode
 
 
 class TransferLike(Protocol):

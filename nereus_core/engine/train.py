@@ -2,8 +2,9 @@
 
 DeepSpeed owns the optimizer (AdamW, ZeRO-partitioned over the DP group) and the
 gradient reduction; ``engine.optimizer`` builds its engine when a train stage is
-loaded. The pipeline schedule is ours (GPipe, Huang et al. 2019): all micro-batches
-forward, then all backward in reverse order. Non-last stages backpropagate the
+loaded. Without a pipeline each micro-batch's backward follows its forward (gradient accumulation);
+a pipeline runs ours (GPipe, Huang et al. 2019): all micro-batches forward, then all backward in
+reverse order. Non-last stages backpropagate the
 surrogate ``sum(out * grad_out)``, whose gradient equals the true one, through
 ``engine.backward`` without the 1/GAS scaling the last stage already applied.
 
@@ -106,7 +107,8 @@ def train_step(
     ids_bs = batch["ids"].to(ctx.device)
     positions, mask = padding(batch.get("attention_mask"), ids_bs.shape[1], ctx.device)
     engine.train()
-    saved, stats = [], []
+    stats: list[dict[str, torch.Tensor]] = []
+    schedule = _Schedule(shard, ctx.device, len(micro_batches(ids_bs.shape[0], groups.layout.micro_batches)))
     for mb in micro_batches(ids_bs.shape[0], groups.layout.micro_batches):
         x, out = stage_forward(shard, ids_bs[mb], **rows(positions, mask, mb))
         if groups.is_last_stage:
@@ -115,8 +117,8 @@ def train_step(
                 mb_batch["entropy"] = vocab_parallel_entropy(out[:, :-1].detach(), groups.tp_group)
             out, mb_stats = _loss_and_stats(loss_fn(head_outputs(shard, out, ids_bs[mb]), mb_batch))
             stats.append({"loss": out.detach(), **mb_stats})
-        saved.append((x, out))
-    grad_norm = _backward_and_step(shard, saved, ctx.device)
+        schedule.forwarded(x, out)
+    grad_norm = schedule.finish()
     if groups.is_last_stage and groups.coord.tp == 0:
         # One stacked tensor, one host transfer: a sync per statistic would stall an accelerator.
         means = torch.stack([torch.stack([s[k] for s in stats]).float().mean() for k in stats[0]])
@@ -153,7 +155,8 @@ def _packed_step(
     packed_mbs = _packed_micro_batches(shard, batch, max_tokens, ctx.device)
     weights = [p.row_count / batch["ids"].shape[0] for p in packed_mbs]
     shard.engine.train()
-    saved, stats = [], []
+    stats: list[dict[str, torch.Tensor]] = []
+    schedule = _Schedule(shard, ctx.device, len(packed_mbs), weighted=True)
     for packed, weight in zip(packed_mbs, weights, strict=True):
         x, out = stage_forward(shard, packed.ids, packed.positions, segments=packed.cu_seqlens)
         if groups.is_last_stage:
@@ -164,8 +167,8 @@ def _packed_step(
             loss, mb_stats = _loss_and_stats(loss_fn(packed_head_outputs(shard, out, packed), mb_batch))
             stats.append({"loss": loss.detach(), **mb_stats})
             out = loss * weight
-        saved.append((x, out))
-    grad_norm = _backward_and_step(shard, saved, ctx.device, weighted=True)
+        schedule.forwarded(x, out)
+    grad_norm = schedule.finish()
     if groups.is_last_stage and groups.coord.tp == 0:
         w = torch.tensor(weights, dtype=torch.float64, device=ctx.device)
         means = torch.stack([(torch.stack([s[k] for s in stats]).double() * w).sum() for k in stats[0]])
@@ -182,48 +185,66 @@ def _loss_and_stats(
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-def _backward_and_step(
-    shard: ModelShard,
-    saved: list[tuple[torch.Tensor, torch.Tensor]],
-    device: torch.device,
-    *,
-    weighted: bool = False,
-) -> float:
-    """GPipe's backward, micro-batches in reverse order, then the optimizer step; returns the
-    global gradient norm of the step (before clipping). ``weighted``: the losses carry their own
-    weights and the step marks its last micro-batch as the accumulation boundary (``_boundary``)."""
-    engine, groups = shard.engine, shard.groups
-    # ZeRO-1/2 compute the norm of the reduced, partitioned gradients in their step, over the DP
-    # group and the mpu's tp x pp group (``optimizer.LayoutMpu``), before they clip; without ZeRO
-    # DeepSpeed keeps none, so it is taken from the DP-reduced grads before the step clips them.
-    zero = engine.zero_optimization_stage() > 0
-    norm_sq = torch.zeros((), dtype=torch.float64, device=device)
-    for i, (x, out) in enumerate(reversed(saved)):
-        if weighted:
-            engine.set_gradient_accumulation_boundary(i == len(saved) - 1)
-        if groups.is_last_stage:
-            engine.backward(out, scale_wrt_gas=not weighted)
+class _Schedule:
+    """When each micro-batch's backward runs. Without a pipeline, right after its forward (gradient
+    accumulation: one micro-batch's activations live at a time); with one, GPipe's (Huang et al.
+    2019): every forward, then the backwards in reverse order. Then the optimizer step. ``weighted``:
+    the losses carry their own weights and the last backward marks the accumulation boundary
+    (``_boundary``)."""
+
+    def __init__(self, shard: ModelShard, device: torch.device, count: int, *, weighted: bool = False):
+        self.shard, self.device, self.count, self.weighted = shard, device, count, weighted
+        self.pipelined = shard.groups.layout.pp_enabled
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.done = 0
+        # ZeRO-1/2 compute the norm of the reduced, partitioned gradients in their step, over the DP
+        # group and the mpu's tp x pp group (``optimizer.LayoutMpu``), before they clip; without ZeRO
+        # DeepSpeed keeps none, so it is taken from the DP-reduced grads before the step clips them.
+        self.zero = shard.engine.zero_optimization_stage() > 0
+        self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
+
+    def forwarded(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.pipelined:
+            self.saved.append((x, out))
         else:
-            grad = recv_activation(tuple(out.shape), out.dtype, groups.next_rank, device)
+            self._backward(x, out)
+
+    def _backward(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        engine, groups = self.shard.engine, self.shard.groups
+        last = self.done == self.count - 1
+        if self.weighted:
+            engine.set_gradient_accumulation_boundary(last)
+        if groups.is_last_stage:
+            engine.backward(out, scale_wrt_gas=not self.weighted)
+        else:
+            grad = recv_activation(tuple(out.shape), out.dtype, groups.next_rank, self.device)
             engine.backward((out * grad).sum(), scale_wrt_gas=False)
         if not groups.is_first_stage:
             send_activation(x.grad, groups.prev_rank)
-        if not zero and i == len(saved) - 1:
-            norm_sq = _tp_grad_norm_sq(shard, device)
+        if not self.zero and last:
+            self.norm_sq = _tp_grad_norm_sq(self.shard, self.device)
         engine.step()  # DeepSpeed steps the optimizer at the last micro-batch only
-    if weighted:
-        _release_boundary(engine)
-    if zero:
-        norm = engine.get_global_grad_norm()
-        if norm is None:
-            raise RuntimeError(
-                "DeepSpeed computed no gradient norm; keep zero_optimization.compute_grad_norm on"
-            )
-        norm_sq = torch.as_tensor(norm, dtype=torch.float64, device=device).square()
-    elif groups.layout.pp_enabled:
-        # Each stage holds its own layers: the global squared norm is the sum over stages.
-        dist.all_reduce(norm_sq, group=groups.pp_group)
-    return float(norm_sq.sqrt())
+        self.done += 1
+
+    def finish(self) -> float:
+        """The pipeline's backwards (GPipe), then the global gradient norm of the step (before
+        clipping)."""
+        for x, out in reversed(self.saved):
+            self._backward(x, out)
+        engine, groups = self.shard.engine, self.shard.groups
+        if self.weighted:
+            _release_boundary(engine)
+        if self.zero:
+            norm = engine.get_global_grad_norm()
+            if norm is None:
+                raise RuntimeError(
+                    "DeepSpeed computed no gradient norm; keep zero_optimization.compute_grad_norm on"
+                )
+            return float(torch.as_tensor(norm, dtype=torch.float64, device=self.device))
+        if groups.layout.pp_enabled:
+            # Each stage holds its own layers: the global squared norm is the sum over stages.
+            dist.all_reduce(self.norm_sq, group=groups.pp_group)
+        return float(self.norm_sq.sqrt())
 
 
 def _release_boundary(engine: Any) -> None:

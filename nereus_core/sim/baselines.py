@@ -53,14 +53,13 @@ and with a rule reward (``--remote_rm_url`` naming a reward function) no reward 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from nereus_core.controller.decide import ControllerSettings
 from nereus_core.controller.search import Searcher, SearchSpace
-from nereus_core.cost.plan_estimate import step_seconds
-from nereus_core.cost.stage_cost import Scales, Workload
+from nereus_core.cost.stage_cost import Scales
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, GlobalPlan, Placement
 from nereus_core.sim.config import StrategySpec
@@ -68,6 +67,7 @@ from nereus_core.sim.loop import SimError
 from nereus_core.sim.peers import PeerStrategy
 from nereus_core.sim.splits import largest_dp, usable_bytes
 from nereus_core.sim.world import World
+from nereus_core.workload import Workload
 
 INF = float("inf")
 INFER = ("reference/infer", "reward/infer", "critic/infer")
@@ -86,7 +86,6 @@ SLOT_GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         "C": ("critic/infer", "critic/train", "reward/infer"),
     },
 }
-Combine = Callable[[GlobalPlan, Mapping[str, float], float], float]
 # Documented defaults (8B): vLLM TP of the rollout; the train and forward stages share the slot group.
 DEFAULTS = {
     "verl": 2,  # verl/trainer/config/ppo_trainer.yaml: rollout.tensor_model_parallel_size 2
@@ -101,9 +100,7 @@ def job_slot_groups(placement: str, stages: Sequence[str]) -> dict[str, tuple[st
     return {p: held for p, held in groups.items() if held}
 
 
-def oracle_seconds(
-    world: World, plan: GlobalPlan, works: Sequence[Workload], usable: float, combine: Combine
-) -> float:
+def oracle_seconds(world: World, plan: GlobalPlan, works: Sequence[Workload], usable: float) -> float:
     """True seconds of ``plan`` over ``works`` with micro-batches re-picked per step; inf if it ever
     does not fit."""
     total, sync = 0.0, world.true_sync_s(plan)
@@ -111,13 +108,11 @@ def oracle_seconds(
         _, fits, seconds = world.tune(plan, work, usable)
         if not fits:
             return INF
-        total += combine(plan, seconds, sync)
+        total += world.step_s(plan, seconds, sync)
     return total
 
 
-def default_plan(
-    world: World, name: str, works: Sequence[Workload], usable: float, combine: Combine
-) -> GlobalPlan:
+def default_plan(world: World, name: str, works: Sequence[Workload], usable: float) -> GlobalPlan:
     """``name``'s documented layout (``DEFAULTS``) on all the trace's first devices, colocated: the
     rollout at its vLLM TP, every other stage at the smallest TP that fits every sampled step."""
     n, batch = int(world.trace.devices[0]), works[0].batch
@@ -126,7 +121,7 @@ def default_plan(
     for tp in tp_options(world, n):
         layouts = {s: Layout.contiguous(tp=tp, dp=largest_dp(batch, n // tp)) for s in world.stages}
         plan = GlobalPlan.model_construct(placement="colocated", layouts={**layouts, GENERATE: gen})
-        if oracle_seconds(world, plan, works, usable, combine) < INF:
+        if oracle_seconds(world, plan, works, usable) < INF:
             return plan
     raise SimError(f"trace {world.trace.name}: {name}-default: no TP of {tp_options(world, n)} fits")
 
@@ -157,8 +152,9 @@ class VerlStrategy(PeerStrategy):
         usable = usable_bytes(tr.memory_bytes(0), self.headroom)
         works = self.launch_works(world, self.spec.tune_steps)
         world.sharded_weights = True  # FSDP full shard: ppo_trainer.yaml's actor, critic and ref strategy
+        world.one_f_one_b = True  # a pipeline is Megatron's, on its default schedule
         if self.spec.config == "default":
-            return default_plan(world, "verl", works, usable, self.combine)
+            return default_plan(world, "verl", works, usable)
         by_length = sorted(works, key=lambda w: w.response_mean)
         picks = {by_length[int(q * (len(by_length) - 1))] for q in (0.0, 0.5, 0.9, 1.0)}
         space = SearchSpace(
@@ -177,10 +173,7 @@ class VerlStrategy(PeerStrategy):
                     candidates.setdefault(plan.plan_id, plan)
         if not candidates:
             raise SimError(f"trace {tr.name}: verl: no colocated plan fits on {n} devices")
-        scored = {
-            pid: oracle_seconds(world, p, works, usable, self.combine)
-            for pid, p in sorted(candidates.items())
-        }
+        scored = {pid: oracle_seconds(world, p, works, usable) for pid, p in sorted(candidates.items())}
         best = min(scored, key=lambda pid: scored[pid])
         if scored[best] == INF:
             raise SimError(f"trace {tr.name}: verl: no colocated plan fits every sampled step")
@@ -196,9 +189,6 @@ class VerlStrategy(PeerStrategy):
             )
         return out
 
-    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return step_seconds(plan.layouts, stage_s, sync_s, overlap=False)
-
 
 class OpenRLHFStrategy(PeerStrategy):
     """OpenRLHF: models on their own slot groups (or its colocation flags), the fastest config at
@@ -209,9 +199,6 @@ class OpenRLHFStrategy(PeerStrategy):
     def __init__(self, name: str, *, spec: StrategySpec, settings: ControllerSettings) -> None:
         super().__init__(name, spec=spec, headroom=settings.headroom)
 
-    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return step_seconds(plan.layouts, stage_s, sync_s, overlap=False)
-
     def initial_plan(self, world: World) -> GlobalPlan:
         tr = world.trace
         n = int(tr.devices[0])
@@ -219,8 +206,9 @@ class OpenRLHFStrategy(PeerStrategy):
         works = self.launch_works(world, self.spec.tune_steps)
         world.per_tensor_sync = True  # _broadcast_to_vllm: one NCCL broadcast per parameter
         world.sharded_weights = True  # ZeRO-3: its README's 8B PPO command (--zero_stage 3)
+        world.one_f_one_b = True  # DeepSpeed's pipeline engine runs 1F1B
         if self.spec.config == "default":
-            return default_plan(world, "openrlhf", works, usable, self.combine)
+            return default_plan(world, "openrlhf", works, usable)
         best: tuple[float, GlobalPlan] | None = None
         for placement in self.spec.placements:
             found = (
@@ -244,7 +232,7 @@ class OpenRLHFStrategy(PeerStrategy):
             layouts = {s: Layout.contiguous(tp=ds_tp, dp=largest_dp(batch, n // ds_tp)) for s in world.stages}
             layouts[GENERATE] = Layout.contiguous(tp=vllm_tp, dp=largest_dp(batch, n // vllm_tp))
             plan = GlobalPlan.model_construct(placement="colocated", layouts=layouts)
-            seconds = oracle_seconds(world, plan, works, usable, self.combine)
+            seconds = oracle_seconds(world, plan, works, usable)
             if seconds < best[0]:
                 best = (seconds, plan)
         return best  # type: ignore[return-value]
@@ -347,8 +335,8 @@ def _phase(
     names: list[str],
 ) -> np.ndarray:
     """Per sampled step: the slowest slot group of a phase, each slot group summing its stages of that phase:
-    ``step_seconds``'s rule (``plan.phases``) on the plan ``_assemble`` builds, whose groups are these
-    on disjoint slots, vectorised over the sampled steps (tests check the two agree)."""
+    ``World.step_s``'s rule on the plan ``_assemble`` builds, whose groups are these on disjoint slots,
+    vectorised over the sampled steps (tests check the two agree)."""
     out = np.zeros_like(next(iter(per_stage.values())))
     for p in names:
         mine = [per_stage[s] for s in groups[p] if s in stages]

@@ -35,9 +35,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from nereus_core.cost.transition_cost import RecoveryMode, recovery_write
 from nereus_core.layout import Layout
 from nereus_core.plan import ModelStage, model_of
+from nereus_core.recovery import RecoveryMode, recovery_write
 from nereus_core.sim.transitions import IB_BYTES_PER_S
 
 TRAINED_BYTES_PER_PARAM = 4.0 + 4.0 + 4.0  # fp32 parameter, AdamW exp_avg, exp_avg_sq

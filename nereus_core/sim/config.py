@@ -19,21 +19,11 @@ from nereus_core.controller.decide import ControllerSettings
 from nereus_core.frozen import Frozen
 from nereus_core.plan import ModelStage, stages_for
 from nereus_core.rl.algorithm import AlgorithmConfig
+from nereus_core.sim.noise import NoiseSettings as NoiseSettings
 from nereus_core.sim.trace import Shrinks
 
 StrategyKind = Literal["nereus", "static", "openrlhf", "verl"]
 OpenRLHFPlacement = Literal["separate", "paired", "colocated"]
-
-
-class NoiseSettings(Frozen):
-    """How the simulated "measured" times differ from the world's true times."""
-
-    stage_sigma: float = Field(
-        default=0.05, ge=0, le=2, description="Log-sd of the per-stage, per-step noise on measured times."
-    )
-    transition_sigma: float = Field(
-        default=0.1, ge=0, le=2, description="Log-sd of the noise on each transition's measured time."
-    )
 
 
 class DecisionSettings(Frozen):

@@ -5,7 +5,7 @@ Boundary: the loop owns the clock and the records; a strategy owns its plan
 
     plan <- strategy.prepare(k)              (baselines re-pick micro-batches here)
     stage seconds = true x noise             (what the job measures)
-    step_s = strategy.combine(stages, sync)  + the controller's time after the step
+    step_s = world.step_s(stages, sync)      + the controller's time after the step
     move  <- strategy.after(k, measured)      (keep, switch, retune, rescale; its transition time)
 
 A step's latency (``step_s``) is its stages, the weight sync, the controller's
@@ -25,14 +25,13 @@ follow and count in the run's total time, not in any step's latency.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from nereus_core.cost.stage_cost import Workload
 from nereus_core.plan import GlobalPlan
 from nereus_core.sim.trace import Trace
 from nereus_core.sim.world import World
+from nereus_core.workload import Workload
 
 MoveKind = Literal["start", "keep", "switch", "retune", "rescale", "relaunch", "none"]
 # Moves that change a layout's degrees, devices or placement: the paper's "transitions" (state moves),
@@ -85,8 +84,6 @@ class Strategy(Protocol):
     def begin(self, world: World) -> Move: ...
 
     def prepare(self, k: int, world: World) -> Prepared: ...
-
-    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float: ...
 
     def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float | None: ...
 
@@ -144,8 +141,8 @@ def simulate(world: World, strategy: Strategy, *, trace: str, seed: int) -> tupl
         measured = {s: world.measured_stage_s(k, s, t) for s, t in prepared.true_s.items()}
         true_sync = world.true_sync_s(plan)
         sync = world.measured_sync_s(k, true_sync)
-        stage_s = strategy.combine(plan, measured, sync)
-        true_s = strategy.combine(plan, prepared.true_s, true_sync)
+        stage_s = world.step_s(plan, measured, sync)
+        true_s = world.step_s(plan, prepared.true_s, true_sync)
         predicted = strategy.predict(plan, work, world, k)
         fits = not prepared.failed and world.peak_bytes(plan, work) <= tr.memory_bytes(k)
         restart, checkpoint, lost, since_checkpoint = _restart_and_checkpoint(

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import math
 
-from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE
 
 
-def micro_batch_options(stage: str, layout: Layout, batch: int, profile: HardwareProfile) -> list[int]:
+def micro_batch_options(stage: str, layout: Layout, batch: int, max_waves: int) -> list[int]:
     """Micro-batch counts (waves for generation) that split a replica's batch evenly: powers of two."""
     per_replica = batch // layout.dp
-    cap = min(per_replica, profile.max_generate_waves) if stage == GENERATE else per_replica
+    cap = min(per_replica, max_waves) if stage == GENERATE else per_replica
     out, m = [], 1
     while m <= cap:
         if per_replica % m == 0:

@@ -126,7 +126,8 @@ class WorldConstants:
     """The free constants, fitted to real logs (see ``fit``); the defaults are priors before fitting."""
 
     generate_fixed_s: float = 1.0  # per generation call
-    decode_step_s: float = 1e-3  # per decode iteration of a replica
+    decode_step_s: float = 1e-3  # per decode iteration of a replica, eager engine (enforce_eager)
+    decode_step_graphs_s: float = 1e-3  # per decode iteration of a replica, CUDA-graph engine
     infer_fixed_s: float = 0.5  # per forward-only pass over the batch
     train_fixed_s: float = 1.0  # per train stage (all its micro-batches and optimizer steps)
     mfu: float = 0.4  # share of peak FLOP/s reached by infer/train passes
@@ -142,18 +143,19 @@ class WorldConstants:
 FITTED = WorldConstants(
     generate_fixed_s=12.27, decode_step_s=0.0, infer_fixed_s=5.11, train_fixed_s=17.43, mfu=0.9
 )
-# ``python -m benchmarks.fit_world_7b`` fit on two published 7B verl runs (deepseek-llm-7b PPO on 4 GPUs,
-# Megatron TP4, vLLM TP4; Qwen2-7B GRPO on 16 GPUs, Megatron TP4 PP2, vLLM TP2; eric-haibin-lin/verl-data,
-# H100-class GPUs assumed: the logs do not say, and the Qwen run's logged actor MFU 0.290 is what this
-# world's FLOPs give at that peak). Held out: verl's Qwen2-7B FSDP2 run on 8 GPUs (generation within
-# 17 %; its passes, with CPU offload on a GPU the log does not name, run 2-2.7x slower than this world's)
-# and OpenRLHF's Llama-2-7B benchmark on 8 A800s (generation inside the world's range for mean responses
-# of 512-1,024 tokens, which it does not publish; training 9 % above the range's top).
-# Generation is eager-mode vLLM with its KV cache rebuilt every step (verl's setting in those runs):
-# ~21 s per call and 16.5 ms per decode iteration; no per-sequence decode cost is supported (the FSDP2
-# run decodes twice the sequences per engine of the Qwen Megatron run in the same time).
+# ``python -m benchmarks.fit_world_7b`` fit on three published 7B verl runs (deepseek-llm-7b PPO on 4 GPUs,
+# Megatron TP4, vLLM TP4; Qwen2-7B GRPO on 16 GPUs, Megatron TP4 PP2, vLLM TP2; eric-haibin-lin/verl-data;
+# and verl's vLLM 0.7 note, Qwen2-7B generation on 8 GPUs eager and with CUDA graphs), H100-class GPUs
+# assumed: the logs do not say, and the Qwen run's logged actor MFU 0.290 is what this world's FLOPs
+# give at that peak. Held out: verl's Qwen2-7B FSDP2 run on 8 GPUs and OpenRLHF's Llama-2-7B benchmark.
+# A decode iteration's fixed cost: 11.7 ms eager (verl's setting in those runs), 5.2 ms with CUDA graphs.
 FITTED_7B = WorldConstants(
-    generate_fixed_s=21.46, decode_step_s=0.016514, infer_fixed_s=3.11, train_fixed_s=0.0, mfu=0.291
+    generate_fixed_s=26.95,
+    decode_step_s=0.011661,
+    decode_step_graphs_s=0.005241,
+    infer_fixed_s=3.11,
+    train_fixed_s=0.0,
+    mfu=0.291,
 )
 FITTED_BY_PARAMS = ((2e9, FITTED), (float("inf"), FITTED_7B))  # up to 2B: the 0.5B fit; above: 7B's
 
@@ -164,7 +166,9 @@ def constants_for(params: float) -> WorldConstants:
 
 
 def draw_lengths(stats: StepStats, rng: np.random.Generator, concentration: float) -> np.ndarray:
-    """Response length of every sequence: min + (max - min) x Beta with the step's mean."""
+    """Response length of every sequence: min + (max - min) x Beta with the step's mean (and p90); the
+    max is the engine's limit, which the longest drawn sequence reaches only as often as the Beta says
+    (the world's own tail: the cost model plans for the logged max)."""
     lo, hi = max(stats.response_min, 1), max(stats.response_max, 1)
     if hi <= lo:
         return np.full(stats.batch, hi, dtype=np.int64)
@@ -172,9 +176,7 @@ def draw_lengths(stats: StepStats, rng: np.random.Generator, concentration: floa
     if stats.response_p90 is not None:
         concentration = concentration_for(share, (stats.response_p90 - lo) / (hi - lo))
     x = rng.beta(share * concentration, (1 - share) * concentration, size=stats.batch)
-    out = np.rint(lo + x * (hi - lo)).astype(np.int64)
-    out[int(rng.integers(stats.batch))] = hi  # the logged max was reached by some sequence
-    return out
+    return np.rint(lo + x * (hi - lo)).astype(np.int64)
 
 
 _GRID = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
@@ -209,17 +211,34 @@ def tp_link(shape: Shape, gpu: Gpu) -> float:
     return gpu.link_bytes_per_s if shape.tp <= shape.devices_per_node else INTER_NODE_BYTES_PER_S
 
 
+def decode_overhead_s(c: WorldConstants, cuda_graphs: bool) -> float:
+    """The fixed seconds of one decode iteration: kernel launches, scheduling and sampling, which CUDA
+    graphs cut (``decode_step_graphs_s``) and an eager engine pays in full (``decode_step_s``)."""
+    return c.decode_step_graphs_s if cuda_graphs else c.decode_step_s
+
+
 def generation_s(
-    lengths: np.ndarray, prompt: float, model: ModelSize, gpu: Gpu, c: WorldConstants, shape: Shape
+    lengths: np.ndarray,
+    prompt: float,
+    model: ModelSize,
+    gpu: Gpu,
+    c: WorldConstants,
+    shape: Shape,
+    *,
+    cuda_graphs: bool = False,
 ) -> float:
-    """One step's generation: prefill, then each replica's waves one after another, the slowest replica."""
+    """One step's generation: prefill, then each replica's waves one after another, the slowest replica.
+    A decode iteration costs its fixed overhead (``decode_overhead_s``: the engine's mode), two
+    all-reduces per layer under TP, and the larger of reading the weights and the running sequences'
+    KV cache over a tp-th of the HBM and their FLOPs (summed over the replica's iterations)."""
     tp, shard = shape.tp, shape.tp * shape.pp
     weights = 2.0 * model.params
     free = max(gpu.memory_bytes * c.kv_share - weights / shard, 0.05 * gpu.memory_bytes)
     slots = max(1, int(free / (model.kv_bytes_per_token / shard * (prompt + float(lengths.mean())))))
     slots = min(slots, c.max_num_seqs)
     bw, flops = gpu.hbm_bytes_per_s * c.hbm_efficiency, gpu.peak_flops * c.mfu
-    per_iter = c.decode_step_s + (2 * model.layers * ALL_REDUCE_LATENCY_S if tp > 1 else 0.0)
+    all_reduces = 2 * model.layers * ALL_REDUCE_LATENCY_S if tp > 1 else 0.0
+    per_iter = decode_overhead_s(c, cuda_graphs) + all_reduces
     dp = shape.dp
     usable = len(lengths) - len(lengths) % dp
     parts = lengths[:usable].reshape(dp, -1)

@@ -29,7 +29,6 @@ flag (``features.activation_recompute``: on for every train pass, or never).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 
 from nereus_core.config import ModelConfig
 from nereus_core.controller import features
@@ -45,8 +44,7 @@ from nereus_core.controller.decide import (
 )
 from nereus_core.controller.features import runtime_settings
 from nereus_core.cost.hardware import HardwareProfile
-from nereus_core.cost.plan_estimate import step_seconds
-from nereus_core.cost.stage_cost import Workload
+from nereus_core.cost.plan_estimate import evaluate_plan
 from nereus_core.cost.transition_cost import analytic_transition_cost
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, models_for
@@ -56,6 +54,7 @@ from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.loop import Move, Prepared, SimError, StepRun
 from nereus_core.sim.splits import largest_dp, usable_bytes
 from nereus_core.sim.world import World
+from nereus_core.workload import Workload
 
 
 def same_degrees(a: GlobalPlan, b: GlobalPlan) -> bool:
@@ -132,17 +131,20 @@ class NereusStrategy:
         recompute = features.activation_recompute(self.model)
         return Prepared(*world.run_plan(self.plan, work, usable, recompute=recompute))
 
-    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return step_seconds(plan.layouts, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)
-
     def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float:
-        """The calibrated cost model's step time for this step, from what it has seen before it:
-        ``plan.evaluate_plan``'s arithmetic (scaled terms per stage, the weight sync at the calibrated
-        wire scale, summed by ``step_seconds``) on the terms the world already computed."""
+        """The calibrated cost model's step time for this step, from what it has seen before it
+        (``cost.plan_estimate.evaluate_plan`` at the calibrated scales and wire scale)."""
         assert self.state is not None
-        scales = self.state.scales.as_array()
-        stages = {s: float(scales @ world.stage(s, v, work).raw) for s, v in plan.layouts.items()}
-        return self.combine(plan, stages, world.raw_sync_s(plan) * self.state.transition_scales.wire)
+        return evaluate_plan(
+            plan,
+            work,
+            models=self.state.models,
+            profile=self.profile,
+            scales=self.state.scales,
+            sync_scale=self.state.transition_scales.wire,
+            overlap=self.settings.overlap_disaggregated,
+            usable=usable_bytes(world.trace.memory_bytes(k), self.settings.headroom),
+        ).step_s
 
     def after(self, k: int, world: World, run: StepRun) -> Move:
         assert self.plan is not None
@@ -241,9 +243,6 @@ class FixedStrategy:
         plan, _, seconds = world.tune(self.base, world.trace.workloads[k], usable, recompute=flags)
         return Prepared(plan, seconds)
 
-    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return step_seconds(plan.layouts, stage_s, sync_s, overlap=False)
-
     def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float | None:
         return None
 
@@ -301,6 +300,3 @@ class StaticStrategy(FixedStrategy):
         if d.plan is None:
             raise SimError(f"trace {world.trace.name}: no plan fits at step 0: {d.reason}")
         return d.plan
-
-    def combine(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
-        return step_seconds(plan.layouts, stage_s, sync_s, overlap=self.settings.overlap_disaggregated)

@@ -1,40 +1,26 @@
-"""The simulated world: the true time of every stage, weight sync and transition, and what fits in memory.
+"""The simulated world: the true time of every stage, weight sync, transition and step, and what fits.
 
-Boundary: the only place that knows the truth. A stage's true time comes from the
-stage-time world model (``stage_world``, fitted to verl's real logs, with constants
-per model size: ``stage_world.constants_for``; it shares no formula with the cost
-model), run on the sequences of that step: their response lengths are drawn once per
-(seed, step) from the trace's mean, p90 and max, so every strategy of one (trace, seed)
-meets the same sequences and the same noise (common random numbers: their differences
-are not luck). What a job *measures* is the true time times seeded per-stage, per-step
-noise; strategies see only measured times (``measured_stage_s``). Transitions and
-restarts add the world's fixed costs, and the weight sync is the world's own formula
-(``transitions``); checkpoints, recovery points and rehydration are the world's too
-(``checkpoints``); ``raw_sync_s`` is the cost model's estimate, for what the job
-predicts. The cost model's terms (``stage_tables``) are kept beside each evaluation only
-for what the job predicts and for memory: the cost model's memory is the truth of what
-fits (it gates feasibility).
+Boundary: the only place that knows the truth, and it imports nothing from the cost model or the
+controller (``tests/core/sim/test_world_apart.py``), so comparing the two can show the cost model
+wrong. A stage's true time comes from the stage-time world model (``stage_world``, fitted to published
+runs, with constants per model size: ``stage_world.constants_for``), run on the sequences of that step:
+their response lengths are drawn once per (seed, step) from the trace's mean, p90 and max, so every
+strategy of one (trace, seed) meets the same sequences and the same noise (common random numbers: their
+differences are not luck). What a job *measures* is the true time times seeded per-stage, per-step
+noise; strategies see only measured times (``measured_stage_s``). What fits is the world's own memory
+(``memory``, fitted to published peaks); a step combines its stages by the world's own rule
+(``step_s``); transitions, restarts and the weight sync are the world's (``transitions``), and so are
+checkpoints, recovery points and rehydration (``checkpoints``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Hashable, Mapping
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from nereus_core.config import ModelConfig
-from nereus_core.cost.hardware import HardwareProfile
-from nereus_core.cost.stage_cost import Workload, stage_kind
-from nereus_core.cost.terms import (
-    MEMORY_PARTS,
-    PERSISTENT,
-    Geometry,
-    layout_geometry,
-    model_stats,
-    stage_tables,
-)
-from nereus_core.cost.transition_cost import weight_sync_s
 from nereus_core.layout import Layout
 from nereus_core.plan import (
     GENERATE,
@@ -46,20 +32,38 @@ from nereus_core.plan import (
     models_for,
     sync_colocated,
 )
-from nereus_core.sim import checkpoints, stage_world, transitions
+from nereus_core.sim import checkpoints, memory, stage_world, transitions
 from nereus_core.sim.checkpoints import SwitchWrites
-from nereus_core.sim.config import NoiseSettings
+from nereus_core.sim.noise import NoiseSettings
 from nereus_core.sim.shapes import model_size, weight_tensors
 from nereus_core.sim.splits import micro_batch_options
 from nereus_core.sim.trace import Trace
+
+
+class Device(Protocol):
+    """What the world reads of the job's hardware profile: the datasheet, nothing the cost model fits."""
+
+    name: str
+    peak_flops: float
+    memory_bandwidth: float
+    devices_per_node: int
+    max_generate_waves: int
+
+
+class StepWork(Hashable, Protocol):
+    """What the world reads of a step's workload (the trace's, ``Trace.workloads``)."""
+
+    batch: int
+    prompt_len: int
+    ppo_epochs: int
+
 
 SYNC = len(MODEL_STAGES)  # noise column of the weight sync
 
 
 class StageEval(NamedTuple):
-    """One model-stage on one layout for one workload: cost-model terms, true seconds, bytes per device."""
+    """One model-stage on one layout for one step: true seconds, bytes per device (``memory.Held``)."""
 
-    raw: np.ndarray
     seconds: float
     persistent: float
     transient: float
@@ -68,17 +72,25 @@ class StageEval(NamedTuple):
 class World:
     """One (trace, seed) of a job whose model-stages are ``stages`` (``SimConfig.stages``; default a PPO
     job's): the sequences of every step, the noise, and the true cost of anything run. Strategies plan
-    ``stages`` and nothing else, so only those are ever timed."""
+    ``stages`` and nothing else, so only those are ever timed.
+
+    What the job's frameworks do, set by its strategy: ``sharded_weights`` (verl's FSDP, OpenRLHF's
+    ZeRO-3 shard train and forward weights over the data-parallel ranks; Nereus's runtime runs ZeRO-1),
+    ``per_tensor_sync`` (OpenRLHF broadcasts weights one tensor at a time), ``one_f_one_b`` (the peers'
+    Megatron pipeline schedule; Nereus's runtime runs GPipe). ``cuda_graphs``: the rollout
+    engine's mode (``SimConfig.cuda_graphs``, vLLM's ``enforce_eager`` false), the same for every
+    strategy."""
 
     def __init__(
         self,
         trace: Trace,
         model: ModelConfig,
-        profile: HardwareProfile,
+        profile: Device,
         noise: NoiseSettings,
         seed: int,
         *,
         stages: tuple[ModelStage, ...] = PPO_STAGES,
+        cuda_graphs: bool = False,
     ) -> None:
         self.trace, self.profile, self.seed, self.stages = trace, profile, seed, stages
         self.models = {m: v for m, v in models_for(model).items() if m in {model_of(s) for s in stages}}
@@ -92,20 +104,18 @@ class World:
             for s in stages
         }
         self.constants = stage_world.constants_for(self.sizes["actor"].params)
-        self.per_tensor_sync = False  # the framework broadcasts weights one tensor at a time (OpenRLHF)
-        # The framework shards train and forward weights over the data-parallel ranks (verl's FSDP,
-        # OpenRLHF's ZeRO-3), set by its strategy; the cost model, and Nereus's runtime, know ZeRO-1.
+        self.cuda_graphs = cuda_graphs
+        self.per_tensor_sync = False
         self.sharded_weights = False
+        self.one_f_one_b = False
         # One noise column per model-stage there is (and the sync), whichever the job has: a stage meets
         # the same noise in a PPO and a GRPO run of one (trace, seed).
         rng = np.random.default_rng([seed, 20_260_117])
         self.stage_noise = np.exp(rng.normal(0.0, noise.stage_sigma, size=(trace.steps, SYNC + 1)))
         self.transition_noise = np.exp(rng.normal(0.0, noise.transition_sigma, size=trace.steps))
-        self._recompute = profile.model_copy(update={"activation_recompute": "full"})
         self._step_of = {w: k for k, w in reversed(list(enumerate(trace.workloads)))}
         self._lengths: dict[int, np.ndarray] = {}
         self._truth: dict[tuple, float] = {}
-        self._geometries: dict[tuple, Geometry] = {}
         self._evals: dict[tuple, StageEval] = {}
         self.k = 0
         self.recomputed: set[str] = set()  # the train stages the last ``tune`` ran with recomputation
@@ -134,20 +144,26 @@ class World:
             )
         return found
 
-    def truth_s(self, stage: str, layout: Layout, work: Workload, *, recompute: bool = False) -> float:
+    def _step(self, work: StepWork) -> int:
+        return self.k if self.trace.workloads[self.k] == work else self._step_of.get(work, self.k)
+
+    def _shape(self, layout: Layout) -> stage_world.Shape:
+        per_node = self.profile.devices_per_node
+        return stage_world.Shape(layout.tp, layout.pp, layout.dp, layout.micro_batches, per_node)
+
+    def truth_s(self, stage: str, layout: Layout, work: StepWork, *, recompute: bool = False) -> float:
         """The world model's seconds of one stage on one layout for the step whose workload is ``work``."""
-        k = self.k if self.trace.workloads[self.k] == work else self._step_of.get(work, self.k)
+        k = self._step(work)
         key = (stage, layout.tp, layout.pp, layout.dp, layout.micro_batches, k, recompute)
         found = self._truth.get(key)
         if found is None:
             size, c, gpu = self.sizes[model_of(stage)], self.constants, self._gpu(k)
-            shape = stage_world.Shape(
-                layout.tp, layout.pp, layout.dp, layout.micro_batches, self.profile.devices_per_node
-            )
-            lengths, prompt = self.lengths(k), float(work.prompt_len)
-            kind = stage_kind(stage)
+            shape, lengths, prompt = self._shape(layout), self.lengths(k), float(work.prompt_len)
+            kind = ModelStage(stage).kind
             if kind == "generate":
-                found = stage_world.generation_s(lengths, prompt, size, gpu, c, shape)
+                found = stage_world.generation_s(
+                    lengths, prompt, size, gpu, c, shape, cuda_graphs=self.cuda_graphs
+                )
             elif kind == "train":
                 one = stage_world.pass_time_s(
                     lengths, prompt, size, gpu, c, shape, train=True, recompute=recompute
@@ -158,45 +174,39 @@ class World:
             self._truth[key] = found
         return found
 
-    # ---------------------------------------------------------------- cost-model terms and memory
+    # ---------------------------------------------------------------- memory
 
-    def _geometry(self, stage: str, layout: Layout) -> Geometry:
-        key = (model_of(stage), layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.devices)
-        geo = self._geometries.get(key)
-        if geo is None:
-            stats = model_stats(self.models[model_of(stage)])
-            geo = self._geometries[key] = layout_geometry(stats, self.profile, layout)
-        return geo
+    def held(self, stage: str, layout: Layout, work: StepWork, *, recompute: bool = False) -> memory.Held:
+        """Bytes one device of ``layout`` holds for ``stage`` at step ``work`` (``memory``)."""
+        k, size, shape = self._step(work), self.sizes[model_of(stage)], self._shape(layout)
+        lengths, prompt = self.lengths(k), float(work.prompt_len)
+        kind = ModelStage(stage).kind
+        if kind == "generate":
+            return memory.generation_bytes(lengths, prompt, size, shape)
+        return memory.pass_bytes(
+            lengths,
+            prompt,
+            size,
+            shape,
+            train=kind == "train",
+            recompute=recompute,
+            sharded=self.sharded_weights,
+            one_f_one_b=self.one_f_one_b,
+        )
 
-    def tables(
-        self, stage: str, geo: Geometry, work: Workload, profile: HardwareProfile | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Cost-model terms ``[terms, n]``, persistent and transient bytes per candidate; with
-        ``sharded_weights`` a train or forward stage holds 1/dp of the cost model's weight bytes (the
-        gathers' traffic is not charged, the gradients stay whole)."""
-        stats = model_stats(self.models[model_of(stage)])
-        raw, mem = stage_tables(stage_kind(stage), geo, work, stats, profile or self.profile)
-        persistent = mem[PERSISTENT].sum(axis=0)
-        if self.sharded_weights and stage_kind(stage) != "generate":
-            persistent = persistent - mem[MEMORY_PARTS.index("weights")] * (1.0 - 1.0 / geo.dp)
-        return raw, persistent, mem[~PERSISTENT].sum(axis=0)
-
-    def stage(self, stage: str, layout: Layout, work: Workload) -> StageEval:
-        """One model-stage on one layout for one workload (kept for the step, as strategies ask twice)."""
+    def stage(self, stage: str, layout: Layout, work: StepWork) -> StageEval:
+        """One model-stage on one layout for one step (kept for the step, as strategies ask twice)."""
         key = self._eval_key(stage, layout, work)
         found = self._evals.get(key)
         if found is None:
-            raw, persistent, transient = self.tables(stage, self._geometry(stage, layout), work)
-            seconds = self.truth_s(stage, layout, work)
-            found = self._evals[key] = StageEval(
-                raw[:, 0], seconds, float(persistent[0]), float(transient[0])
-            )
+            held = self.held(stage, layout, work)
+            found = self._evals[key] = StageEval(self.truth_s(stage, layout, work), *held)
         return found
 
-    def _eval_key(self, stage: str, layout: Layout, work: Workload) -> tuple:
-        """What a kept evaluation depends on (the weights' sharding too: strategies set it)."""
+    def _eval_key(self, stage: str, layout: Layout, work: StepWork) -> tuple:
+        """What a kept evaluation depends on (the frameworks' flags too: strategies set them)."""
         shape = (layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.devices)
-        return (stage, *shape, work, self.sharded_weights)
+        return (stage, *shape, work, self.sharded_weights, self.one_f_one_b)
 
     def floor_s(self, k: int) -> dict[str, float]:
         """Seconds per phase of step ``k`` that no plan of any shape can beat in this world: generation
@@ -207,11 +217,12 @@ class World:
         PPO runs the phases one after another."""
         c, gpu, n = self.constants, self._gpu(k), int(self.trace.devices[k])
         lengths, prompt, epochs = self.lengths(k), float(self.trace.prompt_len[k]), self.trace.ppo_epochs
-        out = {"generate": c.generate_fixed_s + c.decode_step_s * float(lengths.max())}
+        per_iteration = stage_world.decode_overhead_s(c, self.cuda_graphs)
+        out = {"generate": c.generate_fixed_s + per_iteration * float(lengths.max())}
         for kind in ("infer", "train"):
             train, fixed = kind == "train", c.train_fixed_s if kind == "train" else c.infer_fixed_s
             work = 0.0  # device-seconds of the phase: one device running the whole batch
-            for stage in (s for s in self.stages if stage_kind(s) == kind):
+            for stage in (s for s in self.stages if ModelStage(s).kind == kind):
                 size = self.sizes[model_of(stage)]
                 one = stage_world.pass_time_s(lengths, prompt, size, gpu, c, stage_world.Shape(), train=train)
                 work += (one - fixed) * (epochs if train else 1)
@@ -229,21 +240,30 @@ class World:
         self._evals.clear()
         self._truth = {key: v for key, v in self._truth.items() if key[5] >= k}
 
-    def true_stage_s(self, stage: str, layout: Layout, work: Workload) -> float:
+    def true_stage_s(self, stage: str, layout: Layout, work: StepWork) -> float:
         return self.stage(stage, layout, work).seconds
+
+    def step_s(self, plan: GlobalPlan, stage_s: Mapping[str, float], sync_s: float) -> float:
+        """A step's seconds from its stages' and the weight sync's, as the runtimes run them: generation,
+        then the weight sync, then the forward passes, then the train stages, each phase starting when
+        the one before has ended on every device; within a phase each stage starts once all its devices
+        are free (its collectives span them) and holds them until it ends, stages in the job's order."""
+        total = 0.0
+        for kind in ("generate", "infer", "train"):
+            free: dict[int, float] = {}
+            for stage in (s for s in MODEL_STAGES if s in plan.layouts and ModelStage(s).kind == kind):
+                devices = plan.layouts[stage].devices
+                end = max(free.get(d, 0.0) for d in devices) + stage_s.get(stage, 0.0)
+                free.update(dict.fromkeys(devices, end))
+            total += max(free.values(), default=0.0)
+            if kind == "generate":
+                total += sync_s
+        return total
 
     def measured_stage_s(self, k: int, stage: str, true_s: float) -> float:
         return true_s * float(self.stage_noise[k, MODEL_STAGES.index(stage)])
 
     # ---------------------------------------------------------------- sync, transitions, restarts
-
-    def raw_sync_s(self, plan: GlobalPlan) -> float:
-        """Weight sync from actor/train to actor/generate as the cost model estimates it."""
-        train, gen = plan.layouts.get("actor/train"), plan.layouts.get(GENERATE)
-        if train is None or gen is None:
-            return 0.0
-        colocated = sync_colocated(train, gen)
-        return weight_sync_s(train, gen, self.models["actor"], self.profile, colocated=colocated)
 
     def true_sync_s(self, plan: GlobalPlan) -> float:
         """The weight sync in truth (``transitions.sync_s``, the world's formula): the actor's bf16 weights
@@ -300,7 +320,7 @@ class World:
 
     # ---------------------------------------------------------------- memory and micro-batches
 
-    def resident(self, plan: GlobalPlan, work: Workload) -> dict[str, float]:
+    def resident(self, plan: GlobalPlan, work: StepWork) -> dict[str, float]:
         """Per model-stage: the persistent bytes (weights, optimizer) of its busiest device, summed over
         every stage on that device; memory per device is that plus the largest transient."""
         per_stage = {s: self.stage(s, v, work).persistent for s, v in plan.layouts.items()}
@@ -315,7 +335,7 @@ class World:
         stage: str,
         layout: Layout,
         ms: list[int],
-        work: Workload,
+        work: StepWork,
         room: float,
         by_time: bool,
         recompute: bool | None = None,
@@ -324,33 +344,36 @@ class World:
         ``by_time``, else the only one given); a train stage that fits with none turns on full activation
         recomputation at its time cost (``recompute`` None; True or False fixes it, a launch flag).
         Stored for ``stage()``. Returns the layout, whether it fits, and whether it recomputes."""
-        one = self._geometry(stage, layout)
-        geo = Geometry(*(np.repeat(f, len(ms)) for f in one))._replace(m=np.asarray(ms, dtype=np.int64))
-        train = stage_kind(stage) == "train" and self.profile.activation_recompute != "full"
-        forced = bool(recompute) and train
-        raw, persistent, transient = self.tables(stage, geo, work, self._recompute if forced else None)
-        auto = recompute is None
-        ok, recompute = transient <= room, forced
-        if auto and not ok.any() and train:
-            raw, persistent, transient = self.tables(stage, geo, work, self._recompute)
-            ok, recompute = transient <= room, True
+        train = ModelStage(stage).kind == "train"
         options = [layout.model_copy(update={"micro_batches": m}) for m in ms]
+
+        def bytes_of(again: bool) -> tuple[np.ndarray, np.ndarray]:
+            held = [self.held(stage, v, work, recompute=again) for v in options]
+            return np.array([h.persistent for h in held]), np.array([h.transient for h in held])
+
+        recompute_now = bool(recompute) and train
+        persistent, transient = bytes_of(recompute_now)
+        ok = transient <= room
+        if recompute is None and train and not ok.any():
+            recompute_now = True
+            persistent, transient = bytes_of(True)
+            ok = transient <= room
         secs = np.array(
-            [self.truth_s(stage, v, work, recompute=recompute) if by_time else 0.0 for v in options]
+            [self.truth_s(stage, v, work, recompute=recompute_now) if by_time else 0.0 for v in options]
         )
         i = int(np.argmin(np.where(ok, secs, np.inf))) if ok.any() else int(np.argmin(transient))
         if not by_time:
-            secs[i] = self.truth_s(stage, options[i], work, recompute=recompute)
+            secs[i] = self.truth_s(stage, options[i], work, recompute=recompute_now)
         chosen = options[i]
         self._evals[self._eval_key(stage, chosen, work)] = StageEval(
-            raw[:, i], float(secs[i]), float(persistent[i]), float(transient[i])
+            float(secs[i]), float(persistent[i]), float(transient[i])
         )
-        return chosen, bool(ok.any()), recompute
+        return chosen, bool(ok.any()), recompute_now
 
     def tune(
         self,
         plan: GlobalPlan,
-        work: Workload,
+        work: StepWork,
         usable: float,
         *,
         recompute: Mapping[str, bool] | None = None,
@@ -371,7 +394,7 @@ class World:
             ms = (
                 [layout.micro_batches]
                 if stage in keep
-                else micro_batch_options(stage, layout, work.batch, self.profile)
+                else micro_batch_options(stage, layout, work.batch, self.profile.max_generate_waves)
             )
             flag = None if recompute is None else recompute.get(stage)
             room = usable - resident[stage]
@@ -383,7 +406,7 @@ class World:
         return tuned, fits, {s: self.stage(s, v, work).seconds for s, v in layouts.items()}
 
     def run_plan(
-        self, plan: GlobalPlan, work: Workload, usable: float, *, recompute: bool | None = None
+        self, plan: GlobalPlan, work: StepWork, usable: float, *, recompute: bool | None = None
     ) -> tuple[GlobalPlan, dict[str, float]]:
         """``plan`` as it runs, and each stage's true seconds on it: every stage's micro-batches kept,
         with the world's recomputation option where a train stage would not fit ``usable`` (or
@@ -394,7 +417,7 @@ class World:
         ran, _, seconds = self.tune(plan, work, usable, recompute=flags, keep=kept)
         return ran, seconds
 
-    def peak_bytes(self, plan: GlobalPlan, work: Workload) -> float:
-        """Bytes on the busiest device of ``plan`` (``plan.evaluate_plan``'s rule, true memory)."""
+    def peak_bytes(self, plan: GlobalPlan, work: StepWork) -> float:
+        """Bytes on the busiest device of ``plan``: its resident bytes and its stages' largest transient."""
         resident = self.resident(plan, work)
         return max(resident[s] + self.stage(s, v, work).transient for s, v in plan.layouts.items())

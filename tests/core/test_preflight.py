@@ -13,7 +13,6 @@ from nereus_core.config import ConfigError, NereusConfig, parse_config
 from nereus_core.controller.decide import ControllerState, Observation, decide, evaluate_plan
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import memory_per_device
-from nereus_core.cost.stage_cost import Workload
 from nereus_core.plan import GlobalPlan, default_plan
 from nereus_core.preflight import (
     BYTES_PER_VALUE,
@@ -31,6 +30,7 @@ from nereus_core.preflight import (
     rollout_bytes,
 )
 from nereus_core.rl.rollout import Rollout
+from nereus_core.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"

@@ -21,9 +21,10 @@ from nereus_core.controller.decide import (
 )
 from nereus_core.cost.hardware import CPU_WORKERS, H100_SXM
 from nereus_core.cost.plan_estimate import memory_per_device
-from nereus_core.cost.stage_cost import Workload, estimate
+from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, GlobalPlan, PlanRules, model_of, problems
+from nereus_core.workload import Workload
 from tests.support.controller_setup import GB, fresh, observe, work
 from tests.support.model_configs import MID
 

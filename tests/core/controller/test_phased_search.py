@@ -14,9 +14,10 @@ from nereus_core.controller.decide import ControllerState, evaluate_plan
 from nereus_core.controller.search import Searcher, SearchSpace
 from nereus_core.cost.hardware import H100_SXM
 from nereus_core.cost.plan_estimate import memory_per_device, step_seconds
-from nereus_core.cost.stage_cost import MemoryEstimate, Scales, Workload
+from nereus_core.cost.stage_cost import MemoryEstimate, Scales
 from nereus_core.layout import Layout
 from nereus_core.plan import PPO_STAGES, GlobalPlan, PlanRules, models_for, phases, problems
+from nereus_core.workload import Workload
 
 GB = 1e9
 OVERLAP = ControllerState.initial(

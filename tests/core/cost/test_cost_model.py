@@ -18,7 +18,6 @@ from nereus_core.cost.hardware import CPU_WORKERS, H100_SXM, get_profile
 from nereus_core.cost.stage_cost import (
     TERMS,
     Scales,
-    Workload,
     bubble_fraction,
     estimate,
     estimate_many,
@@ -36,6 +35,7 @@ from nereus_core.cost.transition_cost import (
 )
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage
+from nereus_core.workload import Workload
 from tests.support.model_configs import MID
 
 TINY = ModelConfig()

@@ -11,9 +11,10 @@ import pytest
 
 from nereus_core.config import LLAMA_3_8B, parse_config
 from nereus_core.cost.hardware import H100_SXM
-from nereus_core.cost.stage_cost import Workload, estimate
+from nereus_core.cost.stage_cost import estimate
 from nereus_core.cost.terms import layout_geometry, model_stats
 from nereus_core.layout import Layout
+from nereus_core.workload import Workload
 
 # Llama-3-8B on the H100 profile: selective recomputation (34 values per token per layer), 16-bit
 # activations, 1F1B; an lm head's fp32 log-softmax input of vocab values per token.
@@ -27,8 +28,11 @@ def _infer_bytes(tokens: float, tp: int = 1) -> float:
     return tokens * HIDDEN * 34 * ACT_BYTES / 2 / tp + tokens * VOCAB * 4 / tp
 
 
-def _activations(stage: str, layout: Layout, work: Workload) -> int:
-    return estimate(stage, layout, work, LLAMA_3_8B, H100_SXM).memory.activations
+ONE_F_ONE_B = H100_SXM.model_copy(update={"pipeline_schedule": "1f1b"})  # Megatron's pipelines
+
+
+def _activations(stage: str, layout: Layout, work: Workload, profile=ONE_F_ONE_B) -> int:
+    return estimate(stage, layout, work, LLAMA_3_8B, profile).memory.activations
 
 
 def _packed(budget: int | None = None) -> Workload:
@@ -144,7 +148,7 @@ def test_gradient_checkpointing_keeps_each_layer_s_input_only_in_train_passes() 
     work = _packed(16384)
 
     def act(config, stage: str) -> int:
-        return estimate(stage, layout, work, config, H100_SXM).memory.activations
+        return estimate(stage, layout, work, config, ONE_F_ONE_B).memory.activations
 
     logits = 16384 * VOCAB * 4
     assert act(checkpointed, "actor/train") == pytest.approx(
@@ -154,3 +158,14 @@ def test_gradient_checkpointing_keeps_each_layer_s_input_only_in_train_passes() 
     assert act(checkpointed, "reference/infer") == act(LLAMA_3_8B, "reference/infer")  # no backward
     plain, again = (estimate("actor/train", layout, work, c, H100_SXM) for c in (LLAMA_3_8B, checkpointed))
     assert again.seconds > plain.seconds  # the extra forward is priced
+
+
+def test_the_runtime_s_pipeline_holds_every_micro_batch_and_no_pipeline_holds_one() -> None:
+    # H100_SXM prices Nereus's runtime (engine/train.py): GPipe across stages, and without a pipeline
+    # each micro-batch backpropagates before the next, so a budget that cuts more micro-batches
+    # lowers the peak only there.
+    piped, flat = (Layout.contiguous(pp=p, micro_batches=1) for p in (2, 1))
+    small, large = (_activations("actor/train", piped, _packed(b), H100_SXM) for b in (16384, 32768))
+    assert small == pytest.approx(large, rel=0.01)  # every micro-batch in flight: the replica's tokens
+    small, large = (_activations("actor/train", flat, _packed(b), H100_SXM) for b in (16384, 32768))
+    assert large / small == pytest.approx(2.0, rel=0.05)

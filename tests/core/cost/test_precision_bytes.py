@@ -12,7 +12,7 @@ import torch
 from nereus_core.config import ModelConfig
 from nereus_core.cost.geometry import value_bytes
 from nereus_core.cost.hardware import CPU_WORKERS, H100_SXM
-from nereus_core.cost.stage_cost import Workload, estimate, model_stats
+from nereus_core.cost.stage_cost import estimate, model_stats
 from nereus_core.emu import bytes_per_device, partitioned_kinds, plan_reshard, shard_map
 from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.dispatch import per_device_batch
@@ -23,6 +23,7 @@ from nereus_core.engine.train import train_step
 from nereus_core.gtg import TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import stage_schedule
 from nereus_core.layout import Layout
+from nereus_core.workload import Workload
 from tests.support.dist_utils import run_world
 from tests.support.model_configs import SHARDABLE
 

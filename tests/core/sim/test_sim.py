@@ -11,7 +11,8 @@ import pytest
 from nereus_core.config import ConfigError
 from nereus_core.controller.decide import evaluate_plan
 from nereus_core.cost.hardware import H100_SXM
-from nereus_core.plan import GENERATE, MODEL_STAGES
+from nereus_core.layout import Layout
+from nereus_core.plan import GENERATE, MODEL_STAGES, GlobalPlan
 from nereus_core.sim.baselines import OpenRLHFStrategy, VerlStrategy
 from nereus_core.sim.config import LLAMA_3_8B, NoiseSettings, StrategySpec, parse_sim_config
 from nereus_core.sim.job import SimJob, make_strategy, run_job
@@ -133,8 +134,8 @@ def test_calibration_learns_a_world_that_is_not_the_cost_model() -> None:
     # but the truth is another model: never exact (8.8 % here).
     assert 0.01 < summary["prediction_error_first5"] < 0.25
     # Calibration helps; scales on the cost model's terms cannot express every cost the world has,
-    # so the error falls (8.8 % -> 6.5 % here), it does not vanish.
-    assert summary["prediction_error_45_55"] < 0.8 * summary["prediction_error_first5"]
+    # so the error falls (8.5 % -> 7.0 % here), it does not vanish.
+    assert summary["prediction_error_45_55"] < 0.9 * summary["prediction_error_first5"]
     # The prediction is the controller's own estimate with its calibrated scales.
     work = tr.workloads[-1]
     usable = int(usable_bytes(tr.memory_bytes(tr.steps - 1), cfg.controller.headroom))
@@ -209,7 +210,7 @@ def test_tune_picks_micro_batches_that_fit() -> None:
     assert fits and set(seconds) == set(MODEL_STAGES)
     assert world.peak_bytes(tuned, tr.workloads[0]) <= usable
     for stage, layout in tuned.layouts.items():
-        assert layout.micro_batches in micro_batch_options(stage, layout, 1024, H100_SXM)
+        assert layout.micro_batches in micro_batch_options(stage, layout, 1024, H100_SXM.max_generate_waves)
         assert (1024 // layout.dp) % layout.micro_batches == 0
 
 
@@ -256,7 +257,12 @@ def test_phased_step_time_overlaps_models_on_different_gpus() -> None:
     plan = openrlhf.begin(world).plan
     stage_s = dict(zip(MODEL_STAGES, (10.0, 7.0, 3.0, 5.0, 4.0, 2.0), strict=True))
     # generate + sync, then max(ref 4, reward 2, critic/infer 3), then max(actor 7, critic 5)
-    assert openrlhf.combine(plan, stage_s, 1.0) == pytest.approx(10 + 1 + 4 + 7)
+    assert world.step_s(plan, stage_s, 1.0) == pytest.approx(10 + 1 + 4 + 7)
+    # stages sharing devices run one after another (a colocated plan: every stage in turn)
+    together = GlobalPlan.model_construct(
+        placement="colocated", layouts={s: Layout.contiguous(dp=16) for s in MODEL_STAGES}
+    )
+    assert world.step_s(together, stage_s, 1.0) == pytest.approx(sum(stage_s.values()) + 1.0)
 
 
 # ---------------------------------------------------------------- summary
@@ -296,13 +302,15 @@ def test_truth_is_the_world_model_on_each_steps_sequences() -> None:
     assert int(tail.response_max[0]) == 9000 and tail.response_mean[0] == tr.response_mean[0]
     a, b = (World(t, cfg.model, H100_SXM, cfg.noise, seed=0) for t in (tr, tail))
     layout = make_strategy(cfg, "static").begin(a).plan.layouts[GENERATE]
-    # same mean, a longer tail: the slowest sequence sets the generation time
+    # same mean, a longer possible tail: the world draws its own (the Beta reaches the longer limit
+    # only as often as it says), so the slowest sequence, and the generation time, grow
     gen = a.true_stage_s(GENERATE, layout, tr.workloads[0])
-    assert b.true_stage_s(GENERATE, layout, tail.workloads[0]) > 1.5 * gen
+    assert b.lengths(0).max() > a.lengths(0).max()
+    assert b.true_stage_s(GENERATE, layout, tail.workloads[0]) > 1.2 * gen
     # a step's sequences are drawn once per seed: the same for every strategy, new for another seed
     assert np.array_equal(a.lengths(1), World(tr, cfg.model, H100_SXM, cfg.noise, seed=0).lengths(1))
     assert not np.array_equal(a.lengths(1), World(tr, cfg.model, H100_SXM, cfg.noise, seed=1).lengths(1))
-    assert a.lengths(0).max() == 2400 and abs(a.lengths(0).mean() / 800 - 1) < 0.05
+    assert 0.8 * 2400 < a.lengths(0).max() <= 2400 and abs(a.lengths(0).mean() / 800 - 1) < 0.05
 
 
 def test_transitions_pay_fixed_costs_and_a_step_that_does_not_fit_pays_a_restart() -> None:
@@ -350,12 +358,10 @@ def test_every_strategy_gets_recomputation_when_a_train_stage_would_not_fit() ->
     work, train = tr.workloads[0], "actor/train"
     usable = usable_bytes(tr.memory_bytes(0), 0.1)
     room = usable - world.resident(plan, work)[train]
-    recompute = H100_SXM.model_copy(update={"activation_recompute": "full"})
     found = None
-    for m in micro_batch_options(train, plan.layouts[train], work.batch, H100_SXM):
+    for m in micro_batch_options(train, plan.layouts[train], work.batch, H100_SXM.max_generate_waves):
         layout = plan.layouts[train].model_copy(update={"micro_batches": m})
-        geo = world._geometry(train, layout)
-        plain, with_rc = (world.tables(train, geo, work, p)[2][0] for p in (H100_SXM, recompute))
+        plain, with_rc = (world.held(train, layout, work, recompute=r).transient for r in (False, True))
         if plain > room >= with_rc:
             found = layout
             break

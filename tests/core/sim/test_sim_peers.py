@@ -73,7 +73,7 @@ def test_an_unplanned_shrink_loses_the_steps_since_the_last_checkpoint_for_every
 def test_the_launch_config_knows_step_zero_only_and_hindsight_is_a_what_if() -> None:
     cfg = config(strategies={"verl": {"kind": "verl"}, "seer": {"kind": "verl", "config": "hindsight"}})
     short = parse_trace(csv_text(6, mean=lambda k: 600.0), name="t")
-    grows = parse_trace(csv_text(6, mean=lambda k: 600.0 if k == 0 else 6000.0), name="t")
+    grows = parse_trace(csv_text(6, mean=lambda k: 600.0 if k == 0 else 12000.0), name="t")
     plans = {}
     for tr in (short, grows):
         for name in ("verl", "seer"):
