@@ -16,8 +16,9 @@ this world can beat, in or out of this plan space.
 Reported per trace: each strategy's sampled mean true step, ``ceiling`` and ``floor``; the
 strategy's total over the ceiling's (above 1: the best plan per step is that much faster); each
 one's total over the floor's (``over_floor``: no plan can be more than that factor faster).
-Step times are the world's (``World.step_s``: pools take turns, as the job runs). The search's tables are the cost model's candidates; the ceiling is over those layouts,
-so it bounds what this controller's search can reach, not every conceivable plan.
+Step times are the world's (``World.step_s``: pools take turns, as the job runs). The search's
+tables are the cost model's candidates; the ceiling is over those layouts, so it bounds what this
+controller's search can reach, not every conceivable plan.
 
 verl and OpenRLHF hold their train and forward weights sharded over their data-parallel ranks,
 as their strategies set the world (``World.sharded_weights``: verl's FSDP, OpenRLHF's ZeRO-3).
