@@ -40,7 +40,7 @@ from nereus_core.sim.stage_world import ModelSize, Shape, balanced_replicas, pip
 
 STATE_BYTES = {"weights": 2.0, "gradients": 2.0, "optimizer": 12.0}  # per parameter, ZeRO's accounting
 FROZEN_BYTES = 2.0  # bf16 weights
-ACTIVATION_BYTES = 23.6  # per token, layer and hidden unit: benchmarks/fit_world_memory.py
+ACTIVATION_BYTES = 23.12  # per token, layer and hidden unit: benchmarks/fit_world_memory.py
 INPUT_BYTES = 2.0  # a recomputed layer keeps its bf16 input
 LOGIT_BYTES_TRAIN = 2.0 + 4.0 + 4.0
 LOGIT_BYTES_FORWARD = 2.0 + 4.0
