@@ -199,7 +199,7 @@ def test_the_controller_sees_the_real_prompt_tokens_and_memory_their_longest() -
 @pytest.mark.skip(
     reason="since the cost model holds one micro-batch in flight without a pipeline, the demo's first "
     "decisions switch to a phased plan and ask for no probes; the test needs a job whose plan does not "
-    "move (probes in a running job stay covered by tests/tasks: run_probes)"
+    "move"
 )
 def test_the_job_asks_for_probes_and_the_next_decision_calibrates_on_their_timings() -> None:
     """The job's controller asks for probes (the runtime runs them: tasks/probes.py); the timings the
