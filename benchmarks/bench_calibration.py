@@ -47,9 +47,9 @@ from benchmarks.calibration_analysis import (
     calibrate,
     layout_of,
 )
+from nereus_core.config import Workload
 from nereus_core.cost.hardware import CPU_WORKERS
 from nereus_core.layout import Layout
-from nereus_core.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,11 +20,11 @@ import statistics
 import time
 
 from nereus_core.config import LLAMA_3_8B as LLAMA_8B
+from nereus_core.config import Workload
 from nereus_core.controller.decide import ControllerState, Decision, Observation, StageTiming, decide
 from nereus_core.cost.hardware import H100_SXM
 from nereus_core.cost.stage_cost import estimate
 from nereus_core.plan import PPO_STAGES, model_of, models_for
-from nereus_core.workload import Workload
 
 # 256 prompts x 4 samples; responses of ~1,000 tokens as in NeMo RL's 8B GRPO run (its docs' performance
 # summary).

@@ -29,13 +29,12 @@ import torch
 
 from benchmarks.bench_logprob_memory import chunked_logprobs, peak_bytes, train_step
 from benchmarks.bench_runtime import median_s
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
 from nereus_core.model.llama import LlamaStage
 from nereus_core.model.weights import init_full_state
-from nereus_core.workload import Workload
 
 
 def model(args: argparse.Namespace, checkpointed: bool) -> ModelConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.controller.decide import (
     ControllerSettings,
     ControllerState,
@@ -23,7 +23,6 @@ from nereus_core.cost.hardware import CPU_WORKERS
 from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import PPO_STAGES, models_for
-from nereus_core.workload import Workload
 
 CONFIG = ModelConfig(num_attention_heads=8, num_key_value_heads=4)
 WORKLOAD = Workload(batch=8, prompt_len=16, response_mean=16, response_high=16)

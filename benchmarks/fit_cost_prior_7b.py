@@ -22,12 +22,11 @@ import json
 import numpy as np
 
 from benchmarks import fit_world_7b as fw
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.cost.hardware import H100_SXM, HardwareProfile
 from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import models_for
-from nereus_core.workload import Workload
 
 FIXED = ("generate_call_s", "infer_call_s", "train_call_s")
 CONFIGS = {  # config.json of each published run's model

@@ -49,13 +49,16 @@ def world_gib(gpus: int, tokens: int, recompute: bool, activation_bytes: float) 
     """The world's bytes on one GPU of a run, at ``activation_bytes``."""
     shape = Shape(dp=gpus)
     lengths = np.full(gpus, tokens, dtype=np.int64)  # one packed row of the GPU's tokens per replica
-    saved, memory.ACTIVATION_BYTES = memory.ACTIVATION_BYTES, activation_bytes
-    try:
-        held = memory.pass_bytes(
-            lengths, 0.0, LLAMA31_8B, shape, train=True, recompute=recompute, sharded=True
-        )
-    finally:
-        memory.ACTIVATION_BYTES = saved
+    held = memory.pass_bytes(
+        lengths,
+        0.0,
+        LLAMA31_8B,
+        shape,
+        train=True,
+        recompute=recompute,
+        sharded=True,
+        activation_bytes=activation_bytes,
+    )
     return (held.persistent + held.transient) / GIB
 
 

@@ -36,13 +36,12 @@ from pathlib import Path
 
 import numpy as np
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.cost.hardware import H100_SXM, HardwareProfile
 from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import models_for
 from nereus_core.sim import stage_world
-from nereus_core.workload import Workload
 
 QWEN_05B = ModelConfig(  # Qwen/Qwen2.5-0.5B-Instruct config.json
     vocab_size=151936,

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from nereus_core.config import ModelConfig, NereusConfig, ScenarioEvent
+from nereus_core.config import ModelConfig, NereusConfig, ScenarioEvent, Workload
 from nereus_core.controller.decide import (
     ControllerSettings,
     ControllerState,
@@ -47,7 +47,6 @@ from nereus_core.plan import (
     problems,
     slots_needed,
 )
-from nereus_core.workload import Workload
 
 SwitchStatus = Literal["committed", "aborted", "refused"]
 

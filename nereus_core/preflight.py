@@ -19,12 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nereus_core.config import ConfigError, ModelConfig, NereusConfig
+from nereus_core.config import ConfigError, ModelConfig, NereusConfig, Workload
 from nereus_core.controller.decide import ControllerState, evaluate_plan
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import memory_per_device
 from nereus_core.plan import GlobalPlan, default_plan, model_of
-from nereus_core.workload import Workload
 
 if TYPE_CHECKING:
     from nereus_core.job import JobState

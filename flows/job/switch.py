@@ -27,10 +27,10 @@ from flows.job.records import log_decision
 from flows.job.step_context import StepContext
 from flows.job.transition import transition_flow
 from nereus_core import job
+from nereus_core.config import recovery_write
 from nereus_core.controller.decide import Decision, TransitionTiming
 from nereus_core.controller.transition_schedule import has_durable_units, staged_in_place
 from nereus_core.cost.transition_cost import engines_rebuilt
-from nereus_core.recovery import recovery_write
 from storage.journal import journals
 from tasks import job_ops
 from tasks.controller import controller_step

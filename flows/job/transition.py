@@ -34,14 +34,13 @@ from prefect import flow, get_run_logger
 from flows.job import rollback
 from flows.job.rehydration import rehydrate_all, rehydrate_stage, relink, run_op
 from nereus_core import faults
-from nereus_core.config import NereusConfig
+from nereus_core.config import NereusConfig, engine_kv_bytes
 from nereus_core.controller.moves import MoveBasis, MoveSchedule, Planned
 from nereus_core.controller.transition_schedule import plan_moves
 from nereus_core.gtg import TransitionGraph, TransitionInfeasible
 from nereus_core.gtg.execution import NoStageSchedule, StageSchedule
 from nereus_core.job import model_config, optimizer_settings
 from nereus_core.plan import GlobalPlan, StageLayouts, copies
-from nereus_core.workload import engine_kv_bytes
 from storage.journal import ABORT, COMMIT, DONE, START, Journal
 from tasks import model_ops
 from tasks.runtime.device_pool import DevicePool

@@ -6,6 +6,7 @@
     errors.py     pydantic's errors turned into one line naming the field and the fix
     rollout.py    the rollout section: Nereus's sampler or vLLM engines for actor/generate
     passes.py     the passes section: packed sequences and token-budget micro-batches
+    workload.py   ``Workload``: what one step asks of every model-stage (its batch, lengths, passes)
     job.py        ``NereusConfig``, the job's whole config, and ``parse_config``
     from_yaml.py  YAML text -> ``NereusConfig``, with limits on what the text may hold
 
@@ -18,13 +19,16 @@ from nereus_core.config.job import (
     MODEL_STAGES,
     ModelConfig,
     NereusConfig,
+    RecoveryMode,
     RopeScaling,
     ScenarioEvent,
     parse_config,
+    recovery_write,
     with_overrides,
 )
 from nereus_core.config.passes import PassesConfig
 from nereus_core.config.rollout import RolloutConfig, vllm_installed
+from nereus_core.config.workload import Workload, engine_kv_bytes
 
 __all__ = [
     "LLAMA_3_8B",
@@ -34,11 +38,15 @@ __all__ = [
     "ModelConfig",
     "NereusConfig",
     "PassesConfig",
+    "RecoveryMode",
     "RolloutConfig",
     "RopeScaling",
     "ScenarioEvent",
+    "Workload",
+    "engine_kv_bytes",
     "name_error",
     "parse_config",
+    "recovery_write",
     "shown",
     "vllm_installed",
     "with_overrides",

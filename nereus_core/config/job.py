@@ -47,7 +47,6 @@ from nereus_core.frozen import Frozen
 from nereus_core.hf.files import HFDirError, value_model
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage, PlanRules, models_for, problems, stages_for
-from nereus_core.recovery import RecoveryMode
 from nereus_core.rl.algorithm import AlgorithmConfig
 from nereus_core.rl.ppo import PPOConfig
 
@@ -71,6 +70,20 @@ class ScenarioEvent(Frozen):
                 f"job.scenario event at step {self.step} changes nothing; set devices or response_len"
             )
         return self
+
+
+# What a switch writes as its recovery point (``job.switch_recovery``): ``sync`` every model's state to
+# the store, ``async`` staged in host memory and written in the background (PyTorch DCP's
+# ``async_save``), ``none`` nothing (the newest complete checkpoint stays the recovery point). The
+# runtime's rule, which the cost model prices and the simulated world charges, each by its own constants.
+RecoveryMode = Literal["async", "sync", "none"]
+
+
+def recovery_write(mode: RecoveryMode, *, durable: bool) -> RecoveryMode:
+    """What a switch writes: a switch with durable units (or a new world) rehydrates them from a
+    checkpoint of the step, so it writes one synchronously whatever the mode; any other writes what
+    ``mode`` says."""
+    return "sync" if durable else mode
 
 
 class JobConfig(Frozen):

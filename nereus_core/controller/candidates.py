@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.controller.pool_solver import StageTable
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.stage_cost import Scales
 from nereus_core.cost.terms import PERSISTENT, contiguous_geometry, model_stats, split_arrays, stage_tables
 from nereus_core.plan import GENERATE, stage_rows
-from nereus_core.workload import Workload
 
 
 def _powers(limit: int) -> list[int]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from nereus_core.config import Workload
 from nereus_core.controller import admission, history, probe
 from nereus_core.controller.move_price import TransferPlanner, move_price
 from nereus_core.controller.search import Searcher, SearchSpace
@@ -52,7 +53,6 @@ from nereus_core.cost.transition_cost import (
     TransitionScales,
 )
 from nereus_core.plan import GlobalPlan, model_of
-from nereus_core.workload import Workload
 
 __all__ = [
     "Alternative",

@@ -10,7 +10,7 @@ controller (``nereus_core.job.controller_settings``) and the simulator's Nereus
   pools take turns within a step.
 - A switch's recovery point (``job.switch_recovery``): ``async`` (the default), ``sync`` or
   ``none``; a switch that changes the device set rehydrates from a checkpoint of the step, so it
-  writes one synchronously first in every mode (``nereus_core.recovery.recovery_write``).
+  writes one synchronously first in every mode (``config.recovery_write``).
 - Periodic checkpoints: every ``job.snapshot_every`` steps (default 10), always written
   synchronously (the step waits for them).
 - Activation recomputation (``activation_recompute``): a launch flag, ``model.gradient_checkpointing``
@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from typing import get_args
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, RecoveryMode
 from nereus_core.config.job import JobConfig
 from nereus_core.controller.state import ControllerSettings
-from nereus_core.recovery import RecoveryMode
 
 RECOVERY_MODES: tuple[RecoveryMode, ...] = get_args(RecoveryMode)
 DEFAULT_RECOVERY: RecoveryMode = JobConfig.model_fields["switch_recovery"].default

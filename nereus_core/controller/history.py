@@ -28,12 +28,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nereus_core.config import Workload
 from nereus_core.controller.state import PlanRecord, ShapeSample, StageTiming, StepTerms
 from nereus_core.cost.plan_estimate import PlanEstimate, step_seconds
 from nereus_core.cost.stage_cost import Scales
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan
-from nereus_core.workload import Workload
 
 KEPT_MEASUREMENTS = 5  # per plan: the median of the last few resists one noisy step
 KEPT_RECORDS = 64  # plans remembered; the oldest measured is forgotten first

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from nereus_core.config import recovery_write
 from nereus_core.controller.moves import MoveSchedule
 from nereus_core.controller.state import ControllerState, Observation
 from nereus_core.controller.transition_schedule import move_basis, priced_moves
@@ -21,7 +22,6 @@ from nereus_core.cost.transition_cost import (
     verify_seconds,
 )
 from nereus_core.plan import GlobalPlan
-from nereus_core.recovery import recovery_write
 
 TransferPlanner = Callable[[GlobalPlan, GlobalPlan], Sequence[TransferLike]]
 

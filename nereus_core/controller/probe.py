@@ -24,12 +24,12 @@ import math
 
 import numpy as np
 
+from nereus_core.config import Workload
 from nereus_core.controller.state import ControllerState, ProbeRequest, ProbeTiming
 from nereus_core.cost.calibration import Sample
 from nereus_core.cost.stage_cost import TERMS
 from nereus_core.cost.terms import generation_collectives_s, model_stats, pass_collectives_s, value_bytes
 from nereus_core.plan import GENERATE, GlobalPlan, model_of
-from nereus_core.workload import Workload
 
 GENERATE_ROWS = ("tp_calls_generate", "tp_comm_generate")  # generation_collectives_s's order
 PASS_ROWS = ("tp_calls", "tp_comm")

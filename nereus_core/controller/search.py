@@ -33,7 +33,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.controller import phased_pools
 from nereus_core.controller.candidates import build_table, candidates
 from nereus_core.controller.pool_solver import INF, StageTable, fitting, solve_pool, totals
@@ -44,7 +44,6 @@ from nereus_core.cost.terms import model_stats, split_arrays
 from nereus_core.cost.transition_cost import sync_seconds
 from nereus_core.layout import Layout
 from nereus_core.plan import GENERATE, GlobalPlan, ModelStage, Placement, model_of
-from nereus_core.workload import Workload
 
 
 @dataclass(frozen=True)

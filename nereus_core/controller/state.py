@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, InstanceOf, model_validator
 
-from nereus_core.config import ModelConfig, NereusConfig
+from nereus_core.config import ModelConfig, NereusConfig, RecoveryMode, Workload
 from nereus_core.controller.moves import MoveSchedule
 from nereus_core.cost.calibration import CalibrationSettings, Sample
 from nereus_core.cost.hardware import HardwareProfile
@@ -24,8 +24,6 @@ from nereus_core.cost.transition_cost import TransitionEstimate, TransitionScale
 from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, ModelStage
-from nereus_core.recovery import RecoveryMode
-from nereus_core.workload import Workload
 
 
 class ControllerSettings(Frozen):

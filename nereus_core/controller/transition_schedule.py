@@ -37,7 +37,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from functools import lru_cache
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, RecoveryMode, recovery_write
 from nereus_core.controller.moves import MoveBasis, MoveSchedule, Planned
 from nereus_core.controller.state import ControllerSettings, Observation
 from nereus_core.cost.calibration import CalibrationSettings
@@ -55,7 +55,6 @@ from nereus_core.gtg import TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import NoStageSchedule, stage_schedule
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, ModelStage, StageLayouts, copies, own_state
-from nereus_core.recovery import RecoveryMode, recovery_write
 
 # The controller of a job on a device pool: moves priced as the transition flow runs them, and each
 # measured transition moving the transition scales halfway (in log) at first: a job makes few

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.cost.hardware import HardwareProfile
 from nereus_core.cost.stage_cost import Estimate, MemoryEstimate, Scales, estimate_many
 from nereus_core.cost.terms import slots
@@ -42,7 +42,6 @@ from nereus_core.plan import (
     phases,
     sync_colocated,
 )
-from nereus_core.workload import Workload
 
 
 def memory_per_device(plan: GlobalPlan, memory: Mapping[str, MemoryEstimate]) -> dict[int, int]:

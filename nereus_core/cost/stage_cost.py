@@ -57,7 +57,7 @@ from collections.abc import Sequence
 import numpy as np
 from pydantic import Field, model_validator
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.cost.hardware import HardwareProfile, split_legacy_terms
 from nereus_core.cost.terms import (
     MEMORY_PARTS,
@@ -75,7 +75,6 @@ from nereus_core.cost.terms import (
 from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from nereus_core.plan import Phase
-from nereus_core.workload import Workload
 
 
 def stage_kind(stage: str) -> Phase:

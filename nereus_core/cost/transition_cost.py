@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 from pydantic import Field
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, RecoveryMode, recovery_write
 from nereus_core.cost.geometry import value_bytes
 from nereus_core.cost.hardware import HardwareProfile, TransitionCosts
 from nereus_core.cost.stage_cost import stage_kind
@@ -26,7 +26,6 @@ from nereus_core.cost.terms import Num, model_stats
 from nereus_core.frozen import Frozen
 from nereus_core.layout import Layout
 from nereus_core.plan import ModelStage
-from nereus_core.recovery import RecoveryMode, recovery_write
 
 # The terms of a transition's price, each calibrated on its own scale (``TransitionScales``).
 TRANSITION_TERMS = ("wire", "ops", "durable", "engine", "recovery", "verify")

@@ -108,8 +108,9 @@ def train_step(
     positions, mask = padding(batch.get("attention_mask"), ids_bs.shape[1], ctx.device)
     engine.train()
     stats: list[dict[str, torch.Tensor]] = []
-    schedule = _Schedule(shard, ctx.device, len(micro_batches(ids_bs.shape[0], groups.layout.micro_batches)))
-    for mb in micro_batches(ids_bs.shape[0], groups.layout.micro_batches):
+    slices = micro_batches(ids_bs.shape[0], groups.layout.micro_batches)
+    schedule = _Schedule(shard, ctx.device, len(slices))
+    for mb in slices:
         x, out = stage_forward(shard, ids_bs[mb], **rows(positions, mask, mb))
         if groups.is_last_stage:
             mb_batch = _slice(batch, mb, ctx.device)

@@ -57,6 +57,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nereus_core.config import Workload
 from nereus_core.controller.decide import ControllerSettings
 from nereus_core.controller.search import Searcher, SearchSpace
 from nereus_core.cost.stage_cost import Scales
@@ -67,7 +68,6 @@ from nereus_core.sim.loop import SimError
 from nereus_core.sim.peers import PeerStrategy
 from nereus_core.sim.splits import largest_dp, usable_bytes
 from nereus_core.sim.world import World
-from nereus_core.workload import Workload
 
 INF = float("inf")
 INFER = ("reference/infer", "reward/infer", "critic/infer")

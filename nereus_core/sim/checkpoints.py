@@ -35,13 +35,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from nereus_core.config import RecoveryMode, recovery_write
 from nereus_core.layout import Layout
 from nereus_core.plan import ModelStage, model_of
-from nereus_core.recovery import RecoveryMode, recovery_write
+from nereus_core.sim.memory import FROZEN_BYTES, STATE_BYTES
 from nereus_core.sim.transitions import IB_BYTES_PER_S
 
-TRAINED_BYTES_PER_PARAM = 4.0 + 4.0 + 4.0  # fp32 parameter, AdamW exp_avg, exp_avg_sq
-FROZEN_BYTES_PER_PARAM = 2.0  # bf16 weights
+TRAINED_BYTES_PER_PARAM = STATE_BYTES["optimizer"]  # fp32 parameter, AdamW exp_avg, exp_avg_sq
+FROZEN_BYTES_PER_PARAM = FROZEN_BYTES  # bf16 weights
 NODE_WRITE_BYTES_PER_S = 16.06e9 / 8.94  # AlibabaPAI/torchacc#16: 8B bf16 shard save, fsdp=8
 READ_BYTES_PER_S = 16.06e9 / 19.84  # AlibabaPAI/torchacc#16: read shard model, one rank
 PCIE_BYTES_PER_S = 64e9  # PCIe Gen5 x16, per direction

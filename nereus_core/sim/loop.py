@@ -28,10 +28,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from nereus_core.config import Workload
 from nereus_core.plan import GlobalPlan
 from nereus_core.sim.trace import Trace
 from nereus_core.sim.world import World
-from nereus_core.workload import Workload
 
 MoveKind = Literal["start", "keep", "switch", "retune", "rescale", "relaunch", "none"]
 # Moves that change a layout's degrees, devices or placement: the paper's "transitions" (state moves),

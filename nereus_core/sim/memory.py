@@ -76,8 +76,11 @@ def state_bytes(model: ModelSize, shape: Shape, *, trains: bool, sharded: bool) 
 def micro_batch_tokens(lengths: np.ndarray, prompt: float, shape: Shape) -> float:
     """Real tokens of the largest micro-batch of any replica (sequences dealt round-robin)."""
     replicas = balanced_replicas(lengths, shape.dp).astype(float) + prompt
-    m = max(1, min(shape.micro_batches, replicas.shape[1]))
-    return float(max(replicas[:, j::m].sum(axis=1).max() for j in range(m)))
+    dp, n = replicas.shape
+    m = max(1, min(shape.micro_batches, n))
+    dealt = np.zeros((dp, -(-n // m) * m))
+    dealt[:, :n] = replicas  # sequence i of a replica goes to micro-batch i mod m
+    return float(dealt.reshape(dp, -1, m).sum(axis=1).max())
 
 
 def pass_bytes(
@@ -90,11 +93,13 @@ def pass_bytes(
     recompute: bool = False,
     sharded: bool = False,
     one_f_one_b: bool = False,
+    activation_bytes: float = ACTIVATION_BYTES,
 ) -> Held:
-    """A forward (infer) or train pass of one model on one layout."""
+    """A forward (infer) or train pass of one model on one layout (``activation_bytes``: the fit's
+    free constant, ``benchmarks/fit_world_memory.py`` varies it)."""
     params, layers, head = _stage_params(model, shape)
     tokens = micro_batch_tokens(lengths, prompt, shape) / shape.tp  # a tp-th of them (sequence parallel)
-    layer = tokens * model.hidden * ACTIVATION_BYTES
+    layer = tokens * model.hidden * activation_bytes
     if train:
         in_flight = min(shape.micro_batches, shape.pp) if one_f_one_b else shape.micro_batches
         in_flight = 1 if shape.pp == 1 else in_flight

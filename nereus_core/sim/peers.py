@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from nereus_core.config import Workload
 from nereus_core.cost.stage_cost import stage_kind
 from nereus_core.plan import GlobalPlan
 from nereus_core.sim.config import StrategySpec
@@ -44,7 +45,6 @@ from nereus_core.sim.loop import Move, Prepared, StepRun
 from nereus_core.sim.splits import usable_bytes
 from nereus_core.sim.strategies import FixedStrategy, rescale
 from nereus_core.sim.world import World
-from nereus_core.workload import Workload
 
 FIXED_MICRO = {"verl": False, "openrlhf": True}  # micro-batch sizes fixed at launch (OpenRLHF's flags)
 

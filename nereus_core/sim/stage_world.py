@@ -11,10 +11,12 @@ the cost model wrong. ``world.World`` uses it as the simulator's truth.
 
 Generation: each sequence's response length is drawn from the step's
 distribution (a Beta between 1 and the step's max with the step's mean, its spread set
-so its p90 is the step's p90 where that is known, so the tail reaches the logged max);
+so its p90 is the step's p90 where that is known; the longest sequence reaches the max only as
+often as the Beta says);
 each DP replica runs continuous batching under its KV budget (a finished sequence frees
 its slot for a waiting one; paged KV, so a sequence holds the KV of its mean context);
-every decode iteration costs a fixed ``decode_step_s`` (scheduler, sampling, kernel
+every decode iteration costs a fixed overhead by the engine's mode (``decode_overhead_s``:
+``decode_step_s`` eager, ``decode_step_graphs_s`` with CUDA graphs; scheduler, sampling, kernel
 launches), two all-reduces per layer under TP (their latency per iteration, their bytes per
 running sequence over the TP link), at most ``max_num_seqs`` sequences per engine, and the
 larger of reading the weights / tp plus the active KV cache from HBM (decode is

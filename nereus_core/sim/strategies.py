@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.controller import features
 from nereus_core.controller.decide import (
     ControllerSettings,
@@ -54,7 +54,6 @@ from nereus_core.sim.config import DecisionSettings
 from nereus_core.sim.loop import Move, Prepared, SimError, StepRun
 from nereus_core.sim.splits import largest_dp, usable_bytes
 from nereus_core.sim.world import World
-from nereus_core.workload import Workload
 
 
 def same_degrees(a: GlobalPlan, b: GlobalPlan) -> bool:

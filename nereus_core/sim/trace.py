@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from nereus_core.workload import Workload
+from nereus_core.config import Workload
 
 GB = 10**9
 Shrinks = Literal["planned", "unplanned"]

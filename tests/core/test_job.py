@@ -14,6 +14,7 @@ import yaml
 
 from nereus_core import job as job_rules
 from nereus_core.config import NereusConfig, ScenarioEvent, parse_config
+from nereus_core.controller import probe
 from nereus_core.controller.decide import decide
 from nereus_core.controller.moves import MoveBasis
 from nereus_core.controller.state import ProbeTiming
@@ -196,18 +197,19 @@ def test_the_controller_sees_the_real_prompt_tokens_and_memory_their_longest() -
         assert held > estimate(stage, layout, mean_only, model, state.controller.profile).memory.activations
 
 
-@pytest.mark.skip(
-    reason="since the cost model holds one micro-batch in flight without a pipeline, the demo's first "
-    "decisions switch to a phased plan and ask for no probes; the test needs a job whose plan does not "
-    "move"
-)
 def test_the_job_asks_for_probes_and_the_next_decision_calibrates_on_their_timings() -> None:
-    """The job's controller asks for probes (the runtime runs them: tasks/probes.py); the timings the
-    flow puts in the state reach the next observation, become calibration samples, and are gone after."""
+    """The job's controller asks for probes at the TP degrees its plan's slots allow (the runtime runs
+    them: tasks/probes.py); the timings the flow puts in the state reach the next observation, become
+    calibration samples, and are gone after."""
     state = job_rules.start(demo())
     _, decision, state = job_rules.after_step(state, job_rules.observation(state, step=0))
-    assert decision.probes and {p.stage for p in decision.probes} <= {"actor/generate", "actor/train"}
-    timed = tuple(ProbeTiming(request=p, seconds=0.01) for p in decision.probes)
+    # The demo's first decision takes a plan of one slot per stage: no TP degree to probe there.
+    assert all(len(v.devices) == 1 for v in decision.plan.layouts.values()) and decision.probes == ()
+    # On the start plan's two slots the probes are due, for the stages they cover.
+    start = GlobalPlan.of(job_rules.start(demo()).layouts)
+    asked = probe.requests(start, job_rules.observation(state, step=1).workload, state.controller)
+    assert asked and {p.stage for p in asked} <= {"actor/generate", "actor/train"}
+    timed = tuple(ProbeTiming(request=p, seconds=0.01) for p in asked)
     seen = job_rules.observation(replace(state, probes=timed), step=1)
     assert seen.probes == timed
     before = len(state.controller.samples)

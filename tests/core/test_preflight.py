@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from nereus_core.config import ConfigError, NereusConfig, parse_config
+from nereus_core.config import ConfigError, NereusConfig, Workload, parse_config
 from nereus_core.controller.decide import ControllerState, Observation, decide, evaluate_plan
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import memory_per_device
@@ -30,7 +30,6 @@ from nereus_core.preflight import (
     rollout_bytes,
 )
 from nereus_core.rl.rollout import Rollout
-from nereus_core.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_ppo.yaml"

@@ -3,11 +3,10 @@ controller state (of the mid-size model by default), workload and observation.""
 
 from __future__ import annotations
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.controller.decide import ControllerSettings, ControllerState, Observation
 from nereus_core.cost.hardware import H100_SXM
 from nereus_core.plan import PPO_STAGES, models_for
-from nereus_core.workload import Workload
 from tests.support.model_configs import MID
 
 GB = 10**9

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nereus_core.config import LLAMA_3_8B, ModelConfig
+from nereus_core.config import LLAMA_3_8B, ModelConfig, Workload
 from nereus_core.controller.decide import (
     ControllerState,
     StageTiming,
@@ -24,7 +24,6 @@ from nereus_core.cost.plan_estimate import memory_per_device
 from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, GlobalPlan, PlanRules, model_of, problems
-from nereus_core.workload import Workload
 from tests.support.controller_setup import GB, fresh, observe, work
 from tests.support.model_configs import MID
 

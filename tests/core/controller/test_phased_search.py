@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nereus_core.config import LLAMA_3_8B
+from nereus_core.config import LLAMA_3_8B, Workload
 from nereus_core.controller import phased_pools
 from nereus_core.controller.decide import ControllerState, evaluate_plan
 from nereus_core.controller.search import Searcher, SearchSpace
@@ -17,7 +17,6 @@ from nereus_core.cost.plan_estimate import memory_per_device, step_seconds
 from nereus_core.cost.stage_cost import MemoryEstimate, Scales
 from nereus_core.layout import Layout
 from nereus_core.plan import PPO_STAGES, GlobalPlan, PlanRules, models_for, phases, problems
-from nereus_core.workload import Workload
 
 GB = 1e9
 OVERLAP = ControllerState.initial(

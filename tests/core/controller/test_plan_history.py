@@ -5,12 +5,12 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nereus_core.config import Workload
 from nereus_core.controller import history
 from nereus_core.controller.decide import ControllerSettings, ControllerState, evaluate_plan
 from nereus_core.cost.stage_cost import TERMS, Scales
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, PPO_STAGES, GlobalPlan, models_for
-from nereus_core.workload import Workload
 from tests.support.controller_setup import H100
 from tests.support.model_configs import MID
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from nereus_core.config import LLAMA_3_8B as LLAMA_8B
+from nereus_core.config import Workload
 from nereus_core.cost.calibration import CalibrationSettings, Sample, fit_scales
 from nereus_core.cost.hardware import H100_SXM, LEGACY_TERMS, split_legacy_terms
 from nereus_core.cost.stage_cost import TERMS, Scales, estimate
 from nereus_core.layout import Layout
-from nereus_core.workload import Workload
 
 # Without the per-call fixed costs (13.8 s a generation call) that would swamp the terms fitted here.
 BARE = H100_SXM.model_copy(update={"generate_call_s": 0.0, "infer_call_s": 0.0, "train_call_s": 0.0})

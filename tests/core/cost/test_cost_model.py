@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nereus_core.config import LLAMA_3_8B as LLAMA_8B
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.cost.calibration import CalibrationSettings, Sample, fit_scales, relative_errors
 from nereus_core.cost.geometry import value_bytes
 from nereus_core.cost.hardware import CPU_WORKERS, H100_SXM, get_profile
@@ -35,7 +35,6 @@ from nereus_core.cost.transition_cost import (
 )
 from nereus_core.layout import Layout
 from nereus_core.plan import MODEL_STAGES, ModelStage
-from nereus_core.workload import Workload
 from tests.support.model_configs import MID
 
 TINY = ModelConfig()

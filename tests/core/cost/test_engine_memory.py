@@ -10,7 +10,7 @@ import re
 import pytest
 
 from flows.cli.plan_command import print_plan
-from nereus_core.config import LLAMA_3_8B, parse_config
+from nereus_core.config import LLAMA_3_8B, Workload, engine_kv_bytes, parse_config
 from nereus_core.config import rollout as rollout_config
 from nereus_core.controller.search import Searcher, SearchSpace
 from nereus_core.cost.hardware import H100_SXM
@@ -18,7 +18,6 @@ from nereus_core.cost.plan_estimate import memory_per_device
 from nereus_core.cost.stage_cost import Scales, estimate
 from nereus_core.layout import Layout
 from nereus_core.plan import PPO_STAGES, GlobalPlan, models_for
-from nereus_core.workload import Workload, engine_kv_bytes
 
 GB = 1e9
 MIB = 2**20

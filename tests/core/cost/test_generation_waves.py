@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from nereus_core.config import LLAMA_3_8B
+from nereus_core.config import LLAMA_3_8B, Workload
 from nereus_core.cost.hardware import H100_SXM
 from nereus_core.cost.stage_cost import estimate
 from nereus_core.layout import Layout
-from nereus_core.workload import Workload
 
 
 def test_each_generation_wave_runs_until_its_own_longest_sequence() -> None:

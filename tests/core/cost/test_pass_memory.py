@@ -9,12 +9,11 @@ import math
 
 import pytest
 
-from nereus_core.config import LLAMA_3_8B, parse_config
+from nereus_core.config import LLAMA_3_8B, Workload, parse_config
 from nereus_core.cost.hardware import H100_SXM
 from nereus_core.cost.stage_cost import estimate
 from nereus_core.cost.terms import layout_geometry, model_stats
 from nereus_core.layout import Layout
-from nereus_core.workload import Workload
 
 # Llama-3-8B on the H100 profile: selective recomputation (34 values per token per layer), 16-bit
 # activations, 1F1B; an lm head's fp32 log-softmax input of vocab values per token.

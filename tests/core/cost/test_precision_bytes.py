@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from nereus_core.config import ModelConfig
+from nereus_core.config import ModelConfig, Workload
 from nereus_core.cost.geometry import value_bytes
 from nereus_core.cost.hardware import CPU_WORKERS, H100_SXM
 from nereus_core.cost.stage_cost import estimate, model_stats
@@ -23,7 +23,6 @@ from nereus_core.engine.train import train_step
 from nereus_core.gtg import TransitionInfeasible, build_gtg
 from nereus_core.gtg.execution import stage_schedule
 from nereus_core.layout import Layout
-from nereus_core.workload import Workload
 from tests.support.dist_utils import run_world
 from tests.support.model_configs import SHARDABLE
 

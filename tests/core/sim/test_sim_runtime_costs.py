@@ -58,7 +58,7 @@ def test_the_worlds_write_rates_reproduce_their_sources() -> None:
 
 def test_the_world_shares_no_formula_with_the_cost_model() -> None:
     """``sim.checkpoints`` takes nothing from the cost model (the runtime's rule of what a switch
-    writes is ``nereus_core.recovery``'s, read by both)."""
+    writes is the config's, ``config.recovery_write``, read by both)."""
     tree = ast.parse((ROOT / "nereus_core" / "sim" / "checkpoints.py").read_text())
     taken = {
         alias.name
@@ -67,7 +67,7 @@ def test_the_world_shares_no_formula_with_the_cost_model() -> None:
         for alias in node.names
     }
     assert taken == set()
-    assert "nereus_core.recovery" in (ROOT / "nereus_core" / "sim" / "checkpoints.py").read_text()
+    assert "recovery_write" in (ROOT / "nereus_core" / "sim" / "checkpoints.py").read_text()
 
 
 def test_the_worlds_transitions_take_nothing_from_the_cost_model_or_the_controller() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 from pydantic import Field, model_validator
 
-from nereus_core.config import NereusConfig
+from nereus_core.config.job import NereusConfig
 from nereus_core.frozen import Frozen
 
 
