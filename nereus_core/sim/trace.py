@@ -28,11 +28,15 @@ from typing import Literal
 
 import numpy as np
 
-from nereus_core.config import Workload
+from nereus_core.config import PassesConfig, Workload
 
 GB = 10**9
 Shrinks = Literal["planned", "unplanned"]
 REQUIRED = ("step", "capacity_gb", "batch", "prompt_len", "response_mean", "response_p90", "response_max")
+
+# Every strategy's passes run packed: Nereus's runtime by default (``passes.pack``), verl with
+# ``use_remove_padding``, OpenRLHF with ``--packing_samples``; the world counts real tokens too.
+PACKED = PassesConfig.model_fields["pack"].default
 
 
 class TraceError(ValueError):
@@ -99,6 +103,7 @@ class Trace:
                     int(self.response_max[k]), int(self.response_p90[k]), int(np.ceil(self.response_mean[k]))
                 ),
                 ppo_epochs=self.ppo_epochs,
+                pack=PACKED,
             )
             for k in range(self.steps)
         )
@@ -119,6 +124,7 @@ class Trace:
             response_high=high,
             response_max=max(int(self.response_max[lo : k + 1].max()), high),
             ppo_epochs=self.ppo_epochs,
+            pack=PACKED,
         )
 
 
