@@ -78,8 +78,8 @@ class World:
     ZeRO-3 shard train and forward weights over the data-parallel ranks; Nereus's runtime runs ZeRO-1),
     ``per_tensor_sync`` (OpenRLHF broadcasts weights one tensor at a time), ``one_f_one_b`` (the peers'
     Megatron pipeline schedule; Nereus's runtime runs GPipe). ``cuda_graphs``: the rollout
-    engine's mode (``SimConfig.cuda_graphs``, vLLM's ``enforce_eager`` false), the same for every
-    strategy."""
+    engine's mode, the same for every strategy: off (eager, vLLM's ``enforce_eager``), the default of
+    verl and of Nereus's rollout config; no sim config sets it yet."""
 
     def __init__(
         self,
