@@ -216,7 +216,8 @@ class HardwareProfile(BaseModel):
     kv_bytes: int = Field(ge=1, le=8, description="Bytes per KV-cache value.")
     pipeline_schedule: Literal["gpipe", "1f1b"] = Field(
         default="1f1b",
-        description="Micro-batch order of the training engine: gpipe keeps all m in flight, 1f1b at most p.",
+        description="Micro-batch order of a pipelined training engine: gpipe keeps all m in flight, 1f1b at "
+        "most p; without a pipeline either holds one (each backpropagates before the next).",
     )
     activation_recompute: Literal["none", "selective", "full"] = Field(
         default="selective",
@@ -393,7 +394,7 @@ CPU_WORKERS = HardwareProfile(
     optimizer_bytes=12,
     activation_bytes=4,
     kv_bytes=4,
-    pipeline_schedule="gpipe",  # nereus_core/engine/train.py: all forwards, then all backwards
+    pipeline_schedule="gpipe",  # nereus_core/engine/train.py: on a pipeline, all forwards then all backwards
     activation_recompute="none",
     max_generate_waves=1,  # nereus_core/engine/forward.py generates the replica batch at once
     gradient_bucket_bytes=2 * 10**9,
