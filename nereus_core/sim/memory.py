@@ -10,7 +10,8 @@ step's response lengths. Fitted on published peak memory by ``python -m benchmar
   weights, 2 of bf16 gradients, 12 of fp32 master weights and moments), over tp and on the busiest
   pipeline stage: a trained model under ZeRO-1 (Nereus's DeepSpeed, Megatron's distributed optimizer)
   holds its weights and gradients whole on each data-parallel replica and 1/dp of the 12; sharded
-  (verl's FSDP, OpenRLHF's ZeRO-3) it holds 1/dp of all 16, plus two gathered layers in flight. A
+  (verl's FSDP, OpenRLHF's ZeRO-3) it holds 1/dp of all 16, plus two gathered layers in flight. The
+  gradients live only while the train stage runs (freed after the optimizer step): transient. A
   frozen model (reference, forward-only, the rollout engine) holds bf16 weights. Checked: torchtitan's
   Llama-3.1-8B FSDP peaks at 8 and 128 GPUs differ by 15.4 GiB; 16 bytes x 8.03e9 x (1/8 - 1/128)
   = 14.0 GiB, the rest is the gather buffers.
@@ -61,16 +62,16 @@ def _stage_params(model: ModelSize, shape: Shape) -> tuple[float, int, bool]:
     return params, layers, shape.pp == 1 or (params, layers) == stages[-1]
 
 
-def state_bytes(model: ModelSize, shape: Shape, *, trains: bool, sharded: bool) -> float:
-    """The persistent bytes of one device: a trained model's weights, gradients and optimizer, or a
-    frozen model's bf16 weights; over tp on the busiest pipeline stage, and over dp where sharded."""
+def state_bytes(model: ModelSize, shape: Shape, *, trains: bool, sharded: bool) -> tuple[float, float]:
+    """One device's bytes of a model's state, over tp on the busiest pipeline stage: the persistent
+    ones (a trained model's weights and optimizer state, a frozen model's bf16 weights) and a trained
+    model's gradients (0 for a frozen one); sharded ones over dp."""
     params = _stage_params(model, shape)[0] / shape.tp
+    whole, split = (1.0 / shape.dp, 1.0 / shape.dp) if sharded else (1.0, 1.0 / shape.dp)
     if not trains:
-        return params * FROZEN_BYTES / (shape.dp if sharded else 1)
-    whole = STATE_BYTES["weights"] + STATE_BYTES["gradients"]
-    if sharded:
-        return params * (whole + STATE_BYTES["optimizer"]) / shape.dp
-    return params * (whole + STATE_BYTES["optimizer"] / shape.dp)
+        return params * FROZEN_BYTES * whole, 0.0
+    held = params * (STATE_BYTES["weights"] * whole + STATE_BYTES["optimizer"] * split)
+    return held, params * STATE_BYTES["gradients"] * whole
 
 
 def micro_batch_tokens(lengths: np.ndarray, prompt: float, shape: Shape) -> float:
@@ -111,8 +112,8 @@ def pass_bytes(
     per_logit = LOGIT_BYTES_TRAIN if train else LOGIT_BYTES_FORWARD
     logits = tokens * vocab * per_logit if head else 0.0  # vocabulary-parallel: a tp-th of all tokens'
     gathered = GATHERED_LAYERS * params / layers * FROZEN_BYTES / shape.tp if sharded else 0.0
-    persistent = state_bytes(model, shape, trains=train, sharded=sharded)
-    return Held(persistent, activations + logits + gathered)
+    persistent, gradients = state_bytes(model, shape, trains=train, sharded=sharded)
+    return Held(persistent, activations + logits + gathered + gradients)
 
 
 def generation_bytes(lengths: np.ndarray, prompt: float, model: ModelSize, shape: Shape) -> Held:
