@@ -41,10 +41,10 @@ from nereus_core.controller.decide import (
     StageTiming,
     TransitionTiming,
     decide,
+    evaluate_plan,
 )
 from nereus_core.controller.features import runtime_settings
 from nereus_core.cost.hardware import HardwareProfile
-from nereus_core.cost.plan_estimate import evaluate_plan
 from nereus_core.cost.transition_cost import analytic_transition_cost
 from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, models_for
@@ -132,18 +132,10 @@ class NereusStrategy:
 
     def predict(self, plan: GlobalPlan, work: Workload, world: World, k: int) -> float:
         """The calibrated cost model's step time for this step, from what it has seen before it
-        (``cost.plan_estimate.evaluate_plan`` at the calibrated scales and wire scale)."""
+        (the controller's ``evaluate_plan`` on its state)."""
         assert self.state is not None
-        return evaluate_plan(
-            plan,
-            work,
-            models=self.state.models,
-            profile=self.profile,
-            scales=self.state.scales,
-            sync_scale=self.state.transition_scales.wire,
-            overlap=self.settings.overlap_disaggregated,
-            usable=usable_bytes(world.trace.memory_bytes(k), self.settings.headroom),
-        ).step_s
+        usable = usable_bytes(world.trace.memory_bytes(k), self.settings.headroom)
+        return evaluate_plan(plan, work, self.state, usable).step_s
 
     def after(self, k: int, world: World, run: StepRun) -> Move:
         assert self.plan is not None
