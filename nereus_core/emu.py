@@ -46,8 +46,17 @@ Kind = Literal["param", "master", "exp_avg", "exp_avg_sq", "step"]
 MOMENTS: tuple[Kind, ...] = ("exp_avg", "exp_avg_sq")
 MASTER: Kind = "master"
 OPTIMIZER_BYTES = 4  # masters, moments and the step count are fp32 whatever the model's dtype
+# ZeRO-1/2's gradient reduction bucket (DeepSpeed's ``reduce_bucket_size`` default), in fp32 elements.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
 STEP = "optimizer:step"
 MEMORY_KINDS = ("params", "grads", "optimizer")
+
+
+def reduce_bucket_elements(params: int) -> int:
+    """The ZeRO gradient bucket of a train stage of ``params`` elements on a device: DeepSpeed's default,
+    never more than the gradients it holds. ZeRO-1/2 allocate the whole bucket (fp32) at every
+    micro-batch's backward, so at the default a small stage would take 2 GB a step for it."""
+    return max(1, min(REDUCE_BUCKET_ELEMENTS, int(params)))
 
 
 @dataclass(frozen=True, slots=True)

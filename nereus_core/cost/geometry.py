@@ -50,6 +50,7 @@ class ModelStats:
     heads: int
     kv_heads: int
     head_dim: int
+    intermediate: int  # the MLP's width
     logit_width: int  # vocab for an lm head, 1 for a value head
     layer_params: int
     embed_params: int
@@ -83,6 +84,7 @@ def model_stats(model: ModelConfig) -> ModelStats:
         heads=model.num_attention_heads,
         kv_heads=model.num_key_value_heads,
         head_dim=model.head_dim,
+        intermediate=model.intermediate_size,
         logit_width=1 if value_head else model.vocab_size,
         layer_params=per_layer,
         embed_params=model.vocab_size * model.hidden_size,
@@ -155,6 +157,21 @@ class Geometry(NamedTuple):
     pp_bw: np.ndarray
     dp_bw: np.ndarray
     per_node: np.ndarray  # slots of the layout on its busiest node
+
+
+@lru_cache(maxsize=4096)
+def _end_layers(layers: int, pp: int, head_layers: float) -> tuple[int, int]:
+    counts = stage_layer_counts(layers, pp, head_layers)
+    return max(counts[:-1], default=0), counts[-1]
+
+
+def end_stage_layers(stats: ModelStats, pp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate: the most decoder layers a stage before the last holds (0 without a pipeline), and
+    the last stage's (which also holds the head), as the runtime splits them."""
+    keys, inverse = np.unique(np.asarray(pp, dtype=np.int64), return_inverse=True)
+    rows = np.array([_end_layers(stats.layers, int(k), stats.head_layers) for k in keys], dtype=float)
+    rows = rows[inverse.reshape(-1)]
+    return rows[:, 0], rows[:, 1]
 
 
 def split_arrays(stats: ModelStats, tp: np.ndarray, pp: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -219,11 +219,6 @@ class HardwareProfile(BaseModel):
         description="Micro-batch order of a pipelined training engine: gpipe keeps all m in flight, 1f1b at "
         "most p; without a pipeline either holds one (each backpropagates before the next).",
     )
-    activation_recompute: Literal["none", "selective", "full"] = Field(
-        default="selective",
-        description="Stored activations per layer (Korthikanti et al. 2022): none 34+5as/h, selective "
-        "(attention recomputed, as flash attention does) 34, full 2 bytes*s*b*h (one extra forward).",
-    )
     max_generate_waves: int = Field(
         default=1,
         ge=1,
@@ -326,10 +321,9 @@ H100_SXM = HardwareProfile(
     weight_bytes=2,  # "Mixed-precision Adam: 16 bytes/param (2 weights + 2 grads + 12 optimizer)"
     grad_bytes=2,
     optimizer_bytes=12,
-    activation_bytes=2,  # Korthikanti's formula counts 16-bit activations
+    activation_bytes=2,  # bf16 activations (mixed precision)
     kv_bytes=2,  # "KV cache 2 * 32 * 8 * 128 * 2 B = 128 KiB per token" (bf16)
     pipeline_schedule="gpipe",  # what Nereus's runtime runs (engine/train.py)
-    activation_recompute="selective",  # flash attention keeps no s*s scores (Korthikanti sec. 4.2)
     max_generate_waves=64,  # vLLM admits as many sequences as the KV cache holds
     gradient_bucket_bytes=2 * 10**9,
     # The executed schedule's costs are placeholders of the right order (not measured here: NCCL
@@ -395,7 +389,6 @@ CPU_WORKERS = HardwareProfile(
     activation_bytes=4,
     kv_bytes=4,
     pipeline_schedule="gpipe",  # nereus_core/engine/train.py: on a pipeline, all forwards then all backwards
-    activation_recompute="none",
     max_generate_waves=1,  # nereus_core/engine/forward.py generates the replica batch at once
     gradient_bucket_bytes=2 * 10**9,
     # The executed schedule's costs from the demo's journals (journal/<id>.jsonl: seconds per unit;

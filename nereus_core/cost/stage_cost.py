@@ -35,11 +35,13 @@ Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
   to verl's logs, see hardware.py). One row per kind, zero in the others' raw vectors, so
   calibration fits each kind's fixed cost apart from the others and from compute.
 
-Memory (bytes on the busiest device): weights, gradients, ZeRO-1 optimizer state
-sharded over dp, activations (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per
-layer in 16-bit, divided by t under TP+SP), KV cache for generation (2*L*kv*d*bytes
-per token; a vLLM engine's instead is the fixed ``Workload.engine_kv_bytes`` it preallocates per
-device and holds between steps, ``engine_cache``). Time uses the mean response length and the
+Memory (bytes on the busiest device at the stage's peak, checked against the runtime's measured
+peaks by ``benchmarks/bench_stage_memory.py``): weights, ZeRO-1 optimizer state sharded over dp,
+gradients and activations as the runtime's step holds them at its peak
+(``terms.layer_activation_bytes`` per decoder layer: what the runtime's layer keeps for backward;
+``terms._pass_memory``), KV cache for generation (2*L*kv*d*bytes per token; a vLLM engine's
+instead is the fixed ``Workload.engine_kv_bytes`` it preallocates per device and holds between
+steps, ``engine_cache``). Time uses the mean response length and the
 longest one (generation's stragglers), memory the high quantile. Packed passes (``passes.pack``,
 verl's use_remove_padding) hold a micro-batch's real tokens: rows x (prompt + mean response), or at
 most ``max_tokens_per_device`` (verl's ppo_max_token_len_per_gpu), never less than one longest
@@ -66,7 +68,7 @@ from nereus_core.cost.terms import (
     Geometry,
     bubble_fraction,
     is_contiguous,
-    korthikanti_bytes,
+    layer_activation_bytes,
     layout_geometry,
     model_stats,
     ring_bytes,
@@ -228,7 +230,7 @@ __all__ = [
     "bubble_fraction",
     "estimate",
     "estimate_many",
-    "korthikanti_bytes",
+    "layer_activation_bytes",
     "layout_label",
     "model_stats",
     "ring_bytes",

@@ -18,6 +18,7 @@ from nereus_core.cost.geometry import (  # re-exported: callers read the geometr
     ModelStats,
     Num,
     contiguous_geometry,
+    end_stage_layers,
     is_contiguous,
     layout_geometry,
     model_stats,
@@ -27,6 +28,8 @@ from nereus_core.cost.geometry import (  # re-exported: callers read the geometr
     value_bytes,
 )
 from nereus_core.cost.hardware import COST_TERMS, HardwareProfile
+from nereus_core.emu import REDUCE_BUCKET_ELEMENTS
+from nereus_core.model.tensor_parallel import LOGPROB_CHUNK_ELEMENTS, LOGPROB_CHUNKS
 from nereus_core.plan import Phase
 
 TERMS = COST_TERMS
@@ -104,21 +107,29 @@ def bubble_fraction(p: Num, m: Num) -> Num:
     return (p - 1) / (m + p - 1)
 
 
-def recompute_mode(stats: ModelStats, profile: HardwareProfile, train: bool) -> str:
-    """How a pass keeps its activations: ``full`` for a train pass of a model with gradient
-    checkpointing (only each layer's input kept), else the profile's (``HardwareProfile``)."""
-    return "full" if train and stats.recompute else profile.activation_recompute
+def layer_activation_bytes(stats: ModelStats, tokens: Num, activation_bytes: int, tp: Num) -> Num:
+    """What one decoder layer of the runtime's ``LlamaStage`` keeps for backward, for ``tokens`` tokens
+    (``benchmarks/bench_stage_memory.py`` measures it): each RMSNorm's input upcast to fp32 and its
+    normed values and output in the model's dtype (``norm_bytes``), replicated over tp; and in the
+    model's dtype, split over tp: q, k and v after RoPE, SDPA's output and its contiguous copy for
+    o_proj (SDPA's fused kernels keep no s*s scores), and the MLP's gate, SiLU, up and product. A
+    no-grad pass's working set is taken as the same bytes, one layer at a time."""
+    q, kv = stats.heads * stats.head_dim, stats.kv_heads * stats.head_dim
+    split = activation_bytes * (3.0 * q + 2.0 * kv + 4.0 * stats.intermediate) / tp
+    return tokens * (2.0 * norm_bytes(stats, activation_bytes) + split)
 
 
-def korthikanti_bytes(
-    stats: ModelStats, batch: Num, seq: Num, activation_bytes: int, recompute: str = "none"
-) -> Num:
-    """Stored activations of one layer (Korthikanti et al. 2022), s*b*h*(34 + 5*a*s/h) bytes in
-    16-bit; selective recomputation drops the 5*a*s/h attention part, full recomputation keeps
-    only the layer input, 2*s*b*h."""
-    h = stats.hidden
-    per_value = {"none": 34.0 + 5.0 * stats.heads * seq / h, "selective": 34.0, "full": 2.0}[recompute]
-    return seq * batch * h * per_value * activation_bytes / 2.0
+def norm_bytes(stats: ModelStats, activation_bytes: int) -> float:
+    """What an RMSNorm keeps for backward per token: its fp32 input, its normed values and its output."""
+    return (4.0 + 2.0 * activation_bytes) * stats.hidden
+
+
+def logprob_chunk_bytes(logit_elements: Num, width: Num) -> Num:
+    """The fp32 temporary of the log-prob and entropy passes (``model.tensor_parallel``): one chunk of
+    logit rows at a time."""
+    rows = logit_elements / width
+    chunk_rows = np.maximum(np.ceil(rows / LOGPROB_CHUNKS), np.floor(LOGPROB_CHUNK_ELEMENTS / width))
+    return np.minimum(rows, chunk_rows) * width * 4.0
 
 
 def collectives_s(
@@ -272,9 +283,7 @@ def _generate_memory(
     seq_high = prompt + work.response_high
     share = geo.stage_layers / layers
     logits = wave_seqs * stats.logit_width / tp * 4.0  # fp32 logits of the last position of each sequence
-    prefill_act = (
-        korthikanti_bytes(stats, wave_seqs, prompt, sizes.activation, profile.activation_recompute) / tp
-    )
+    prefill_act = layer_activation_bytes(stats, wave_seqs * prompt, sizes.activation, tp)
     _set(
         mem,
         MEMORY_PARTS,
@@ -310,7 +319,7 @@ def _forward_backward(
     act = sizes.activation
     # Training FLOPs (Narayanan et al. 2021): 2*params + 4*L*h*s per token forward, 6*params + 12*L*h*s train.
     mult, attn = (6.0, 12.0) if train else (2.0, 4.0)
-    if train and recompute_mode(stats, profile, train) == "full":
+    if train and stats.recompute:
         mult, attn = 8.0, 16.0  # one more forward per micro-batch
     compute_mb = (
         bm * seq * (mult * geo.stage_flop_params + attn * layers * h * seq) * slow / (profile.flops * tp)
@@ -343,20 +352,42 @@ def _pass_memory(
     stats: ModelStats,
     profile: HardwareProfile,
 ) -> None:
-    """A pass's activations per device: one micro-batch's (infer), or those of the micro-batches in
-    flight under the pipeline schedule (train), with the fp32 log-softmax input on the last stage."""
-    tp, pp, layers = geo.tp, geo.pp, geo.stage_layers
-    act = value_bytes(stats, profile).activation
+    """A pass's peak beyond the weights and optimizer state, on its busiest pipeline stage.
+
+    Forward (no grad): one layer's working set, or on the last stage the logits (in the model's dtype
+    and their fp32 copy while the head upcasts, then fp32 and one log-prob chunk). Train: each micro-batch
+    in flight keeps every layer's activations (only each layer's input with gradient checkpointing,
+    one layer recomputed at a time in backward) and, on the last stage, the final norm's and the fp32
+    logits its loss saved; backward adds the logits' fp32 gradient. In flight: one micro-batch without a
+    pipeline (each backpropagates before the next), all of them under GPipe, at most pp under 1F1B.
+    Gradients (``gradients``): ZeRO's fp32 reduction bucket (``emu.reduce_bucket_elements``) and the
+    gradients accumulated while a later micro-batch's activations are held; a single backward frees
+    its activations as it makes the gradients, so there only what they exceed the activations by."""
+    tp, pp = geo.tp, geo.pp
+    sizes = value_bytes(stats, profile)
+    act = sizes.activation
     seq_high = work.prompt_longest + work.response_high
     bm, m = pass_rows(work, np.ceil(work.batch / geo.dp), geo.m)
-    per_layer = korthikanti_bytes(stats, bm, seq_high, act, recompute_mode(stats, profile, train)) / tp
-    logits = bm * seq_high * stats.logit_width / tp * 4.0  # fp32 log-softmax input on the last stage
+    tokens = bm * seq_high
+    layer = layer_activation_bytes(stats, tokens, act, tp)
+    logits = tokens * stats.logit_width / tp  # elements on each tp rank
+    upcast = act if act < 4 else 0  # the head's output in the model's dtype, beside its fp32 copy
+    inner, last = end_stage_layers(stats, pp)
     if not train:
-        _set(mem, MEMORY_PARTS, activations=per_layer + logits)
+        head = logits * 4.0 + np.maximum(logits * upcast, logprob_chunk_bytes(logits, stats.logit_width / tp))
+        _set(mem, MEMORY_PARTS, activations=np.maximum(layer, head))
         return
-    # Without a pipeline each micro-batch backpropagates before the next runs (engine/train.py).
     in_flight = np.where(pp > 1, m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp), 1)
-    _set(mem, MEMORY_PARTS, activations=in_flight * layers * per_layer + 2.0 * logits)
+    keep = tokens * stats.hidden * act if stats.recompute else layer
+    recomputed = layer if stats.recompute else 0.0
+    head_saved = tokens * norm_bytes(stats, act) + logits * 4.0
+    last_stage = in_flight * (last * keep + head_saved) + np.maximum(logits * 4.0, recomputed)
+    activations = np.maximum(in_flight * inner * keep + recomputed, last_stage)
+    grads = geo.device_params * sizes.grad
+    bucket = np.minimum(REDUCE_BUCKET_ELEMENTS, geo.device_params) * 4.0
+    accumulating = (pp == 1) & (m > 1)
+    held_grads = np.where(accumulating, grads, np.maximum(grads - activations, 0.0))
+    _set(mem, MEMORY_PARTS, activations=activations, gradients=bucket + held_grads)
 
 
 def pass_rows(work: WorkloadLike, rows: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -369,8 +400,7 @@ def pass_rows(work: WorkloadLike, rows: np.ndarray, m: np.ndarray) -> tuple[np.n
     budget (``max_tokens_per_device``, verl's ppo_max_token_len_per_gpu with use_dynamic_bsz) at
     most the budget, and the micro-batches the replica's real tokens over that (not whole: GPipe
     then holds the replica's real tokens, not a whole number of full budgets). Never less than one
-    longest sequence: it lies whole in one micro-batch. The attention part of Korthikanti's formula
-    stays at the high quantile's length, an upper bound of each packed sequence's."""
+    longest sequence: it lies whole in one micro-batch."""
     bm = np.ceil(rows / m)
     if not work.pack:
         return bm, m
@@ -394,8 +424,8 @@ def _optimizer_step(
     epochs: float,
     slow: np.ndarray,
 ) -> None:
-    """A train stage's gradient all-reduce over dp and Adam step, and the gradients and optimizer
-    state it holds."""
+    """A train stage's gradient all-reduce over dp and Adam step, and the optimizer state it holds (its
+    gradients at the step's peak: ``_pass_memory``)."""
     dp, alpha = geo.dp, profile.collective_latency_s
     sizes = value_bytes(stats, profile)
     grads = geo.device_params * sizes.grad
@@ -405,4 +435,4 @@ def _optimizer_step(
     # Adam reads and writes its state shard, reads the gradient shard, writes weights (all-gathered).
     opt_bytes = geo.device_params * ((2.0 * sizes.optimizer + sizes.grad + sizes.weight) / dp + sizes.weight)
     _set(raw, TERMS, dp_comm=epochs * dp_comm, optimizer=epochs * opt_bytes * slow / profile.hbm)
-    _set(mem, MEMORY_PARTS, gradients=grads, optimizer=np.ceil(geo.device_params / dp) * sizes.optimizer)
+    _set(mem, MEMORY_PARTS, optimizer=np.ceil(geo.device_params / dp) * sizes.optimizer)

@@ -14,7 +14,7 @@ does exactly that for one layout, so callers must call it on all devices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -117,7 +117,7 @@ class DeviceContext:
     def build_groups(self, layout: Layout) -> RankGroups | None:
         """Create the groups of ``layout`` collectively; returns this device's view, None if not a member."""
         if layout.key in self.groups:
-            return self.groups[layout.key]
+            return self._as(self.groups[layout.key], layout)
         if max(layout.devices) >= self.world_size:
             raise ValueError(f"layout {layout.key} uses slots beyond the world of {self.world_size}")
         mine: dict[str, tuple[tuple[int, ...], dist.ProcessGroup]] = {}
@@ -154,4 +154,12 @@ class DeviceContext:
         view = self.groups.get(layout.key)
         if view is None:
             raise KeyError(f"device {self.rank} has no groups for layout {layout.key}; build them first")
-        return view
+        return self._as(view, layout)
+
+    @staticmethod
+    def _as(view: RankGroups | None, layout: Layout) -> RankGroups | None:
+        """The groups of a placement serve every layout on it (the key names the placement), each with
+        its own micro-batches: two model-stages on the same slots may split their batches apart."""
+        if view is None or view.layout == layout:
+            return view
+        return replace(view, layout=layout)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from nereus_core.emu import REDUCE_BUCKET_ELEMENTS, reduce_bucket_elements
 from nereus_core.engine.device import RankGroups
 from nereus_core.model.llama import LlamaStage
 
@@ -104,13 +105,23 @@ class LayoutMpu:
 
 
 def deepspeed_config(
-    settings: OptimizerSettings, micro_batch: int, micro_batches: int, *, bf16: bool = False
+    settings: OptimizerSettings,
+    micro_batch: int,
+    micro_batches: int,
+    *,
+    bf16: bool = False,
+    params: int = REDUCE_BUCKET_ELEMENTS,
 ) -> dict[str, Any]:
+    """DeepSpeed's config of a train stage of ``params`` elements on this device (its gradient bucket:
+    ``emu.reduce_bucket_elements``)."""
     config: dict[str, Any] = {
         "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": micro_batches,
-        "zero_optimization": {"stage": settings.zero_stage},
+        "zero_optimization": {
+            "stage": settings.zero_stage,
+            "reduce_bucket_size": reduce_bucket_elements(params),
+        },
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": settings.grad_clip,
         "steps_per_print": 2**31 - 1,
@@ -146,6 +157,7 @@ def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettin
         micro_batch=1,
         micro_batches=groups.layout.micro_batches,
         bf16=bf16,
+        params=sum(p.numel() for p in stage.parameters()),
     )
     engine, *_ = deepspeed.initialize(model=stage, optimizer=optimizer, config=config, mpu=LayoutMpu(groups))
     return engine

@@ -207,8 +207,8 @@ def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) ->
 # A log-prob or entropy pass works on one chunk of logit rows at a time: 1/32 of the rows, or
 # 4M elements (16 MiB in fp32) when that is more, so its temporaries are a few percent of the
 # ``[..., V]`` logits and the chunks few enough that their kernel launches do not count.
-_CHUNKS = 32
-_MIN_CHUNK_ELEMENTS = 1 << 22
+LOGPROB_CHUNKS = 32
+LOGPROB_CHUNK_ELEMENTS = 1 << 22
 
 
 def _row_blocks(lead: tuple[int, ...], rows: int) -> Iterator[tuple[int | slice, ...]]:
@@ -230,9 +230,9 @@ def _row_blocks(lead: tuple[int, ...], rows: int) -> Iterator[tuple[int | slice,
 
 
 def _blocks(logits: torch.Tensor) -> Iterator[tuple[int | slice, ...]]:
-    """Chunks of ``logits`` rows, ``_CHUNKS`` of them or ``_MIN_CHUNK_ELEMENTS`` elements each."""
+    """Chunks of ``logits`` rows, ``LOGPROB_CHUNKS`` of them or ``LOGPROB_CHUNK_ELEMENTS`` elements each."""
     lead = tuple(logits.shape[:-1])
-    rows = max(1, -(-math.prod(lead) // _CHUNKS), _MIN_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+    rows = max(1, -(-math.prod(lead) // LOGPROB_CHUNKS), LOGPROB_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
     return _row_blocks(lead, rows)
 
 

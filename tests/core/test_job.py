@@ -191,9 +191,11 @@ def test_the_controller_sees_the_real_prompt_tokens_and_memory_their_longest() -
     seen = job_rules.observation(state, step=0, lengths=[4, 6], prompt_lengths=[3, 4, 9, 4]).workload
     assert (seen.prompt_len, seen.prompt_high) == (5, 9)
     layout, model = Layout.contiguous(), state.config.models["actor"]
-    mean_only = seen.model_copy(update={"prompt_high": None})
-    for stage in ("actor/generate", "actor/train"):
-        held = estimate(stage, layout, seen, model, state.controller.profile).memory.activations
+    # Generation's cache, and a padded pass's rows, hold the longest prompt (a packed pass its real tokens).
+    padded = seen.model_copy(update={"pack": False})
+    for stage, work in (("actor/generate", seen), ("actor/train", padded)):
+        mean_only = work.model_copy(update={"prompt_high": None})
+        held = estimate(stage, layout, work, model, state.controller.profile).memory.activations
         assert held > estimate(stage, layout, mean_only, model, state.controller.profile).memory.activations
 
 

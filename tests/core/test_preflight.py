@@ -143,7 +143,7 @@ def test_the_plan_check_agrees_with_the_controller(mib: int, partial_plan: bool)
 def test_a_plan_that_fits_only_with_gradient_checkpointing_is_refused_naming_the_flag() -> None:
     """The refusal says what model.gradient_checkpointing would need, and that claim holds: the same
     config with the flag set passes the check."""
-    cfg = example(cluster={"memory_per_device": 20 * 2**20})
+    cfg = example(cluster={"memory_per_device": 22 * 2**20})
     line = plan_memory_problem(cfg)
     assert line is not None and "\n" not in line
     assert "or set model.gradient_checkpointing: true (then " in line and "which fits" in line, line

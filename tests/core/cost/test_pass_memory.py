@@ -1,7 +1,8 @@
 """The memory model's activations of a forward or train pass: padded, a micro-batch holds its rows at
 the high quantile's length; packed (``passes.pack``, verl's use_remove_padding), its real tokens;
 with a token budget (``passes.max_tokens_per_device``, verl's ppo_max_token_len_per_gpu), at most
-the budget. Expected figures are Korthikanti et al. 2022's per-layer formula written out here."""
+the budget. Expected figures are the runtime's layer written out here (``cost.terms.layer_activation_bytes``:
+what ``LlamaStage`` keeps for backward, measured by benchmarks/bench_stage_memory.py)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,32 @@ from nereus_core.cost.stage_cost import estimate
 from nereus_core.cost.terms import layout_geometry, model_stats
 from nereus_core.layout import Layout
 
-# Llama-3-8B on the H100 profile: selective recomputation (34 values per token per layer), 16-bit
-# activations, 1F1B; an lm head's fp32 log-softmax input of vocab values per token.
+# Llama-3-8B on the H100 profile, bf16 activations; an lm head's fp32 logits of vocab values per token.
 HIDDEN, LAYERS, VOCAB, ACT_BYTES = 4096, 32, 128256, 2
 WORK = Workload(batch=1024, prompt_len=512, response_mean=2000, response_high=6000)
 SEQ_HIGH, REAL = 512 + 6000, 512 + 2000
 
 
+def _layer_bytes(tokens: float, tp: int = 1) -> float:
+    """A decoder layer's kept bytes: two norms (fp32 input, bf16 normed and output; replicated) and
+    q, k, v, SDPA's output and its copy, the MLP's four intermediates (bf16, split over tp)."""
+    return tokens * (2 * 8 * HIDDEN + 2 * (3 * 4096 + 2 * 1024 + 4 * 14336) / tp)
+
+
 def _infer_bytes(tokens: float, tp: int = 1) -> float:
-    """One layer's stored activations (no grad: one layer at a time) and the last stage's logits."""
-    return tokens * HIDDEN * 34 * ACT_BYTES / 2 / tp + tokens * VOCAB * 4 / tp
+    """No grad: one layer's working set, or the last stage's bf16 logits beside their fp32 copy (or the
+    fp32 ones and a log-prob chunk: 1/32 of the rows, at least 4M elements)."""
+    width = VOCAB / tp
+    logits = tokens * width
+    chunk = min(tokens, max(math.ceil(tokens / 32), (1 << 22) // width)) * width * 4
+    return max(_layer_bytes(tokens, tp), logits * 4 + max(logits * 2, chunk))
+
+
+def _train_last_stage(tokens: float, layers: int, in_flight: int) -> float:
+    """A train pass's last stage: each micro-batch in flight keeps its layers, the final norm and the
+    fp32 logits; backward adds the fp32 logits' gradient."""
+    saved = layers * _layer_bytes(tokens) + tokens * 8 * HIDDEN + tokens * VOCAB * 4
+    return in_flight * saved + tokens * VOCAB * 4
 
 
 ONE_F_ONE_B = H100_SXM.model_copy(update={"pipeline_schedule": "1f1b"})  # Megatron's pipelines
@@ -77,16 +94,14 @@ def test_train_holds_the_budget_s_micro_batches_in_flight_under_1f1b() -> None:
     # the busiest stage's layers as the runtime splits them (the first stage takes the head's share)
     stage_layers = int(layout_geometry(model_stats(LLAMA_3_8B), H100_SXM, layout).stage_layers[0])
     assert stage_layers in (LAYERS // 2, LAYERS // 2 + 1)
-    one_layer = 16384 * HIDDEN * 34 * ACT_BYTES / 2
-    logits = 16384 * VOCAB * 4
-    expected = 2 * stage_layers * one_layer + 2 * logits
+    last = LAYERS - stage_layers
+    expected = max(2 * stage_layers * _layer_bytes(16384), _train_last_stage(16384, last, 2))
     assert _activations("actor/train", layout, _packed(16384)) == pytest.approx(expected, rel=1e-9)
     # a budget that takes the replica's tokens whole: one micro-batch in flight, at those tokens
     whole = 1024 * REAL
     tokens_one = _activations("actor/train", layout, _packed(4 * whole))
-    assert tokens_one == pytest.approx(
-        stage_layers * whole * HIDDEN * 34 * ACT_BYTES / 2 + 2 * whole * VOCAB * 4, rel=1e-9
-    )
+    expected = max(stage_layers * _layer_bytes(whole), _train_last_stage(whole, last, 1))
+    assert tokens_one == pytest.approx(expected, rel=1e-9)
 
 
 def test_a_micro_batch_holds_at_least_one_longest_sequence() -> None:
@@ -119,8 +134,12 @@ def test_gpipe_holds_the_replica_s_real_tokens_whatever_the_budget() -> None:
     replica = 1024 // 4 * REAL
     for budget in (16384, 100_000):
         got = estimate("actor/train", layout, _packed(budget), LLAMA_3_8B, gpipe).memory.activations
-        expected = stage_layers * replica * HIDDEN * 34 * ACT_BYTES / 2 + 2 * budget * VOCAB * 4
-        assert got == pytest.approx(expected, rel=1e-9)
+        in_flight = replica / budget  # micro-batches of the budget's tokens, together the replica's
+        last = (
+            in_flight * ((LAYERS - stage_layers) * _layer_bytes(budget) + budget * (8 * HIDDEN + VOCAB * 4))
+            + budget * VOCAB * 4
+        )
+        assert got == pytest.approx(max(stage_layers * _layer_bytes(replica), last), rel=1e-9)
 
 
 def test_a_budget_s_micro_batches_set_the_pass_s_overheads_and_pipeline_bubble() -> None:
@@ -139,8 +158,8 @@ def test_a_budget_s_micro_batches_set_the_pass_s_overheads_and_pipeline_bubble()
 
 
 def test_gradient_checkpointing_keeps_each_layer_s_input_only_in_train_passes() -> None:
-    """Korthikanti et al. 2022, full recomputation: 2 values per token per layer (the layer's input)
-    held in a train pass, for one more forward (8 x params FLOPs per token instead of 6)."""
+    """Full recomputation: each layer's bf16 input held in a train pass, one layer's activations again
+    while backward recomputes it, for one more forward (8 x params FLOPs per token instead of 6)."""
     layout = Layout.contiguous(pp=2, micro_batches=1)
     stage_layers = int(layout_geometry(model_stats(LLAMA_3_8B), H100_SXM, layout).stage_layers[0])
     checkpointed = LLAMA_3_8B.model_copy(update={"gradient_checkpointing": True})
@@ -149,10 +168,11 @@ def test_gradient_checkpointing_keeps_each_layer_s_input_only_in_train_passes() 
     def act(config, stage: str) -> int:
         return estimate(stage, layout, work, config, ONE_F_ONE_B).memory.activations
 
-    logits = 16384 * VOCAB * 4
-    assert act(checkpointed, "actor/train") == pytest.approx(
-        2 * stage_layers * 16384 * HIDDEN * 2 * ACT_BYTES / 2 + 2 * logits, rel=1e-9
-    )
+    inputs = 16384 * HIDDEN * ACT_BYTES
+    last_saved = (LAYERS - stage_layers) * inputs + 16384 * (8 * HIDDEN + VOCAB * 4)
+    last = 2 * last_saved + max(16384 * VOCAB * 4, _layer_bytes(16384))
+    first = 2 * stage_layers * inputs + _layer_bytes(16384)
+    assert act(checkpointed, "actor/train") == pytest.approx(max(first, last), rel=1e-9)
     assert act(checkpointed, "actor/train") < 0.3 * act(LLAMA_3_8B, "actor/train")  # logits stay
     assert act(checkpointed, "reference/infer") == act(LLAMA_3_8B, "reference/infer")  # no backward
     plain, again = (estimate("actor/train", layout, work, c, H100_SXM) for c in (LLAMA_3_8B, checkpointed))

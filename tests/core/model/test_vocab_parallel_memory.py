@@ -49,7 +49,7 @@ def _chunked(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor)
 def test_logprobs_and_grads_match_log_softmax_gather(
     monkeypatch: pytest.MonkeyPatch, chunk: int, scale: float, dtype: torch.dtype
 ) -> None:
-    monkeypatch.setattr(tensor_parallel, "_MIN_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(tensor_parallel, "LOGPROB_CHUNK_ELEMENTS", chunk)
     logits, targets, weights = _case(scale, dtype)
     ref_logp, ref_grad = _reference(logits, targets, weights)
     logp, grad = _chunked(logits, targets, weights)
@@ -102,7 +102,7 @@ class _LargestOutputs(TorchDispatchMode):
 
 
 def test_no_full_width_temporary_but_the_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tensor_parallel, "_MIN_CHUNK_ELEMENTS", 4 * VOCAB)
+    monkeypatch.setattr(tensor_parallel, "LOGPROB_CHUNK_ELEMENTS", 4 * VOCAB)
     logits, targets, weights = _case(3.0, torch.float32)
     x = logits[:, :-1].detach().requires_grad_(True)  # a strided view: chunks must not copy it whole
     full = x.numel()
@@ -122,7 +122,7 @@ def test_no_full_width_temporary_but_the_gradient(monkeypatch: pytest.MonkeyPatc
 def test_chunked_entropy_equals_one_pass(monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
     logits = _case(scale, torch.float32, seed=3)[0][:, :-1]
     whole = vocab_parallel_entropy(logits, None)
-    monkeypatch.setattr(tensor_parallel, "_MIN_CHUNK_ELEMENTS", 2 * VOCAB)
+    monkeypatch.setattr(tensor_parallel, "LOGPROB_CHUNK_ELEMENTS", 2 * VOCAB)
     chunked = vocab_parallel_entropy(logits, None)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
     p = torch.softmax(logits.double(), dim=-1)
@@ -143,7 +143,7 @@ def test_chunks_are_a_thirty_second_of_the_rows_or_the_minimum() -> None:
 
 
 def _tp_logprobs(rank: int, world: int, cases: list[tuple[float, torch.dtype]]) -> list[dict[str, Any]]:
-    tensor_parallel._MIN_CHUNK_ELEMENTS = 2 * VOCAB // world + 1  # several chunks, not whole rows
+    tensor_parallel.LOGPROB_CHUNK_ELEMENTS = 2 * VOCAB // world + 1  # several chunks, not whole rows
     part = VOCAB // world
     results = []
     for scale, dtype in cases:

@@ -30,9 +30,9 @@ pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against 
 
 STAGES = {"actor/generate", "actor/train", "reference/infer"}
 GRPO_MODELS = ("actor", "reference")
-# The fault tests' job (the demo's model, 8 MiB per slot, 24-token responses from step 1) as GRPO.
-# 8 MiB per slot fits plan A at 6-token responses but not at 24 (the cost model's estimate: 3.9 and
-# 8.1 MiB on the busiest slot), so the response-length event before step 1 forces a live switch.
+# The fault tests' job (the demo's model, 8 MiB per slot) as GRPO. 8 MiB per slot (7.2 usable) fits
+# plan A at 6-token responses but not at 32 (the cost model's estimate: 3.9 and 7.9 MiB on the busiest
+# slot), so the response-length event forces a live switch.
 BASE = copy.deepcopy(FAULT_JOB) | {
     "name": "grpo-switch-test",
     "algorithm": {"name": "grpo", "group_size": 4},
@@ -44,6 +44,7 @@ BASE = copy.deepcopy(FAULT_JOB) | {
     },
 }
 BASE["job"]["verify_transitions"] = True
+BASE["job"]["scenario"] = [{"step": 1, "response_len": 32}]
 
 
 def _config(**job: object) -> dict:
@@ -69,8 +70,8 @@ def _assert_grpo_state(run_dir: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_a_forced_live_switch_and_a_durable_one_keep_grpo_state_bitwise(tmp_path):
-    # 2 slots, then 4 (a new world: the durable route), then 24-token responses (a live switch)
-    data = _config(steps=4, scenario=[{"step": 1, "devices": 4}, {"step": 2, "response_len": 24}])
+    # 2 slots, then 4 (a new world: the durable route), then 32-token responses (a live switch)
+    data = _config(steps=4, scenario=[{"step": 1, "devices": 4}, {"step": 2, "response_len": 32}])
     data["cluster"]["devices"] = 2
     run_dir = _run(tmp_path, data)
     summary = RunDir(run_dir).read_summary()
