@@ -63,13 +63,15 @@ class Case(BaseModel):
     max_tokens: int | None = None  # a packed micro-batch's token budget (verl's ppo_max_token_len_per_gpu)
     dtype: str = "fp32"  # bf16: bf16 weights and activations, fp32 masters and moments
     head: str = "lm"  # value: a critic
+    schedule: str = "gpipe"  # a pipeline's (Layout.schedule)
 
     @property
     def train(self) -> bool:
         return self.stage.endswith("/train")
 
     def layout(self) -> Layout:
-        return Layout.contiguous(tp=self.tp, pp=self.pp, dp=self.dp, micro_batches=self.micro_batches)
+        layout = Layout.contiguous(tp=self.tp, pp=self.pp, dp=self.dp, micro_batches=self.micro_batches)
+        return layout.model_copy(update={"schedule": self.schedule})
 
 
 CASES = (
@@ -81,6 +83,7 @@ CASES = (
     Case(name="train-packed-budget", stage="actor/train", pack=True, max_tokens=512),
     Case(name="train-pp2-gpipe", stage="actor/train", pp=2, micro_batches=2),
     Case(name="train-pp2-gpipe-4mb", stage="actor/train", pp=2, micro_batches=4),
+    Case(name="train-pp2-1f1b-4mb", stage="actor/train", pp=2, micro_batches=4, schedule="1f1b"),
     Case(name="train-dp2-zero1", stage="actor/train", dp=2),
     Case(name="train-dp2-zero2", stage="actor/train", dp=2, zero_stage=2),
     Case(name="train-bf16", stage="actor/train", dtype="bf16"),

@@ -11,7 +11,7 @@ run of ``tp*pp`` devices. Device slots are world ranks of the device pool.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from pydantic import Field, model_validator
 
@@ -32,6 +32,13 @@ class Layout(Frozen):
     dp: int = Field(default=1, ge=1, le=4096, description="Data-parallel degree (replicas).")
     devices: tuple[int, ...] = Field(description="Ordered device slots, tp*pp*dp of them.")
     micro_batches: int = Field(default=1, ge=1, le=4096, description="Micro-batches per replica.")
+    schedule: Literal["gpipe", "1f1b"] = Field(
+        default="gpipe",
+        description="Order of a train pipeline's micro-batches (pp > 1): gpipe runs every forward, then "
+        "every backward, holding all micro-batches' activations; 1f1b (PipeDream-Flush, Megatron's) "
+        "backpropagates the oldest micro-batch after each forward once the pipeline is full, holding "
+        "at most pp - stage of them.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Layout:
@@ -48,6 +55,8 @@ class Layout(Frozen):
             if d in seen:
                 raise ValueError(f"device {d} is used twice in one layout; each slot may appear once")
             seen.add(d)
+        if self.schedule == "1f1b" and self.pp == 1:
+            raise ValueError("schedule 1f1b orders a pipeline's micro-batches; it needs pp > 1 (or gpipe)")
         return self
 
     @classmethod
@@ -72,7 +81,7 @@ class Layout(Frozen):
 
     def same_placement(self, other: Layout) -> bool:
         """Whether ``other`` has the same degrees on the same devices: moving between the two moves no
-        state (micro-batch counts alone change no placement)."""
+        state (micro-batch counts and the pipeline schedule alone change no placement)."""
         return (self.tp, self.pp, self.dp, self.devices) == (other.tp, other.pp, other.dp, other.devices)
 
     @property

@@ -149,7 +149,8 @@ def plan_id(layouts: Mapping[str, Layout]) -> str:
     digest = hashlib.sha1()
     for stage in sorted(layouts):
         v = layouts[stage]
-        digest.update(f";{stage}=tp{v.tp}.pp{v.pp}.dp{v.dp}.m{v.micro_batches}@".encode())
+        schedule = ".1f1b" if v.schedule == "1f1b" else ""  # GPipe's ids as they were
+        digest.update(f";{stage}=tp{v.tp}.pp{v.pp}.dp{v.dp}.m{v.micro_batches}{schedule}@".encode())
         # consecutive slots by their range (converting 1,024 ints to text is slow)
         first, last = v.devices[0], v.devices[-1]
         contiguous = v.devices == tuple(range(first, last + 1))
@@ -327,9 +328,11 @@ class GlobalPlan(Frozen):
         return [s for s, layout in self.layouts.items() if device in layout.devices]
 
     def describe(self) -> str:
-        """One line, e.g. ``colocated | actor/generate tp2.pp1.dp2 m1 @0..3 | ...`` (@ first..last slot)."""
+        """One line, e.g. ``colocated | actor/generate tp2.pp1.dp2 m1 @0..3 | ...`` (@ first..last slot;
+        `` 1f1b`` after the micro-batches of a 1F1B pipeline)."""
         parts = [
-            f"{s} tp{v.tp}.pp{v.pp}.dp{v.dp} m{v.micro_batches} @{min(v.devices)}..{max(v.devices)}"
+            f"{s} tp{v.tp}.pp{v.pp}.dp{v.dp} m{v.micro_batches}{' 1f1b' if v.schedule == '1f1b' else ''} "
+            f"@{min(v.devices)}..{max(v.devices)}"
             for s, v in self.layouts.items()
         ]
         return " | ".join([self.placement, *parts])

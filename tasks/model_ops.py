@@ -120,6 +120,7 @@ def forward(
             name=name,
             pack=passes.pack,
             max_tokens=passes.max_tokens_per_device,
+            layout=layout,
         )
     return dispatch.collect(layout, results, rows)
 
@@ -194,6 +195,7 @@ def train_stats(
             with_entropy=with_entropy,
             pack=passes.pack,
             max_tokens=passes.max_tokens_per_device,
+            layout=layout,
         )
     rows = [r for r in results if r is not None]
     return {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}

@@ -28,8 +28,9 @@ def _powers(limit: int) -> list[int]:
 def candidates(
     stage: str, model: ModelConfig, profile: HardwareProfile, work: Workload, max_world: int
 ) -> tuple[np.ndarray, ...]:
-    """Arrays (tp, pp, dp, m) of the layouts considered for ``stage`` on up to ``max_world`` slots:
-    the degrees ``plan.layout_problems`` admits (tp/pp shard the model, dp*m divides the stage's rows)."""
+    """Arrays (tp, pp, dp, m, f1b) of the layouts considered for ``stage`` on up to ``max_world`` slots:
+    the degrees ``plan.layout_problems`` admits (tp/pp shard the model, dp*m divides the stage's rows),
+    and a train stage's pipelines under either schedule (``f1b``: 1F1B, else GPipe)."""
     batch = stage_rows(stage, work.batch, work.mini_batches)
     tps = [t for t in _powers(min(profile.devices_per_node, max_world)) if model.tp_error(t) is None]
     layers = model.num_hidden_layers
@@ -40,7 +41,13 @@ def candidates(
     grid = np.array(np.meshgrid(tps, pps, dps, _powers(min(waves, batch)), indexing="ij")).reshape(4, -1)
     tp, pp, dp, m = grid
     keep = (tp * pp * dp <= max_world) & ((batch // dp) % m == 0)
-    return tp[keep], pp[keep], dp[keep], m[keep]
+    tp, pp, dp, m = tp[keep], pp[keep], dp[keep], m[keep]
+    f1b = np.zeros_like(tp, dtype=bool)
+    if stage.endswith("/train"):  # only a backward has a schedule; a pipeline of one micro-batch has none
+        again = (pp > 1) & (m > 1)
+        tp, pp, dp, m = (np.concatenate([a, a[again]]) for a in (tp, pp, dp, m))
+        f1b = np.concatenate([f1b, np.ones(int(again.sum()), dtype=bool)])
+    return tp, pp, dp, m, f1b
 
 
 def build_table(
@@ -58,10 +65,10 @@ def build_table(
     degrees and their pipeline split (they do not depend on ``first``)."""
     stats = model_stats(model)
     if base is None:
-        tp, pp, dp, m = candidates(stage, model, profile, work, max_world)
-        base = (tp, pp, dp, m, *split_arrays(stats, tp, pp))
-    tp, pp, dp, m, *split = base
-    geo = contiguous_geometry(stats, profile, tp, pp, dp, m, first, split=tuple(split))
+        tp, pp, dp, m, f1b = candidates(stage, model, profile, work, max_world)
+        base = (tp, pp, dp, m, f1b, *split_arrays(stats, tp, pp))
+    tp, pp, dp, m, f1b, *split = base
+    geo = contiguous_geometry(stats, profile, tp, pp, dp, m, first, split=tuple(split), f1b=f1b)
     raw, mem = stage_tables(stage.partition("/")[2], geo, work, stats, profile)  # type: ignore[arg-type]
     persistent, transient = mem[PERSISTENT].sum(axis=0), mem[~PERSISTENT].sum(axis=0)
-    return StageTable(tp, pp, dp, m, scales.as_array() @ raw, persistent, transient)
+    return StageTable(tp, pp, dp, m, f1b, scales.as_array() @ raw, persistent, transient)

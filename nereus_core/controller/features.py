@@ -18,6 +18,10 @@ controller (``nereus_core.job.controller_settings``) and the simulator's Nereus
   the whole run); the runtime has no per-step or per-plan choice of it. The simulated Nereus runs
   with the flag its config's model has, never with the world's recompute-where-nothing-fits option;
   a plan that does not fit fails its step there as it would here.
+- A train pipeline's schedule (``Layout.schedule``): GPipe or 1F1B, a choice of each layout that the
+  plan search makes and the runtime runs (``engine/train.py``, bit for bit alike); a plan that
+  changes only it (or the micro-batches) moves no state. The simulator's world holds, for a 1F1B
+  layout, the micro-batches 1F1B keeps in flight.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ class StageTable:
     pp: np.ndarray
     dp: np.ndarray
     m: np.ndarray
+    f1b: np.ndarray  # the candidate pipelines run 1F1B (``Layout.schedule``)
     seconds: np.ndarray
     persistent: np.ndarray
     transient: np.ndarray
@@ -43,14 +44,15 @@ class StageTable:
 
     def layout(self, i: int, first: int) -> Layout:
         """Candidate ``i`` on consecutive slots from ``first``."""
-        return _contiguous(int(self.tp[i]), int(self.pp[i]), int(self.dp[i]), first, int(self.m[i]))
+        tp, pp, dp, m = (int(x[i]) for x in (self.tp, self.pp, self.dp, self.m))
+        return _contiguous(tp, pp, dp, first, m, "1f1b" if self.f1b[i] else "gpipe")
 
 
 @lru_cache(maxsize=4096)
-def _contiguous(tp: int, pp: int, dp: int, first: int, m: int) -> Layout:
+def _contiguous(tp: int, pp: int, dp: int, first: int, m: int, schedule: str) -> Layout:
     """Valid by construction (degrees from a table, consecutive slots), so not re-checked."""
     devices = tuple(range(first, first + tp * pp * dp))
-    return Layout.model_construct(tp=tp, pp=pp, dp=dp, devices=devices, micro_batches=m)
+    return Layout.model_construct(tp=tp, pp=pp, dp=dp, devices=devices, micro_batches=m, schedule=schedule)
 
 
 @dataclass

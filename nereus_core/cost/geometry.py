@@ -157,6 +157,7 @@ class Geometry(NamedTuple):
     pp_bw: np.ndarray
     dp_bw: np.ndarray
     per_node: np.ndarray  # slots of the layout on its busiest node
+    f1b: np.ndarray  # a train pipeline runs 1F1B (``Layout.schedule``), else GPipe
 
 
 @lru_cache(maxsize=4096)
@@ -196,9 +197,11 @@ def contiguous_geometry(
     m: Num,
     first: int = 0,
     split: tuple[np.ndarray, ...] | None = None,
+    f1b: np.ndarray | None = None,
 ) -> Geometry:
     """Geometry of layouts on consecutive slots from ``first`` (how the controller places them);
-    ``split`` is ``pipeline_split`` over the candidates when the caller already has it."""
+    ``split`` is ``pipeline_split`` over the candidates when the caller already has it; ``f1b``
+    marks the candidates whose pipelines run 1F1B (none when not given)."""
     tp, pp, dp, m = (np.atleast_1d(np.asarray(x, dtype=np.int64)) for x in (tp, pp, dp, m))
     first_a = np.full_like(tp, first)
     world = tp * pp * dp
@@ -215,6 +218,7 @@ def contiguous_geometry(
         np.where(pp_in, bw[True], bw[False]),
         np.where(dp_in, bw[True], bw[False]),
         per_node.astype(float),
+        np.zeros_like(tp, dtype=bool) if f1b is None else np.asarray(f1b, dtype=bool),
     )  # fmt: skip
 
 
@@ -248,5 +252,5 @@ def layout_geometry(stats: ModelStats, profile: HardwareProfile, layout: Layout)
     return Geometry(
         one(layout.tp), one(layout.pp), one(layout.dp), one(layout.micro_batches),
         one(layers), one(flops), one(weights), one(bw(2)), one(bw(1)), one(bw(0)),
-        one(per_node),
+        one(per_node), np.array([layout.schedule == "1f1b"]),
     )  # fmt: skip

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -214,11 +213,6 @@ class HardwareProfile(BaseModel):
     )
     activation_bytes: int = Field(ge=1, le=8, description="Bytes per activation value.")
     kv_bytes: int = Field(ge=1, le=8, description="Bytes per KV-cache value.")
-    pipeline_schedule: Literal["gpipe", "1f1b"] = Field(
-        default="1f1b",
-        description="Micro-batch order of a pipelined training engine: gpipe keeps all m in flight, 1f1b at "
-        "most p; without a pipeline either holds one (each backpropagates before the next).",
-    )
     max_generate_waves: int = Field(
         default=1,
         ge=1,
@@ -323,7 +317,6 @@ H100_SXM = HardwareProfile(
     optimizer_bytes=12,
     activation_bytes=2,  # bf16 activations (mixed precision)
     kv_bytes=2,  # "KV cache 2 * 32 * 8 * 128 * 2 B = 128 KiB per token" (bf16)
-    pipeline_schedule="gpipe",  # what Nereus's runtime runs (engine/train.py)
     max_generate_waves=64,  # vLLM admits as many sequences as the KV cache holds
     gradient_bucket_bytes=2 * 10**9,
     # The executed schedule's costs are placeholders of the right order (not measured here: NCCL
@@ -388,7 +381,6 @@ CPU_WORKERS = HardwareProfile(
     optimizer_bytes=12,
     activation_bytes=4,
     kv_bytes=4,
-    pipeline_schedule="gpipe",  # nereus_core/engine/train.py: on a pipeline, all forwards then all backwards
     max_generate_waves=1,  # nereus_core/engine/forward.py generates the replica batch at once
     gradient_bucket_bytes=2 * 10**9,
     # The executed schedule's costs from the demo's journals (journal/<id>.jsonl: seconds per unit;

@@ -359,7 +359,8 @@ def _pass_memory(
     in flight keeps every layer's activations (only each layer's input with gradient checkpointing,
     one layer recomputed at a time in backward) and, on the last stage, the final norm's and the fp32
     logits its loss saved; backward adds the logits' fp32 gradient. In flight: one micro-batch without a
-    pipeline (each backpropagates before the next), all of them under GPipe, at most pp under 1F1B.
+    pipeline (each backpropagates before the next), all of them on every stage under GPipe, pp - stage
+    of them under 1F1B (``Layout.schedule``).
     Gradients (``gradients``): ZeRO's fp32 reduction bucket (``emu.reduce_bucket_elements``) and the
     gradients accumulated while a later micro-batch's activations are held; a single backward frees
     its activations as it makes the gradients, so there only what they exceed the activations by."""
@@ -377,15 +378,18 @@ def _pass_memory(
         head = logits * 4.0 + np.maximum(logits * upcast, logprob_chunk_bytes(logits, stats.logit_width / tp))
         _set(mem, MEMORY_PARTS, activations=np.maximum(layer, head))
         return
-    in_flight = np.where(pp > 1, m if profile.pipeline_schedule == "gpipe" else np.minimum(m, pp), 1)
+    # In flight on the first stage and on the last: GPipe keeps every micro-batch on each; 1F1B keeps
+    # pp - stage of them (PipeDream-Flush: the first stage pp, the last one).
+    first_in_flight = np.where(pp > 1, np.where(geo.f1b, np.minimum(m, pp), m), 1)
+    last_in_flight = np.where(pp > 1, np.where(geo.f1b, 1, m), 1)
     keep = tokens * stats.hidden * act if stats.recompute else layer
     recomputed = layer if stats.recompute else 0.0
     head_saved = tokens * norm_bytes(stats, act) + logits * 4.0
-    last_stage = in_flight * (last * keep + head_saved) + np.maximum(logits * 4.0, recomputed)
-    activations = np.maximum(in_flight * inner * keep + recomputed, last_stage)
+    last_stage = last_in_flight * (last * keep + head_saved) + np.maximum(logits * 4.0, recomputed)
+    activations = np.maximum(first_in_flight * inner * keep + recomputed, last_stage)
     grads = geo.device_params * sizes.grad
     bucket = np.minimum(REDUCE_BUCKET_ELEMENTS, geo.device_params) * 4.0
-    accumulating = (pp == 1) & (m > 1)
+    accumulating = m > 1  # a later micro-batch's activations beside an earlier one's gradients
     held_grads = np.where(accumulating, grads, np.maximum(grads - activations, 0.0))
     _set(mem, MEMORY_PARTS, activations=activations, gradients=bucket + held_grads)
 

@@ -220,6 +220,13 @@ def send_activation(tensor: torch.Tensor, dst: int) -> None:
     dist.send(tensor.contiguous(), dst=dst)
 
 
+def send_activation_async(tensor: torch.Tensor, dst: int) -> tuple[Any, torch.Tensor]:
+    """Post a send of ``tensor`` to the neighbouring pipeline stage at world rank ``dst``; returns the
+    work to wait on and the contiguous tensor it reads (kept alive until then)."""
+    payload = tensor.contiguous()
+    return dist.isend(payload, dst=dst), payload
+
+
 def recv_activation(
     shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device
 ) -> torch.Tensor:

@@ -19,13 +19,16 @@ tokens as one row and return the same padded outputs, 0 where the padded path re
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from nereus_core.engine import packing
 from nereus_core.engine.device import DeviceContext, RankGroups
-from nereus_core.engine.exchange import recv_activation, send_activation
-from nereus_core.engine.shard import ModelShard, get_shard
+from nereus_core.engine.exchange import recv_activation, send_activation, send_activation_async
+from nereus_core.engine.shard import ModelShard, bind_layout, get_shard
+from nereus_core.layout import Layout
 from nereus_core.model.tensor_parallel import vocab_parallel_logprobs, vocab_parallel_sample
 
 
@@ -68,12 +71,14 @@ def stage_forward(
     dtype: torch.dtype | None = None,
     segments: torch.Tensor | None = None,
     last_only: bool = False,
+    sends: list[Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Receive this stage's input (or take the ids), run the stage, send the output on.
 
     Returns ``(stage input, stage output)``; the input is a leaf that requires grad
     on non-first stages when grad is enabled, so training can send its grad back.
     ``segments`` (a packed row's ``cu_seqlens``) and ``last_only`` go to the stage (``LlamaStage``).
+    ``sends``: post the output's send without waiting and append it here (the caller awaits it).
     """
     groups = shard.groups
     if groups.is_first_stage:
@@ -91,7 +96,10 @@ def stage_forward(
     else:
         out = shard.module(x, positions)
     if not groups.is_last_stage:
-        send_activation(out.detach(), groups.next_rank)
+        if sends is None:
+            send_activation(out.detach(), groups.next_rank)
+        else:
+            sends.append(send_activation_async(out.detach(), groups.next_rank))
     return x, out
 
 
@@ -132,11 +140,14 @@ def forward_outputs(
     name: str,
     pack: bool = False,
     max_tokens: int | None = None,
+    layout: Layout | None = None,
 ) -> torch.Tensor | None:
     """``head_outputs`` for this replica's ids ``[b, s]`` (padded where ``attention_mask_bs`` is 0),
     micro-batch by micro-batch. ``pack`` runs each micro-batch's real tokens as one packed row
-    (``packing``), at most ``max_tokens`` real tokens each; the outputs are padded alike."""
+    (``packing``), at most ``max_tokens`` real tokens each; the outputs are padded alike.
+    ``layout``: the plan's layout of the stage (``shard.bind_layout``)."""
     shard = get_shard(ctx, name)
+    bind_layout(ctx, shard, layout)
     groups = shard.groups
     ids_bs = ids_bs.to(ctx.device)
     if pack and packing.worth_packing(attention_mask_bs, max_tokens):

@@ -133,6 +133,23 @@ def drop_all(ctx: DeviceContext) -> None:
     ctx.retired.clear()
 
 
+def bind_layout(ctx: DeviceContext, shard: ModelShard, layout: Layout | None) -> None:
+    """Run ``shard`` under ``layout`` from now on. A plan may change a model-stage's micro-batches or
+    pipeline schedule without moving its state (``Layout.same_placement``): the shard takes the
+    layout's groups view, and its DeepSpeed engine the new gradient accumulation steps."""
+    old = shard.groups.layout
+    if layout is None or layout == old:
+        return
+    if not old.same_placement(layout):
+        raise RuntimeError(
+            f"model-stage {shard.name!r} on device {ctx.rank} is placed as {old.key}, not {layout.key}; "
+            "a new placement moves its state first (a transition)"
+        )
+    shard.groups = ctx.view(layout)
+    if shard.engine is not None and layout.micro_batches != old.micro_batches:
+        shard.engine.set_train_batch_size(layout.micro_batches * layout.dp)  # micro-batch size 1: bookkeeping
+
+
 def get_shard(ctx: DeviceContext, name: str) -> ModelShard:
     shard = ctx.resident.get(name)
     if not isinstance(shard, ModelShard):

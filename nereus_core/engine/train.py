@@ -1,10 +1,15 @@
-"""Training on one device of a layout: DeepSpeed ZeRO over the DP group, GPipe over stages.
+"""Training on one device of a layout: DeepSpeed ZeRO over the DP group, GPipe or 1F1B over stages.
 
 DeepSpeed owns the optimizer (AdamW, ZeRO-partitioned over the DP group) and the
 gradient reduction; ``engine.optimizer`` builds its engine when a train stage is
 loaded. Without a pipeline each micro-batch's backward follows its forward (gradient accumulation);
-a pipeline runs ours (GPipe, Huang et al. 2019): all micro-batches forward, then all backward in
-reverse order. Non-last stages backpropagate the
+a pipeline runs the layout's schedule (``Layout.schedule``): GPipe (Huang et al. 2019), all
+micro-batches forward, then all backward; or 1F1B (PipeDream-Flush, Narayanan et al. 2021), each
+stage ``pp - 1 - stage`` forwards ahead, then one backward (the oldest micro-batch's) after each
+forward, then the rest. Backwards always run oldest first, so every schedule adds the micro-batches'
+gradients in the same order and trains bit for bit alike. Activations travel forward and their gradients
+back with non-blocking sends (a 1F1B stage sends forward while its neighbour sends back), each
+awaited before the step ends. Non-last stages backpropagate the
 surrogate ``sum(out * grad_out)``, whose gradient equals the true one, through
 ``engine.backward`` without the 1/GAS scaling the last stage already applied.
 
@@ -29,7 +34,7 @@ import torch.distributed as dist
 
 from nereus_core.engine import packing
 from nereus_core.engine.device import DeviceContext
-from nereus_core.engine.exchange import recv_activation, send_activation
+from nereus_core.engine.exchange import recv_activation, send_activation_async
 from nereus_core.engine.forward import (
     head_outputs,
     micro_batches,
@@ -38,7 +43,8 @@ from nereus_core.engine.forward import (
     rows,
     stage_forward,
 )
-from nereus_core.engine.shard import ModelShard, get_shard
+from nereus_core.engine.shard import ModelShard, bind_layout, get_shard
+from nereus_core.layout import Layout
 from nereus_core.model.tensor_parallel import vocab_parallel_entropy
 from nereus_core.rl.ppo import last_value, minibatch_share
 
@@ -80,6 +86,7 @@ def train_step(
     with_entropy: bool = False,
     pack: bool = False,
     max_tokens: int | None = None,
+    layout: Layout | None = None,
 ) -> dict[str, float] | None:
     """One optimizer step on this replica's ``batch`` (``batch['ids']`` ``[b, s]`` plus per-sequence extras;
     ``batch['attention_mask']`` ``[b, s]``, when present, marks the padding, as ``forward.padding``).
@@ -90,11 +97,14 @@ def train_step(
     each micro-batch: the policy's entropy over the full vocab, aligned with the log-probs.
     ``pack`` runs packed micro-batches (at most ``max_tokens`` real tokens each, when given); the
     loss function sees the same padded tensors, 0 at pads.
+    ``layout``: the plan's layout of the stage, when its micro-batches or schedule changed since it
+    was placed (``shard.bind_layout``).
     The last stage's tp-rank-0 device returns the loss and each statistic as their mean over
     micro-batches (the caller averages replicas, as DeepSpeed averages gradients over DP), and
     ``grad_norm``: the global gradient norm before clipping, over every rank of the layout.
     """
     shard = get_shard(ctx, name)
+    bind_layout(ctx, shard, layout)
     if shard.engine is None:
         raise RuntimeError(
             f"model-stage {name!r} on device {ctx.rank} has no optimizer; load it for training"
@@ -111,7 +121,7 @@ def train_step(
     slices = micro_batches(ids_bs.shape[0], groups.layout.micro_batches)
     schedule = _Schedule(shard, ctx.device, len(slices))
     for mb in slices:
-        x, out = stage_forward(shard, ids_bs[mb], **rows(positions, mask, mb))
+        x, out = stage_forward(shard, ids_bs[mb], **rows(positions, mask, mb), sends=schedule.sends)
         if groups.is_last_stage:
             mb_batch = _slice(batch, mb, ctx.device)
             if with_entropy:
@@ -159,7 +169,9 @@ def _packed_step(
     stats: list[dict[str, torch.Tensor]] = []
     schedule = _Schedule(shard, ctx.device, len(packed_mbs), weighted=True)
     for packed, weight in zip(packed_mbs, weights, strict=True):
-        x, out = stage_forward(shard, packed.ids, packed.positions, segments=packed.cu_seqlens)
+        x, out = stage_forward(
+            shard, packed.ids, packed.positions, segments=packed.cu_seqlens, sends=schedule.sends
+        )
         if groups.is_last_stage:
             mb_batch = _slice(batch, packed.rows, ctx.device)
             if with_entropy:
@@ -188,15 +200,22 @@ def _loss_and_stats(
 
 class _Schedule:
     """When each micro-batch's backward runs. Without a pipeline, right after its forward (gradient
-    accumulation: one micro-batch's activations live at a time); with one, GPipe's (Huang et al.
-    2019): every forward, then the backwards in reverse order. Then the optimizer step. ``weighted``:
-    the losses carry their own weights and the last backward marks the accumulation boundary
-    (``_boundary``)."""
+    accumulation: one micro-batch's activations live at a time); with one, as the layout's schedule
+    says (the module docstring). Then the optimizer step. ``weighted``: the losses carry their own
+    weights and the last backward marks the accumulation boundary (``_boundary``)."""
 
     def __init__(self, shard: ModelShard, device: torch.device, count: int, *, weighted: bool = False):
         self.shard, self.device, self.count, self.weighted = shard, device, count, weighted
-        self.pipelined = shard.groups.layout.pp_enabled
+        layout, coord = shard.groups.layout, shard.groups.coord
+        # Forwards a stage runs before its first backward: none without a pipeline, all under GPipe.
+        if not layout.pp_enabled:
+            self.ahead = 0
+        elif layout.schedule == "1f1b":
+            self.ahead = min(count - 1, layout.pp - 1 - coord.pp)
+        else:
+            self.ahead = count
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sends: list[Any] = []  # sends in flight, with the tensors they read
         self.done = 0
         # ZeRO-1/2 compute the norm of the reduced, partitioned gradients in their step, over the DP
         # group and the mpu's tp x pp group (``optimizer.LayoutMpu``), before they clip; without ZeRO
@@ -205,10 +224,9 @@ class _Schedule:
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
 
     def forwarded(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        if self.pipelined:
-            self.saved.append((x, out))
-        else:
-            self._backward(x, out)
+        self.saved.append((x, out))
+        if len(self.saved) > self.ahead:
+            self._backward(*self.saved.pop(0))  # 1F1B and no pipeline: the oldest
 
     def _backward(self, x: torch.Tensor, out: torch.Tensor) -> None:
         engine, groups = self.shard.engine, self.shard.groups
@@ -221,17 +239,21 @@ class _Schedule:
             grad = recv_activation(tuple(out.shape), out.dtype, groups.next_rank, self.device)
             engine.backward((out * grad).sum(), scale_wrt_gas=False)
         if not groups.is_first_stage:
-            send_activation(x.grad, groups.prev_rank)
+            self.sends.append(send_activation_async(x.grad, groups.prev_rank))
         if not self.zero and last:
             self.norm_sq = _tp_grad_norm_sq(self.shard, self.device)
         engine.step()  # DeepSpeed steps the optimizer at the last micro-batch only
         self.done += 1
 
     def finish(self) -> float:
-        """The pipeline's backwards (GPipe), then the global gradient norm of the step (before
-        clipping)."""
-        for x, out in reversed(self.saved):
+        """The backwards still to run (oldest first), the sends awaited, then the global gradient norm
+        of the step (before clipping)."""
+        for x, out in self.saved:
             self._backward(x, out)
+        self.saved.clear()
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
         engine, groups = self.shard.engine, self.shard.groups
         if self.weighted:
             _release_boundary(engine)

@@ -191,7 +191,7 @@ class World:
             train=kind == "train",
             recompute=recompute,
             sharded=self.sharded_weights,
-            one_f_one_b=self.one_f_one_b,
+            one_f_one_b=self.one_f_one_b or layout.schedule == "1f1b",
         )
 
     def stage(self, stage: str, layout: Layout, work: StepWork) -> StageEval:
@@ -205,7 +205,7 @@ class World:
 
     def _eval_key(self, stage: str, layout: Layout, work: StepWork) -> tuple:
         """What a kept evaluation depends on (the frameworks' flags too: strategies set them)."""
-        shape = (layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.devices)
+        shape = (layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.schedule, layout.devices)
         return (stage, *shape, work, self.sharded_weights, self.one_f_one_b)
 
     def floor_s(self, k: int) -> dict[str, float]:

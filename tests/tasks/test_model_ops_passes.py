@@ -34,7 +34,7 @@ class RecordingPool:
         self.scopes.append((label, tokens))
         yield
 
-    def run(self, layout: Layout, fn: Any, per_rank_args: Any = None, **kwargs: Any) -> list[Any]:
+    def run(self, layout: Layout, fn: Any, /, per_rank_args: Any = None, **kwargs: Any) -> list[Any]:
         self.calls.append((fn, tuple(per_rank_args), kwargs))
         if fn is forward_outputs:  # each device's rows back, as the engine would give its outputs
             return [args[0].float() for args in per_rank_args]
@@ -46,7 +46,8 @@ def test_a_packed_forward_reaches_the_engine_and_counts_real_tokens() -> None:
     passes = PassesConfig(pack=True, max_tokens_per_device=64)
     out = model_ops.forward(pool, LAYOUT, IDS, name="reference/infer", attention_mask=MASK, passes=passes)
     ((fn, args, kwargs),) = pool.calls
-    assert fn is forward_outputs and kwargs == dict(name="reference/infer", pack=True, max_tokens=64)
+    assert fn is forward_outputs
+    assert kwargs == dict(name="reference/infer", pack=True, max_tokens=64, layout=LAYOUT)
     # Balanced rows: 8+2 on one replica, 5+3 on the other; the fullest holds 10 real tokens.
     held = sorted(int(a[1].sum()) for a in args)
     assert held == [8, 10] and pool.scopes == [("reference/infer", 10)]
@@ -57,7 +58,7 @@ def test_a_padded_forward_leaves_the_deadline_to_the_ids_sent() -> None:
     pool = RecordingPool()
     model_ops.forward(pool, LAYOUT, IDS, name="actor/train", attention_mask=MASK)
     ((_, _, kwargs),) = pool.calls
-    assert kwargs == dict(name="actor/train", pack=False, max_tokens=None)
+    assert kwargs == dict(name="actor/train", pack=False, max_tokens=None, layout=LAYOUT)
     assert pool.scopes == [("actor/train", None)]  # the pool counts the ids, pads included
 
 
@@ -69,4 +70,5 @@ def test_a_packed_train_step_reaches_the_engine_and_counts_real_tokens() -> None
     ((fn, _, kwargs),) = pool.calls
     assert fn is train_step
     assert (kwargs["pack"], kwargs["max_tokens"], kwargs["with_entropy"]) == (True, None, True)
+    assert kwargs["layout"] == LAYOUT  # the plan's layout: the shard takes its micro-batches and schedule
     assert pool.scopes == [("actor/train", 10)] and stats == {"loss": 2.0}

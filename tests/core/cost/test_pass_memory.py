@@ -44,11 +44,13 @@ def _train_last_stage(tokens: float, layers: int, in_flight: int) -> float:
     return in_flight * saved + tokens * VOCAB * 4
 
 
-ONE_F_ONE_B = H100_SXM.model_copy(update={"pipeline_schedule": "1f1b"})  # Megatron's pipelines
+def _f1b(layout: Layout) -> Layout:
+    """The layout's pipeline under 1F1B (``Layout.schedule``)."""
+    return layout.model_copy(update={"schedule": "1f1b"})
 
 
-def _activations(stage: str, layout: Layout, work: Workload, profile=ONE_F_ONE_B) -> int:
-    return estimate(stage, layout, work, LLAMA_3_8B, profile).memory.activations
+def _activations(stage: str, layout: Layout, work: Workload) -> int:
+    return estimate(stage, layout, work, LLAMA_3_8B, H100_SXM).memory.activations
 
 
 def _packed(budget: int | None = None) -> Workload:
@@ -82,20 +84,21 @@ def test_a_budget_sets_a_micro_batch_s_tokens_whatever_the_layout_s_micro_batche
 
 
 def test_the_predicted_activations_scale_with_the_budget() -> None:
-    layout = Layout.contiguous(tp=1, pp=2, dp=1, micro_batches=1)
+    layout = _f1b(Layout.contiguous(tp=1, pp=2, dp=1, micro_batches=1))
     for stage in ("actor/train", "reference/infer"):
         small, large = (_activations(stage, layout, _packed(b)) for b in (16384, 32768))
         assert large / small == pytest.approx(2.0, rel=1e-6)
 
 
 def test_train_holds_the_budget_s_micro_batches_in_flight_under_1f1b() -> None:
-    # 1F1B holds min(m, pp) micro-batches per stage; a budget far under the replica's tokens makes many.
-    layout = Layout.contiguous(pp=2, micro_batches=1)
+    # 1F1B holds min(m, pp) micro-batches on the first stage and one on the last; a budget far under the
+    # replica's tokens makes many.
+    layout = _f1b(Layout.contiguous(pp=2, micro_batches=1))
     # the busiest stage's layers as the runtime splits them (the first stage takes the head's share)
     stage_layers = int(layout_geometry(model_stats(LLAMA_3_8B), H100_SXM, layout).stage_layers[0])
     assert stage_layers in (LAYERS // 2, LAYERS // 2 + 1)
     last = LAYERS - stage_layers
-    expected = max(2 * stage_layers * _layer_bytes(16384), _train_last_stage(16384, last, 2))
+    expected = max(2 * stage_layers * _layer_bytes(16384), _train_last_stage(16384, last, 1))
     assert _activations("actor/train", layout, _packed(16384)) == pytest.approx(expected, rel=1e-9)
     # a budget that takes the replica's tokens whole: one micro-batch in flight, at those tokens
     whole = 1024 * REAL
@@ -128,8 +131,8 @@ def test_a_workload_refuses_a_budget_without_packing() -> None:
 def test_gpipe_holds_the_replica_s_real_tokens_whatever_the_budget() -> None:
     # GPipe runs every forward before any backward: all the replica's micro-batches are in flight,
     # together its real tokens (rows x mean length), however the budget cuts them.
-    gpipe = H100_SXM.model_copy(update={"pipeline_schedule": "gpipe"})
-    layout = Layout.contiguous(pp=2, dp=4)
+    gpipe = H100_SXM
+    layout = Layout.contiguous(pp=2, dp=4)  # GPipe: the layout's default schedule
     stage_layers = int(layout_geometry(model_stats(LLAMA_3_8B), gpipe, layout).stage_layers[0])
     replica = 1024 // 4 * REAL
     for budget in (16384, 100_000):
@@ -160,17 +163,17 @@ def test_a_budget_s_micro_batches_set_the_pass_s_overheads_and_pipeline_bubble()
 def test_gradient_checkpointing_keeps_each_layer_s_input_only_in_train_passes() -> None:
     """Full recomputation: each layer's bf16 input held in a train pass, one layer's activations again
     while backward recomputes it, for one more forward (8 x params FLOPs per token instead of 6)."""
-    layout = Layout.contiguous(pp=2, micro_batches=1)
+    layout = _f1b(Layout.contiguous(pp=2, micro_batches=1))
     stage_layers = int(layout_geometry(model_stats(LLAMA_3_8B), H100_SXM, layout).stage_layers[0])
     checkpointed = LLAMA_3_8B.model_copy(update={"gradient_checkpointing": True})
     work = _packed(16384)
 
     def act(config, stage: str) -> int:
-        return estimate(stage, layout, work, config, ONE_F_ONE_B).memory.activations
+        return estimate(stage, layout, work, config, H100_SXM).memory.activations
 
     inputs = 16384 * HIDDEN * ACT_BYTES
     last_saved = (LAYERS - stage_layers) * inputs + 16384 * (8 * HIDDEN + VOCAB * 4)
-    last = 2 * last_saved + max(16384 * VOCAB * 4, _layer_bytes(16384))
+    last = last_saved + max(16384 * VOCAB * 4, _layer_bytes(16384))
     first = 2 * stage_layers * inputs + _layer_bytes(16384)
     assert act(checkpointed, "actor/train") == pytest.approx(max(first, last), rel=1e-9)
     assert act(checkpointed, "actor/train") < 0.3 * act(LLAMA_3_8B, "actor/train")  # logits stay
@@ -181,8 +184,16 @@ def test_gradient_checkpointing_keeps_each_layer_s_input_only_in_train_passes() 
 
 def test_without_a_pipeline_one_micro_batch_is_in_flight() -> None:
     # Nereus's runtime (engine/train.py) backpropagates each micro-batch before the next when there is
-    # no pipeline, under either schedule: a budget that cuts more micro-batches lowers the peak.
+    # no pipeline: a budget that cuts more micro-batches lowers the peak.
     flat = Layout.contiguous(micro_batches=1)
-    for profile in (H100_SXM, ONE_F_ONE_B):
-        small, large = (_activations("actor/train", flat, _packed(b), profile) for b in (16384, 32768))
-        assert large / small == pytest.approx(2.0, rel=0.05)
+    small, large = (_activations("actor/train", flat, _packed(b)) for b in (16384, 32768))
+    assert large / small == pytest.approx(2.0, rel=0.05)
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe_on_the_same_pipeline() -> None:
+    layout = Layout.contiguous(pp=4, dp=2, micro_batches=16)
+    gpipe, f1b = (_activations("actor/train", v, _packed()) for v in (layout, _f1b(layout)))
+    assert f1b < gpipe / 3  # the first stage holds 4 of 16 micro-batches, the last 1
+    assert _activations("reference/infer", _f1b(layout), _packed()) == _activations(
+        "reference/infer", layout, _packed()
+    )  # a forward pass has no backward to schedule
