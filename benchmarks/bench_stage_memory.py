@@ -58,7 +58,8 @@ class Case(BaseModel):
     dp: int = 1
     micro_batches: int = 1
     zero_stage: int = 1
-    recompute: bool = False
+    recompute: bool = False  # the model's launch flag (model.gradient_checkpointing)
+    layout_recompute: bool = False  # the layout's choice (Layout.recompute)
     pack: bool = False
     max_tokens: int | None = None  # a packed micro-batch's token budget (verl's ppo_max_token_len_per_gpu)
     dtype: str = "fp32"  # bf16: bf16 weights and activations, fp32 masters and moments
@@ -71,13 +72,21 @@ class Case(BaseModel):
 
     def layout(self) -> Layout:
         layout = Layout.contiguous(tp=self.tp, pp=self.pp, dp=self.dp, micro_batches=self.micro_batches)
-        return layout.model_copy(update={"schedule": self.schedule})
+        return layout.model_copy(update={"schedule": self.schedule, "recompute": self.layout_recompute})
 
 
 CASES = (
     Case(name="train", stage="actor/train"),
     Case(name="train-2mb", stage="actor/train", micro_batches=2),
     Case(name="train-recompute", stage="actor/train", recompute=True),
+    Case(
+        name="train-pp2-1f1b-recompute",
+        stage="actor/train",
+        pp=2,
+        micro_batches=4,
+        schedule="1f1b",
+        layout_recompute=True,
+    ),
     Case(name="train-packed", stage="actor/train", pack=True),
     Case(name="train-tp2", stage="actor/train", tp=2),
     Case(name="train-packed-budget", stage="actor/train", pack=True, max_tokens=512),

@@ -39,6 +39,12 @@ class Layout(Frozen):
         "backpropagates the oldest micro-batch after each forward once the pipeline is full, holding "
         "at most pp - stage of them.",
     )
+    recompute: bool = Field(
+        default=False,
+        description="A train stage recomputes every decoder layer in its backward pass (gradient "
+        "checkpointing), keeping only each layer's input; always on when model.gradient_checkpointing "
+        "is set. Ignored by forward and generation stages.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Layout:
@@ -81,7 +87,7 @@ class Layout(Frozen):
 
     def same_placement(self, other: Layout) -> bool:
         """Whether ``other`` has the same degrees on the same devices: moving between the two moves no
-        state (micro-batch counts and the pipeline schedule alone change no placement)."""
+        state (micro-batch counts, the pipeline schedule and recomputation change no placement)."""
         return (self.tp, self.pp, self.dp, self.devices) == (other.tp, other.pp, other.dp, other.devices)
 
     @property

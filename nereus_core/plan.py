@@ -149,8 +149,9 @@ def plan_id(layouts: Mapping[str, Layout]) -> str:
     digest = hashlib.sha1()
     for stage in sorted(layouts):
         v = layouts[stage]
-        schedule = ".1f1b" if v.schedule == "1f1b" else ""  # GPipe's ids as they were
-        digest.update(f";{stage}=tp{v.tp}.pp{v.pp}.dp{v.dp}.m{v.micro_batches}{schedule}@".encode())
+        # GPipe's ids, and those of layouts without recomputation, as they were
+        extra = (".1f1b" if v.schedule == "1f1b" else "") + (".rc" if v.recompute else "")
+        digest.update(f";{stage}=tp{v.tp}.pp{v.pp}.dp{v.dp}.m{v.micro_batches}{extra}@".encode())
         # consecutive slots by their range (converting 1,024 ints to text is slow)
         first, last = v.devices[0], v.devices[-1]
         contiguous = v.devices == tuple(range(first, last + 1))
@@ -329,9 +330,11 @@ class GlobalPlan(Frozen):
 
     def describe(self) -> str:
         """One line, e.g. ``colocated | actor/generate tp2.pp1.dp2 m1 @0..3 | ...`` (@ first..last slot;
-        `` 1f1b`` after the micro-batches of a 1F1B pipeline)."""
+        `` 1f1b`` after the micro-batches of a 1F1B pipeline, `` recompute`` where a train stage
+        recomputes)."""
         parts = [
-            f"{s} tp{v.tp}.pp{v.pp}.dp{v.dp} m{v.micro_batches}{' 1f1b' if v.schedule == '1f1b' else ''} "
+            f"{s} tp{v.tp}.pp{v.pp}.dp{v.dp} m{v.micro_batches}{' 1f1b' if v.schedule == '1f1b' else ''}"
+            f"{' recompute' if v.recompute else ''} "
             f"@{min(v.devices)}..{max(v.devices)}"
             for s, v in self.layouts.items()
         ]

@@ -142,16 +142,18 @@ def _plan_table(chosen: Any) -> str:
     lines = [
         f"\nchosen {plan.plan_id}  {plan.placement}  step {chosen.step_s:.4g} s "
         f"(weight sync {chosen.sync_s:.3g} s)",
-        f"  {'model-stage':<16} {'tp':>3} {'pp':>3} {'dp':>4} {'mb':>4} {'sched':>5}  {'slots':<12} "
-        f"{'latency s':>10} {'GiB/slot':>9}",
+        f"  {'model-stage':<16} {'tp':>3} {'pp':>3} {'dp':>4} {'mb':>4} {'sched':>5} {'rc':>3}  "
+        f"{'slots':<12} {'latency s':>10} {'GiB/slot':>9}",
     ]
     for stage, layout in plan.layouts.items():
         est = chosen.stages[stage]
         slots = f"{layout.devices[0]}..{layout.devices[-1]}"
-        schedule = layout.schedule if layout.pp > 1 and stage.endswith("/train") else "-"
+        train = stage.endswith("/train")
+        schedule = layout.schedule if layout.pp > 1 and train else "-"
+        recompute = ("yes" if layout.recompute else "no") if train else "-"
         lines.append(
             f"  {stage:<16} {layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.micro_batches:>4} "
-            f"{schedule:>5}  {slots:<12} {est.seconds:>10.4g} {est.memory.total / 2**30:>9.3f}"
+            f"{schedule:>5} {recompute:>3}  {slots:<12} {est.seconds:>10.4g} {est.memory.total / 2**30:>9.3f}"
         )
     lines.append(
         f"  phases: {describe_phases(plan.layouts, {s: e.seconds for s, e in chosen.stages.items()})}"

@@ -28,9 +28,10 @@ def _powers(limit: int) -> list[int]:
 def candidates(
     stage: str, model: ModelConfig, profile: HardwareProfile, work: Workload, max_world: int
 ) -> tuple[np.ndarray, ...]:
-    """Arrays (tp, pp, dp, m, f1b) of the layouts considered for ``stage`` on up to ``max_world`` slots:
-    the degrees ``plan.layout_problems`` admits (tp/pp shard the model, dp*m divides the stage's rows),
-    and a train stage's pipelines under either schedule (``f1b``: 1F1B, else GPipe)."""
+    """Arrays (tp, pp, dp, m, f1b, rc) of the layouts considered for ``stage`` on up to ``max_world``
+    slots: the degrees ``plan.layout_problems`` admits (tp/pp shard the model, dp*m divides the stage's
+    rows); a train stage's pipelines under either schedule (``f1b``: 1F1B, else GPipe), and each of its
+    layouts with and without recomputation (``rc``; always with it under the model's launch flag)."""
     batch = stage_rows(stage, work.batch, work.mini_batches)
     tps = [t for t in _powers(min(profile.devices_per_node, max_world)) if model.tp_error(t) is None]
     layers = model.num_hidden_layers
@@ -43,11 +44,15 @@ def candidates(
     keep = (tp * pp * dp <= max_world) & ((batch // dp) % m == 0)
     tp, pp, dp, m = tp[keep], pp[keep], dp[keep], m[keep]
     f1b = np.zeros_like(tp, dtype=bool)
+    rc = np.full_like(tp, model.gradient_checkpointing, dtype=bool)
     if stage.endswith("/train"):  # only a backward has a schedule; a pipeline of one micro-batch has none
         again = (pp > 1) & (m > 1)
-        tp, pp, dp, m = (np.concatenate([a, a[again]]) for a in (tp, pp, dp, m))
+        tp, pp, dp, m, rc = (np.concatenate([a, a[again]]) for a in (tp, pp, dp, m, rc))
         f1b = np.concatenate([f1b, np.ones(int(again.sum()), dtype=bool)])
-    return tp, pp, dp, m, f1b
+        if not model.gradient_checkpointing:  # every train layout also recomputing
+            tp, pp, dp, m, f1b = (np.concatenate([a, a]) for a in (tp, pp, dp, m, f1b))
+            rc = np.concatenate([rc, np.ones_like(rc)])
+    return tp, pp, dp, m, f1b, rc
 
 
 def build_table(
@@ -65,10 +70,10 @@ def build_table(
     degrees and their pipeline split (they do not depend on ``first``)."""
     stats = model_stats(model)
     if base is None:
-        tp, pp, dp, m, f1b = candidates(stage, model, profile, work, max_world)
-        base = (tp, pp, dp, m, f1b, *split_arrays(stats, tp, pp))
-    tp, pp, dp, m, f1b, *split = base
-    geo = contiguous_geometry(stats, profile, tp, pp, dp, m, first, split=tuple(split), f1b=f1b)
+        tp, pp, dp, m, f1b, rc = candidates(stage, model, profile, work, max_world)
+        base = (tp, pp, dp, m, f1b, rc, *split_arrays(stats, tp, pp))
+    tp, pp, dp, m, f1b, rc, *split = base
+    geo = contiguous_geometry(stats, profile, tp, pp, dp, m, first, split=tuple(split), f1b=f1b, rc=rc)
     raw, mem = stage_tables(stage.partition("/")[2], geo, work, stats, profile)  # type: ignore[arg-type]
     persistent, transient = mem[PERSISTENT].sum(axis=0), mem[~PERSISTENT].sum(axis=0)
-    return StageTable(tp, pp, dp, m, f1b, scales.as_array() @ raw, persistent, transient)
+    return StageTable(tp, pp, dp, m, f1b, rc, scales.as_array() @ raw, persistent, transient)

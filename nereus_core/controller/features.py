@@ -13,11 +13,12 @@ controller (``nereus_core.job.controller_settings``) and the simulator's Nereus
   writes one synchronously first in every mode (``config.recovery_write``).
 - Periodic checkpoints: every ``job.snapshot_every`` steps (default 10), always written
   synchronously (the step waits for them).
-- Activation recomputation (``activation_recompute``): a launch flag, ``model.gradient_checkpointing``
-  (every decoder layer of every train pass recomputed in the backward pass, ``model/llama.py``, for
-  the whole run); the runtime has no per-step or per-plan choice of it. The simulated Nereus runs
-  with the flag its config's model has, never with the world's recompute-where-nothing-fits option;
-  a plan that does not fit fails its step there as it would here.
+- Activation recomputation: a choice of each train layout (``Layout.recompute``: every decoder layer
+  recomputed in the backward pass, ``model/llama.py``) that the plan search makes and the runtime runs,
+  and a launch flag, ``model.gradient_checkpointing`` (``activation_recompute``), that turns it on for
+  every train layout of the run. The simulated Nereus recomputes where its plan's layouts (or its
+  model's flag) say, never with the world's recompute-where-nothing-fits option; a plan that does not
+  fit fails its step there as it would here.
 - A train pipeline's schedule (``Layout.schedule``): GPipe or 1F1B, a choice of each layout that the
   plan search makes and the runtime runs (``engine/train.py``, bit for bit alike); a plan that
   changes only it (or the micro-batches) moves no state. The simulator's world holds, for a 1F1B

@@ -140,10 +140,10 @@ class Searcher:
         if key not in self._tables:
             model = self.models[model_of(stage)]
             if stage not in self._bases:
-                tp, pp, dp, m, f1b = candidates(stage, model, self.profile, self.work, self.space.devices)
+                tp, pp, dp, m, f1b, rc = candidates(stage, model, self.profile, self.work, self.space.devices)
                 if stage == GENERATE and not self.space.pipelined_generation:
-                    tp, pp, dp, m, f1b = (a[pp == 1] for a in (tp, pp, dp, m, f1b))
-                self._bases[stage] = (tp, pp, dp, m, f1b, *split_arrays(model_stats(model), tp, pp))
+                    tp, pp, dp, m, f1b, rc = (a[pp == 1] for a in (tp, pp, dp, m, f1b, rc))
+                self._bases[stage] = (tp, pp, dp, m, f1b, rc, *split_arrays(model_stats(model), tp, pp))
             self._tables[key] = build_table(
                 stage,
                 model,

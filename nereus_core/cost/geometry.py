@@ -158,6 +158,7 @@ class Geometry(NamedTuple):
     dp_bw: np.ndarray
     per_node: np.ndarray  # slots of the layout on its busiest node
     f1b: np.ndarray  # a train pipeline runs 1F1B (``Layout.schedule``), else GPipe
+    rc: np.ndarray  # a train pass recomputes every layer (``Layout.recompute`` or the model's flag)
 
 
 @lru_cache(maxsize=4096)
@@ -198,10 +199,12 @@ def contiguous_geometry(
     first: int = 0,
     split: tuple[np.ndarray, ...] | None = None,
     f1b: np.ndarray | None = None,
+    rc: np.ndarray | None = None,
 ) -> Geometry:
     """Geometry of layouts on consecutive slots from ``first`` (how the controller places them);
     ``split`` is ``pipeline_split`` over the candidates when the caller already has it; ``f1b``
-    marks the candidates whose pipelines run 1F1B (none when not given)."""
+    marks the candidates whose pipelines run 1F1B, ``rc`` those that recompute (the model's launch
+    flag when not given)."""
     tp, pp, dp, m = (np.atleast_1d(np.asarray(x, dtype=np.int64)) for x in (tp, pp, dp, m))
     first_a = np.full_like(tp, first)
     world = tp * pp * dp
@@ -211,6 +214,9 @@ def contiguous_geometry(
     dp_in = _within(first_a, world, np.ones_like(world), dpn)
     layers, flops, weights = split if split is not None else split_arrays(stats, tp, pp)
     per_node = np.minimum(world, dpn - first % dpn)
+    recompute = np.full_like(tp, stats.recompute, dtype=bool)
+    if rc is not None:
+        recompute |= np.asarray(rc, dtype=bool)
     bw = {True: profile.intra_bw, False: profile.inter_bw}
     return Geometry(
         tp, pp, dp, m, layers, flops, weights,
@@ -219,6 +225,7 @@ def contiguous_geometry(
         np.where(dp_in, bw[True], bw[False]),
         per_node.astype(float),
         np.zeros_like(tp, dtype=bool) if f1b is None else np.asarray(f1b, dtype=bool),
+        recompute,
     )  # fmt: skip
 
 
@@ -252,5 +259,5 @@ def layout_geometry(stats: ModelStats, profile: HardwareProfile, layout: Layout)
     return Geometry(
         one(layout.tp), one(layout.pp), one(layout.dp), one(layout.micro_batches),
         one(layers), one(flops), one(weights), one(bw(2)), one(bw(1)), one(bw(0)),
-        one(per_node), np.array([layout.schedule == "1f1b"]),
+        one(per_node), np.array([layout.schedule == "1f1b"]), np.array([layout.recompute or stats.recompute]),
     )  # fmt: skip

@@ -319,8 +319,8 @@ def _forward_backward(
     act = sizes.activation
     # Training FLOPs (Narayanan et al. 2021): 2*params + 4*L*h*s per token forward, 6*params + 12*L*h*s train.
     mult, attn = (6.0, 12.0) if train else (2.0, 4.0)
-    if train and stats.recompute:
-        mult, attn = 8.0, 16.0  # one more forward per micro-batch
+    if train:  # recomputation: one more forward per micro-batch
+        mult, attn = np.where(geo.rc, 8.0, mult), np.where(geo.rc, 16.0, attn)
     compute_mb = (
         bm * seq * (mult * geo.stage_flop_params + attn * layers * h * seq) * slow / (profile.flops * tp)
     )
@@ -382,8 +382,8 @@ def _pass_memory(
     # pp - stage of them (PipeDream-Flush: the first stage pp, the last one).
     first_in_flight = np.where(pp > 1, np.where(geo.f1b, np.minimum(m, pp), m), 1)
     last_in_flight = np.where(pp > 1, np.where(geo.f1b, 1, m), 1)
-    keep = tokens * stats.hidden * act if stats.recompute else layer
-    recomputed = layer if stats.recompute else 0.0
+    keep = np.where(geo.rc, tokens * stats.hidden * act, layer)
+    recomputed = np.where(geo.rc, layer, 0.0)
     head_saved = tokens * norm_bytes(stats, act) + logits * 4.0
     last_stage = last_in_flight * (last * keep + head_saved) + np.maximum(logits * 4.0, recomputed)
     activations = np.maximum(first_in_flight * inner * keep + recomputed, last_stage)

@@ -97,14 +97,16 @@ def train_step(
     each micro-batch: the policy's entropy over the full vocab, aligned with the log-probs.
     ``pack`` runs packed micro-batches (at most ``max_tokens`` real tokens each, when given); the
     loss function sees the same padded tensors, 0 at pads.
-    ``layout``: the plan's layout of the stage, when its micro-batches or schedule changed since it
-    was placed (``shard.bind_layout``).
+    ``layout``: the plan's layout of the stage, when its micro-batches, schedule or recomputation
+    changed since it was placed (``shard.bind_layout``); it recomputes every decoder layer when the
+    layout or the model's flag says so.
     The last stage's tp-rank-0 device returns the loss and each statistic as their mean over
     micro-batches (the caller averages replicas, as DeepSpeed averages gradients over DP), and
     ``grad_norm``: the global gradient norm before clipping, over every rank of the layout.
     """
     shard = get_shard(ctx, name)
     bind_layout(ctx, shard, layout)
+    shard.stage.recompute = shard.config.gradient_checkpointing or shard.layout.recompute
     if shard.engine is None:
         raise RuntimeError(
             f"model-stage {name!r} on device {ctx.rank} has no optimizer; load it for training"

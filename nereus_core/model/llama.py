@@ -347,6 +347,9 @@ class LlamaStage(nn.Module):
         super().__init__()
         _check_tp(config, tp_rank, tp_size, tp_group)
         self.config, self.layer_range, self.first, self.last = config, layers, first, last
+        # Train passes recompute every decoder layer in backward (the model's launch flag, or the
+        # layout's choice: ``engine.train.train_step`` sets it from ``Layout.recompute``).
+        self.recompute = config.gradient_checkpointing
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.param_names = stage_param_names(config, layers, first, last)
         # Weights are allocated in model.dtype and left unwritten: the caller fills every one (a
@@ -450,7 +453,7 @@ class LlamaStage(nn.Module):
             mask = attention_mask_bool(
                 queries=s, past=past, attention_mask=attention_mask, device=hidden.device
             )
-        recompute = self.config.gradient_checkpointing and cache is None and torch.is_grad_enabled()
+        recompute = self.recompute and cache is None and torch.is_grad_enabled()
         for key, layer in self.model.layers.items():
             if recompute:  # keep the layer's input only; its activations are rebuilt in the backward
                 hidden = checkpoint(layer, hidden, cos_sin, mask, None, int(key), use_reentrant=False)

@@ -152,7 +152,9 @@ class World:
         return stage_world.Shape(layout.tp, layout.pp, layout.dp, layout.micro_batches, per_node)
 
     def truth_s(self, stage: str, layout: Layout, work: StepWork, *, recompute: bool = False) -> float:
-        """The world model's seconds of one stage on one layout for the step whose workload is ``work``."""
+        """The world model's seconds of one stage on one layout for the step whose workload is ``work``
+        (``recompute``: the strategy's launch flag; a layout may recompute on its own)."""
+        recompute = recompute or layout.recompute
         k = self._step(work)
         key = (stage, layout.tp, layout.pp, layout.dp, layout.micro_batches, k, recompute)
         found = self._truth.get(key)
@@ -178,6 +180,7 @@ class World:
 
     def held(self, stage: str, layout: Layout, work: StepWork, *, recompute: bool = False) -> memory.Held:
         """Bytes one device of ``layout`` holds for ``stage`` at step ``work`` (``memory``)."""
+        recompute = recompute or layout.recompute
         k, size, shape = self._step(work), self.sizes[model_of(stage)], self._shape(layout)
         lengths, prompt = self.lengths(k), float(work.prompt_len)
         kind = ModelStage(stage).kind
@@ -205,7 +208,8 @@ class World:
 
     def _eval_key(self, stage: str, layout: Layout, work: StepWork) -> tuple:
         """What a kept evaluation depends on (the frameworks' flags too: strategies set them)."""
-        shape = (layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.schedule, layout.devices)
+        shape = (layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.schedule, layout.recompute)
+        shape = (*shape, layout.devices)
         return (stage, *shape, work, self.sharded_weights, self.one_f_one_b)
 
     def floor_s(self, k: int) -> dict[str, float]:
