@@ -38,8 +38,8 @@ Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
 Memory (bytes on the busiest device at the stage's peak, checked against the runtime's measured
 peaks by ``benchmarks/bench_stage_memory.py``): weights, ZeRO-1 optimizer state sharded over dp,
 gradients and activations as the runtime's step holds them at its peak
-(``terms.layer_activation_bytes`` per decoder layer: what the runtime's layer keeps for backward;
-``terms._pass_memory``), KV cache for generation (2*L*kv*d*bytes per token; a vLLM engine's
+(``activations.layer_activation_bytes`` per decoder layer: what the runtime's layer keeps for backward;
+``activations.pass_peak``), KV cache for generation (2*L*kv*d*bytes per token; a vLLM engine's
 instead is the fixed ``Workload.engine_kv_bytes`` it preallocates per device and holds between
 steps, ``engine_cache``). Time uses the mean response length and the
 longest one (generation's stragglers), memory the high quantile. Packed passes (``passes.pack``,

@@ -13,12 +13,13 @@ from typing import Protocol
 
 import numpy as np
 
+from nereus_core.cost import activations
+from nereus_core.cost.activations import layer_activation_bytes
 from nereus_core.cost.geometry import (  # re-exported: callers read the geometry through this module
     Geometry,
     ModelStats,
     Num,
     contiguous_geometry,
-    end_stage_layers,
     is_contiguous,
     layout_geometry,
     model_stats,
@@ -28,8 +29,6 @@ from nereus_core.cost.geometry import (  # re-exported: callers read the geometr
     value_bytes,
 )
 from nereus_core.cost.hardware import COST_TERMS, HardwareProfile
-from nereus_core.emu import REDUCE_BUCKET_ELEMENTS
-from nereus_core.model.tensor_parallel import LOGPROB_CHUNK_ELEMENTS, LOGPROB_CHUNKS
 from nereus_core.plan import Phase
 
 TERMS = COST_TERMS
@@ -57,6 +56,7 @@ __all__ = [
     "contiguous_geometry",
     "generation_collectives_s",
     "is_contiguous",
+    "layer_activation_bytes",
     "layout_geometry",
     "model_stats",
     "pass_collectives_s",
@@ -105,31 +105,6 @@ def ring_bytes(nbytes: Num, n: Num) -> Num:
 def bubble_fraction(p: Num, m: Num) -> Num:
     """Share of a pipelined pass spent idle: (p-1)/(m+p-1) (Narayanan et al. 2021)."""
     return (p - 1) / (m + p - 1)
-
-
-def layer_activation_bytes(stats: ModelStats, tokens: Num, activation_bytes: int, tp: Num) -> Num:
-    """What one decoder layer of the runtime's ``LlamaStage`` keeps for backward, for ``tokens`` tokens
-    (``benchmarks/bench_stage_memory.py`` measures it): each RMSNorm's input upcast to fp32 and its
-    normed values and output in the model's dtype (``norm_bytes``), replicated over tp; and in the
-    model's dtype, split over tp: q, k and v after RoPE, SDPA's output and its contiguous copy for
-    o_proj (SDPA's fused kernels keep no s*s scores), and the MLP's gate, SiLU, up and product. A
-    no-grad pass's working set is taken as the same bytes, one layer at a time."""
-    q, kv = stats.heads * stats.head_dim, stats.kv_heads * stats.head_dim
-    split = activation_bytes * (3.0 * q + 2.0 * kv + 4.0 * stats.intermediate) / tp
-    return tokens * (2.0 * norm_bytes(stats, activation_bytes) + split)
-
-
-def norm_bytes(stats: ModelStats, activation_bytes: int) -> float:
-    """What an RMSNorm keeps for backward per token: its fp32 input, its normed values and its output."""
-    return (4.0 + 2.0 * activation_bytes) * stats.hidden
-
-
-def logprob_chunk_bytes(logit_elements: Num, width: Num) -> Num:
-    """The fp32 temporary of the log-prob and entropy passes (``model.tensor_parallel``): one chunk of
-    logit rows at a time."""
-    rows = logit_elements / width
-    chunk_rows = np.maximum(np.ceil(rows / LOGPROB_CHUNKS), np.floor(LOGPROB_CHUNK_ELEMENTS / width))
-    return np.minimum(rows, chunk_rows) * width * 4.0
 
 
 def collectives_s(
@@ -352,46 +327,13 @@ def _pass_memory(
     stats: ModelStats,
     profile: HardwareProfile,
 ) -> None:
-    """A pass's peak beyond the weights and optimizer state, on its busiest pipeline stage.
-
-    Forward (no grad): one layer's working set, or on the last stage the logits (in the model's dtype
-    and their fp32 copy while the head upcasts, then fp32 and one log-prob chunk). Train: each micro-batch
-    in flight keeps every layer's activations (only each layer's input with gradient checkpointing,
-    one layer recomputed at a time in backward) and, on the last stage, the final norm's and the fp32
-    logits its loss saved; backward adds the logits' fp32 gradient. In flight: one micro-batch without a
-    pipeline (each backpropagates before the next), all of them on every stage under GPipe, pp - stage
-    of them under 1F1B (``Layout.schedule``).
-    Gradients (``gradients``): ZeRO's fp32 reduction bucket (``emu.reduce_bucket_elements``) and the
-    gradients accumulated while a later micro-batch's activations are held; a single backward frees
-    its activations as it makes the gradients, so there only what they exceed the activations by."""
-    tp, pp = geo.tp, geo.pp
+    """A pass's activations (and, training, its gradients at the step's peak) on the busiest pipeline
+    stage (``activations.pass_peak``), for a micro-batch of the pass's rows (``pass_rows``)."""
     sizes = value_bytes(stats, profile)
-    act = sizes.activation
-    seq_high = work.prompt_longest + work.response_high
     bm, m = pass_rows(work, np.ceil(work.batch / geo.dp), geo.m)
-    tokens = bm * seq_high
-    layer = layer_activation_bytes(stats, tokens, act, tp)
-    logits = tokens * stats.logit_width / tp  # elements on each tp rank
-    upcast = act if act < 4 else 0  # the head's output in the model's dtype, beside its fp32 copy
-    inner, last = end_stage_layers(stats, pp)
-    if not train:
-        head = logits * 4.0 + np.maximum(logits * upcast, logprob_chunk_bytes(logits, stats.logit_width / tp))
-        _set(mem, MEMORY_PARTS, activations=np.maximum(layer, head))
-        return
-    # In flight on the first stage and on the last: GPipe keeps every micro-batch on each; 1F1B keeps
-    # pp - stage of them (PipeDream-Flush: the first stage pp, the last one).
-    first_in_flight = np.where(pp > 1, np.where(geo.f1b, np.minimum(m, pp), m), 1)
-    last_in_flight = np.where(pp > 1, np.where(geo.f1b, 1, m), 1)
-    keep = np.where(geo.rc, tokens * stats.hidden * act, layer)
-    recomputed = np.where(geo.rc, layer, 0.0)
-    head_saved = tokens * norm_bytes(stats, act) + logits * 4.0
-    last_stage = last_in_flight * (last * keep + head_saved) + np.maximum(logits * 4.0, recomputed)
-    activations = np.maximum(first_in_flight * inner * keep + recomputed, last_stage)
-    grads = geo.device_params * sizes.grad
-    bucket = np.minimum(REDUCE_BUCKET_ELEMENTS, geo.device_params) * 4.0
-    accumulating = m > 1  # a later micro-batch's activations beside an earlier one's gradients
-    held_grads = np.where(accumulating, grads, np.maximum(grads - activations, 0.0))
-    _set(mem, MEMORY_PARTS, activations=activations, gradients=bucket + held_grads)
+    tokens = bm * (work.prompt_longest + work.response_high)
+    acts, grads = activations.pass_peak(geo, stats, sizes, tokens, m, train=train)
+    _set(mem, MEMORY_PARTS, activations=acts, gradients=grads)
 
 
 def pass_rows(work: WorkloadLike, rows: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

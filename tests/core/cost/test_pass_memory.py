@@ -1,8 +1,9 @@
 """The memory model's activations of a forward or train pass: padded, a micro-batch holds its rows at
 the high quantile's length; packed (``passes.pack``, verl's use_remove_padding), its real tokens;
 with a token budget (``passes.max_tokens_per_device``, verl's ppo_max_token_len_per_gpu), at most
-the budget. Expected figures are the runtime's layer written out here (``cost.terms.layer_activation_bytes``:
-what ``LlamaStage`` keeps for backward, measured by benchmarks/bench_stage_memory.py)."""
+the budget. Expected figures are the runtime's layer written out here
+(``cost.activations.layer_activation_bytes``: what ``LlamaStage`` keeps for backward, measured by
+benchmarks/bench_stage_memory.py)."""
 
 from __future__ import annotations
 
