@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from benchmarks import bench_recompute
 from benchmarks.bench_logprob_memory import peak_bytes
 from nereus_core.config import ModelConfig, Workload
 from nereus_core.cost.hardware import get_profile
@@ -106,18 +107,9 @@ CASES = (
 
 
 def model(args: argparse.Namespace, case: Case) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=int(args.hidden * 8 / 3) // 8 * 8,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=max(1, args.hidden // 128),
-        max_position_embeddings=args.seq,
-        gradient_checkpointing=case.recompute,
-        dtype=case.dtype,
-        head=case.head,
-        seed=3,
+    """``bench_recompute``'s decoder of the arguments' sizes, in the case's dtype and head."""
+    return bench_recompute.model(args, case.recompute).model_copy(
+        update={"dtype": case.dtype, "head": case.head}
     )
 
 
