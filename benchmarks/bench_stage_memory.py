@@ -66,6 +66,7 @@ class Case(BaseModel):
     dtype: str = "fp32"  # bf16: bf16 weights and activations, fp32 masters and moments
     head: str = "lm"  # value: a critic
     schedule: str = "gpipe"  # a pipeline's (Layout.schedule)
+    shard: str = "optimizer"  # full: ZeRO-3 over dp (Layout.shard)
 
     @property
     def train(self) -> bool:
@@ -73,7 +74,8 @@ class Case(BaseModel):
 
     def layout(self) -> Layout:
         layout = Layout.contiguous(tp=self.tp, pp=self.pp, dp=self.dp, micro_batches=self.micro_batches)
-        return layout.model_copy(update={"schedule": self.schedule, "recompute": self.layout_recompute})
+        choices = {"schedule": self.schedule, "recompute": self.layout_recompute, "shard": self.shard}
+        return layout.model_copy(update=choices)
 
 
 CASES = (
@@ -96,6 +98,9 @@ CASES = (
     Case(name="train-pp2-1f1b-4mb", stage="actor/train", pp=2, micro_batches=4, schedule="1f1b"),
     Case(name="train-dp2-zero1", stage="actor/train", dp=2),
     Case(name="train-dp2-zero2", stage="actor/train", dp=2, zero_stage=2),
+    Case(name="train-dp2-full", stage="actor/train", dp=2, shard="full"),
+    Case(name="train-dp2-full-2mb", stage="actor/train", dp=2, micro_batches=2, shard="full"),
+    Case(name="train-dp2-full-bf16", stage="actor/train", dp=2, shard="full", dtype="bf16"),
     Case(name="train-bf16", stage="actor/train", dtype="bf16"),
     Case(name="critic-train", stage="critic/train", head="value"),
     Case(name="forward", stage="reference/infer"),

@@ -1,13 +1,25 @@
 """Boxes: N-d regions of a tensor (per-dim ``[start, stop)``), and flat ranges written as boxes.
 
 Boundary: geometry over shapes only; what the boxes of a model-stage are is ``nereus_core.emu``'s.
+
+How a tensor shard's flat elements split over the data-parallel ranks of a layout (``Layout.shard``):
+
+- ``optimizer`` (ZeRO-1/2): Nereus's canonical share of the optimizer state. Flattened row-major
+  (``n`` elements), dp rank ``k`` owns ``[k*base + min(k, extra), ...)`` with
+  ``base, extra = divmod(n, dp)``: earlier ranks take the remainder. DeepSpeed keeps one flat
+  buffer per param group instead; ``engine.state`` converts.
+- ``full`` (ZeRO-3): DeepSpeed's own partition of each parameter
+  (``deepspeed/runtime/zero/partition_parameters.py``): ``P = ceil(n / dp)`` elements a rank, rank
+  ``k`` owning ``[k*P, (k+1)*P)`` cut at ``n`` (its partition is zero-padded past it). The weights,
+  their fp32 masters and the AdamW moments all split so, each rank's share a slice of its own
+  partition: no exchange to read or fill them.
 """
 
 from __future__ import annotations
 
 import math
 from operator import sub
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 
 class Box(NamedTuple):
@@ -96,3 +108,40 @@ def shift(box: Box, origin: tuple[int, ...]) -> Box:
         tuple(a + o for a, o in zip(box.start, origin, strict=True)),
         tuple(b + o for b, o in zip(box.stop, origin, strict=True)),
     )
+
+
+Shard = Literal["optimizer", "full"]
+
+
+def canonical_range(numel: int, dp: int, rank: int) -> tuple[int, int]:
+    """The flat range of a ``numel``-element shard that dp rank ``rank`` owns under ZeRO-1/2."""
+    base, extra = divmod(numel, dp)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def zero3_partition(numel: int, dp: int) -> int:
+    """Elements of each rank's ZeRO-3 partition of a ``numel``-element shard (padding included)."""
+    return math.ceil(numel / dp)
+
+
+def zero3_range(numel: int, dp: int, rank: int) -> tuple[int, int]:
+    """The flat range of a ``numel``-element shard that dp rank ``rank`` holds under ZeRO-3."""
+    part = zero3_partition(numel, dp)
+    return min(numel, rank * part), min(numel, (rank + 1) * part)
+
+
+def dp_range(shard: Shard, numel: int, dp: int, rank: int) -> tuple[int, int]:
+    """The flat range dp rank ``rank`` owns of a ``numel``-element shard under ``shard``."""
+    return (zero3_range if shard == "full" else canonical_range)(numel, dp, rank)
+
+
+def share_boxes(shard: Shard, box: Box, dp: int, rank: int) -> list[tuple[Box, int]]:
+    """``(global box, offset)`` of dp rank ``rank``'s share of the tensor shard ``box``, in flat order;
+    ``offset``: where the box starts in the rank's flat buffer of the shard."""
+    lo, hi = dp_range(shard, box.numel, dp, rank)
+    out, offset = [], 0
+    for local in flat_range_boxes(box.shape, lo, hi):
+        out.append((shift(local, box.start), offset))
+        offset += local.numel
+    return out

@@ -11,16 +11,12 @@ turns two shard maps into the slice transfers that carry the old placement to th
 Boundary: bookkeeping over shapes only. No tensor data, processes or files: the executor
 (tasks/) moves the bytes as planned and the store (storage/) persists the same boxes.
 
-Optimizer state (Nereus's canonical ZeRO-1 partition). ZeRO-1 (Rajbhandari et al. 2020,
-arXiv:1910.02054) partitions optimizer state over the DP group. Nereus models it per tensor:
-the moment of a parameter on (tp, pp) rank has the same box as that rank's parameter shard;
-flattened row-major (``n`` elements), dp rank ``k`` owns the contiguous range
-``[k*base + min(k, extra), ...)`` with ``base, extra = divmod(n, dp)`` (earlier ranks get the
-remainder). A flat range is written as at most ``2*ndim - 1`` boxes, each contiguous in the
-shard's row-major order (a partial row, whole rows, a partial row), listed in flat order;
-``Piece.offset`` is where a box starts in the device's flat buffer of that tensor. DeepSpeed
-keeps one flat buffer per param group instead: the executor converts between its partitions
-and this one. The step count (one element) is replicated on every device of a train layout.
+Optimizer state (ZeRO over dp). The moments of a parameter on a (tp, pp) rank split that rank's
+parameter shard over the dp ranks by ``nereus_core.box``' rule for the layout's ``shard``:
+Nereus's canonical ZeRO-1 share (``optimizer``) or DeepSpeed's ZeRO-3 partition (``full``). Under
+``full`` the parameters split the same way: an EMU is then not a whole replica but the dp
+rank's share of every tensor, and a layout's EMUs together hold each tensor once. The step count
+(one element) is replicated on every device of a train layout.
 
 Mixed precision (``model.dtype: bf16``): DeepSpeed keeps an fp32 copy of each rank's ZeRO
 partition of the weights (the master weights; the bf16 parameters are it, rounded). It is
@@ -37,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from nereus_core.box import Box, flat_range_boxes, shift
+from nereus_core.box import Box, share_boxes
 from nereus_core.config import ModelConfig
 from nereus_core.layout import Coord, Layout
 from nereus_core.model.weights import param_dtype, param_shapes, shard_dim, stage_layers, stage_param_names
@@ -136,7 +132,8 @@ class ShardMap:
         return [(t, p) for t in self.tensors for p in t.pieces if p.device == device]
 
     def emu(self, dp: int) -> list[tuple[TensorSpec, Piece]]:
-        """The pieces held by replica ``dp`` (its parameters and its ZeRO-1 share of the optimizer)."""
+        """The pieces held by dp rank ``dp``: its parameters (its share of them when sharded ``full``) and its
+        share of the optimizer state."""
         return [(t, p) for t in self.tensors for p in t.pieces if p.coord.dp == dp]
 
     def wanted(self, device: int) -> list[tuple[str, Box]]:
@@ -178,16 +175,12 @@ def _tp_box(shape: tuple[int, ...], dim: int | None, tp_rank: int, tp: int) -> B
     return Box(start, stop)
 
 
-def _zero1_pieces(device: int, coord: Coord, shard: Box, dp: int) -> list[Piece]:
-    """The canonical ZeRO-1 share of dp rank ``coord.dp`` of one moment shard (see the module doc)."""
-    base, extra = divmod(shard.numel, dp)
-    lo = coord.dp * base + min(coord.dp, extra)
-    hi = lo + base + (1 if coord.dp < extra else 0)
-    pieces, offset = [], 0
-    for local in flat_range_boxes(shard.shape, lo, hi):
-        pieces.append(Piece(device, coord, shift(local, shard.start), offset))
-        offset += local.numel
-    return pieces
+def _dp_pieces(device: int, coord: Coord, shard: Box, layout: Layout) -> list[Piece]:
+    """Dp rank ``coord.dp``'s share of one tensor shard under ``layout.shard`` (``box``)."""
+    return [
+        Piece(device, coord, box, offset)
+        for box, offset in share_boxes(layout.shard, shard, layout.dp, coord.dp)
+    ]
 
 
 def _param_stages(config: ModelConfig, layout: Layout) -> dict[str, int]:
@@ -223,10 +216,13 @@ def _shard_map(config: ModelConfig, layout: Layout, train: bool, dtype_bytes: in
     for name, shape in param_shapes(config).items():
         dim, stage = shard_dim(name), stage_of[name]
         held = [(d, c, _tp_box(shape, dim, c.tp, layout.tp)) for d, c in coords if c.pp == stage]
-        pieces = tuple(Piece(d, c, box) for d, c, box in held)
+        if layout.shard == "full":
+            pieces = tuple(p for d, c, box in held for p in _dp_pieces(d, c, box, layout))
+        else:
+            pieces = tuple(Piece(d, c, box) for d, c, box in held)
         params.append(TensorSpec(name, name, "param", shape, dim, stage, param_bytes, pieces))
         if train:
-            shares = tuple(p for d, c, box in held for p in _zero1_pieces(d, c, box, layout.dp))
+            shares = tuple(p for d, c, box in held for p in _dp_pieces(d, c, box, layout))
             for kind in partitioned_kinds(config):
                 spec = TensorSpec(state_name(name, kind), name, kind, shape, dim, stage, state_bytes, shares)
                 moments.append(spec)
@@ -239,8 +235,9 @@ def _shard_map(config: ModelConfig, layout: Layout, train: bool, dtype_bytes: in
 def bytes_per_device(
     model_config: ModelConfig, layout: Layout, *, train: bool, dtype_bytes: int | None = None
 ) -> dict[int, dict[str, int]]:
-    """Bytes of ``params``, ``grads`` (train; ZeRO-1 keeps them whole, in the parameters' dtype)
-    and ``optimizer`` (moments, masters if any, step count) per device; sizes as ``shard_map``'s."""
+    """Bytes of ``params``, ``grads`` (train; in the parameters' dtype, whole under ZeRO-1/2, the dp
+    rank's share under ZeRO-3) and ``optimizer`` (moments, masters if any, step count) per device;
+    sizes as ``shard_map``'s."""
     smap = shard_map(model_config, layout, train=train, dtype_bytes=dtype_bytes)
     out = {d: dict.fromkeys(MEMORY_KINDS, 0) for d in layout.devices}
     for spec in smap.tensors:

@@ -45,6 +45,13 @@ class Layout(Frozen):
         "checkpointing), keeping only each layer's input; always on when model.gradient_checkpointing "
         "is set. Ignored by forward and generation stages.",
     )
+    shard: Literal["optimizer", "full"] = Field(
+        default="optimizer",
+        description="What a train stage splits over its data-parallel ranks: optimizer (ZeRO-1/2: the AdamW "
+        "state; weights and gradients whole on every replica) or full (ZeRO-3, as verl's FSDP and "
+        "OpenRLHF's ZeRO-3: weights, gradients and optimizer state, each layer's weights gathered for its "
+        "forward and backward). full needs pp=1. Forward and generation stages hold whole weights.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Layout:
@@ -63,6 +70,10 @@ class Layout(Frozen):
             seen.add(d)
         if self.schedule == "1f1b" and self.pp == 1:
             raise ValueError("schedule 1f1b orders a pipeline's micro-batches; it needs pp > 1 (or gpipe)")
+        if self.shard == "full" and self.pp > 1:
+            # DeepSpeed's ZeRO-3 gathers a layer's weights by a trace of one forward per backward; a
+            # pipeline's micro-batches in flight broke it (wrong gradients from the second step on).
+            raise ValueError("shard full (ZeRO-3) runs without a pipeline; set pp=1 or shard: optimizer")
         return self
 
     @classmethod
@@ -86,9 +97,32 @@ class Layout(Frozen):
         return None
 
     def same_placement(self, other: Layout) -> bool:
-        """Whether ``other`` has the same degrees on the same devices: moving between the two moves no
-        state (micro-batch counts, the pipeline schedule and recomputation change no placement)."""
-        return (self.tp, self.pp, self.dp, self.devices) == (other.tp, other.pp, other.dp, other.devices)
+        """Whether ``other`` has the same degrees on the same devices, sharded alike: moving between the
+        two moves no state (micro-batch counts, the pipeline schedule and recomputation change no
+        placement)."""
+        return (self.tp, self.pp, self.dp, self.devices, self.shard) == (
+            other.tp,
+            other.pp,
+            other.dp,
+            other.devices,
+            other.shard,
+        )
+
+    def memory_choices(self) -> list[Layout]:
+        """Every train-stage memory choice at this layout's degrees and devices (sharding over dp,
+        recomputation, a pipeline's schedule), this layout first."""
+        shards = ("optimizer", "full") if self.pp == 1 and self.dp > 1 else ("optimizer",)
+        schedules = ("gpipe", "1f1b") if self.pp > 1 and self.micro_batches > 1 else ("gpipe",)
+        out = [self]
+        for shard in shards:
+            for recompute in (False, True):
+                for schedule in schedules:
+                    other = self.model_copy(
+                        update={"shard": shard, "recompute": recompute, "schedule": schedule}
+                    )
+                    if other != self:
+                        out.append(other)
+        return out
 
     @property
     def world_size(self) -> int:

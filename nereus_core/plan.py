@@ -151,6 +151,7 @@ def plan_id(layouts: Mapping[str, Layout]) -> str:
         v = layouts[stage]
         # GPipe's ids, and those of layouts without recomputation, as they were
         extra = (".1f1b" if v.schedule == "1f1b" else "") + (".rc" if v.recompute else "")
+        extra += ".z3" if v.shard == "full" else ""
         digest.update(f";{stage}=tp{v.tp}.pp{v.pp}.dp{v.dp}.m{v.micro_batches}{extra}@".encode())
         # consecutive slots by their range (converting 1,024 ints to text is slow)
         first, last = v.devices[0], v.devices[-1]
@@ -270,6 +271,10 @@ def layout_problems(stage: str, layout: Layout, rules: PlanRules) -> list[str]:
     whose = None if model == rules.models.get("actor") else stage.model  # a model of its own shapes
     checks = (model.tp_error(layout.tp, whose), model.pp_error(layout.pp, whose))
     out = [p for p in (*checks, layout.devices_error(rules.devices)) if p]
+    if layout.shard == "full" and not stage.trains:
+        out.append(
+            "shard full splits a train stage's state over dp; this stage holds whole weights: shard optimizer"
+        )
     if stage.trains and rules.batch % rules.mini_batches:
         out.append(f"batch {rules.batch} is not divisible by ppo.mini_batches={rules.mini_batches}")
     else:
@@ -331,10 +336,10 @@ class GlobalPlan(Frozen):
     def describe(self) -> str:
         """One line, e.g. ``colocated | actor/generate tp2.pp1.dp2 m1 @0..3 | ...`` (@ first..last slot;
         `` 1f1b`` after the micro-batches of a 1F1B pipeline, `` recompute`` where a train stage
-        recomputes)."""
+        recomputes, `` full`` where it shards its weights over dp)."""
         parts = [
             f"{s} tp{v.tp}.pp{v.pp}.dp{v.dp} m{v.micro_batches}{' 1f1b' if v.schedule == '1f1b' else ''}"
-            f"{' recompute' if v.recompute else ''} "
+            f"{' recompute' if v.recompute else ''}{' full' if v.shard == 'full' else ''} "
             f"@{min(v.devices)}..{max(v.devices)}"
             for s, v in self.layouts.items()
         ]

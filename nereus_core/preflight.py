@@ -19,11 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nereus_core.config import ConfigError, ModelConfig, NereusConfig, Workload
+from nereus_core.config import ConfigError, NereusConfig, Workload
 from nereus_core.controller.decide import ControllerState, evaluate_plan
 from nereus_core.cost.hardware import get_profile
 from nereus_core.cost.plan_estimate import memory_per_device
-from nereus_core.plan import GlobalPlan, default_plan, model_of
+from nereus_core.layout import Layout
+from nereus_core.plan import GlobalPlan, ModelStage, default_plan, model_of
 
 if TYPE_CHECKING:
     from nereus_core.job import JobState
@@ -183,31 +184,45 @@ def _positions(cfg: NereusConfig) -> list[tuple[int, str]]:
 def plan_memory_problem(cfg: NereusConfig) -> str | None:
     """Why the plan the run starts on (the config's plan, defaults for what it leaves out) does not fit
     ``cluster.memory_per_device``, by the memory model ``nereus plan`` and the controller use; or None.
-    Checked whether or not ``job.adapt`` is on: the first step always runs on this plan."""
+    Checked whether or not ``job.adapt`` is on: the first step always runs on this plan. The line names
+    the train stage whose memory choices (``Layout.memory_choices``: sharding over dp, recomputation,
+    a pipeline's schedule) lower the busiest slot most, and the bytes with each."""
     plan = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))
     capacity = int(cfg.cluster.memory_per_device)
+    state = ControllerState.initial(cfg.models, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan)
+    usable = int(capacity * (1.0 - state.settings.headroom))
+    workload = Workload.from_config(cfg)
 
-    def peak(models: Mapping[str, ModelConfig]) -> tuple[int, int, float]:
-        state = ControllerState.initial(models, get_profile(cfg.job.profile), stages=cfg.stages, plan=plan)
-        usable = int(capacity * (1.0 - state.settings.headroom))
-        estimate = evaluate_plan(plan, Workload.from_config(cfg), state, usable)
-        return estimate.memory_peak, usable, state.settings.headroom
+    def peak(layouts: Mapping[str, Layout]) -> int:
+        return evaluate_plan(GlobalPlan.of(layouts), workload, state, usable).memory_peak
 
-    need, usable, headroom = peak(cfg.models)
-    models = cfg.models.items()
+    need = peak(plan.layouts)
     if need <= usable:
         return None
     fix = "raise it, spread the plan over more slots or shrink the batch"
-    if not cfg.model.gradient_checkpointing:  # what recomputing the train passes would need
-        again, _, _ = peak({m: c.model_copy(update={"gradient_checkpointing": True}) for m, c in models})
-        if again < need:
-            fits = "which fits" if again <= usable else "still too much"
-            fix += f", or set model.gradient_checkpointing: true (then {_size(again)}, {fits})"
+    tried = {
+        stage: [(other, peak({**plan.layouts, stage: other})) for other in layout.memory_choices()[1:]]
+        for stage, layout in plan.layouts.items()
+        if ModelStage(stage).trains
+    }
+    tried = {stage: options for stage, options in tried.items() if options}
+    if tried:
+        stage = min(tried, key=lambda s: min(b for _, b in tried[s]))
+        each = ", ".join(f"{_choice(v)} {_size(b)}" for v, b in tried[stage])
+        fix += f", or change {stage}'s memory choices (busiest slot with {each})"
     return (
         f"cluster.memory_per_device={_size(capacity)}: the initial plan {plan.plan_id} needs "
         f"{_size(need)} on its busiest slot, more than the {_size(usable)} usable "
-        f"({headroom:.0%} kept free); {fix} (nereus plan CONFIG shows plans that fit)"
+        f"({state.settings.headroom:.0%} kept free); {fix} (nereus plan CONFIG shows plans that fit)"
     )
+
+
+def _choice(layout: Layout) -> str:
+    """``shard: full, recompute: true`` for a layout's memory choices (its config fields)."""
+    parts = [f"shard: {layout.shard}", f"recompute: {str(layout.recompute).lower()}"]
+    if layout.pp > 1:
+        parts.append(f"schedule: {layout.schedule}")
+    return "{" + ", ".join(parts) + "}"
 
 
 def predicted_slot_bytes(state: JobState) -> dict[int, int]:

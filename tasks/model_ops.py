@@ -21,6 +21,7 @@ from nereus_core.engine.hf_load import HFSource, load_from_hf
 from nereus_core.engine.optimizer import OptimizerSettings
 from nereus_core.engine.reshard import ReshardJob
 from nereus_core.engine.shard import alias_shard, drop_shard, load_shard, set_weights, shard_state
+from nereus_core.engine.state import assemble_state, collect_pieces
 from nereus_core.engine.train import LossFn, lm_loss, train_step
 from nereus_core.layout import Layout
 from tasks.runtime.device_pool import DevicePool
@@ -204,7 +205,13 @@ def train_stats(
 def full_state(
     pool: DevicePool, layout: Layout, *, name: str, config: ModelConfig
 ) -> dict[str, torch.Tensor]:
-    """Full HF-named parameters of ``name``, assembled from replica 0."""
+    """Full HF-named parameters of ``name``, assembled from replica 0 (from every device when the layout
+    shards the weights over dp: each holds its share)."""
+    if layout.shard == "full":
+        smap = shard_map(config, layout, train=False)
+        results = pool.run(layout, collect_pieces, name=name, smap=smap)
+        pieces = [(d, n, box, t) for d, got in zip(layout.devices, results, strict=True) for n, box, t in got]
+        return assemble_state(smap, pieces)
     replica0 = Layout(
         tp=layout.tp,
         pp=layout.pp,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flows.cli.plan_why import why_lines
 from nereus_core.config import NereusConfig
 
 
@@ -31,6 +32,7 @@ def print_plan(cfg: NereusConfig, *, profile: str) -> int:
         print(f"no plan fits: {decision.reason}")
     else:
         print(_plan_table(decision.chosen))
+        print("\n".join(why_lines(decision.chosen, obs.workload, fresh)))
     initial = GlobalPlan.of(default_plan(cfg.plan, cfg.stages))  # the plan `nereus run` starts on
     if decision.chosen is not None and initial != decision.chosen.plan:
         started = ControllerState.initial(
@@ -142,7 +144,7 @@ def _plan_table(chosen: Any) -> str:
     lines = [
         f"\nchosen {plan.plan_id}  {plan.placement}  step {chosen.step_s:.4g} s "
         f"(weight sync {chosen.sync_s:.3g} s)",
-        f"  {'model-stage':<16} {'tp':>3} {'pp':>3} {'dp':>4} {'mb':>4} {'sched':>5} {'rc':>3}  "
+        f"  {'model-stage':<16} {'tp':>3} {'pp':>3} {'dp':>4} {'mb':>4} {'sched':>5} {'rc':>3} {'shard':>5}  "
         f"{'slots':<12} {'latency s':>10} {'GiB/slot':>9}",
     ]
     for stage, layout in plan.layouts.items():
@@ -151,9 +153,11 @@ def _plan_table(chosen: Any) -> str:
         train = stage.endswith("/train")
         schedule = layout.schedule if layout.pp > 1 and train else "-"
         recompute = ("yes" if layout.recompute else "no") if train else "-"
+        shard = ("full" if layout.shard == "full" else "opt") if train else "-"
         lines.append(
             f"  {stage:<16} {layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.micro_batches:>4} "
-            f"{schedule:>5} {recompute:>3}  {slots:<12} {est.seconds:>10.4g} {est.memory.total / 2**30:>9.3f}"
+            f"{schedule:>5} {recompute:>3} {shard:>5}  {slots:<12} {est.seconds:>10.4g} "
+            f"{est.memory.total / 2**30:>9.3f}"
         )
     lines.append(
         f"  phases: {describe_phases(plan.layouts, {s: e.seconds for s, e in chosen.stages.items()})}"

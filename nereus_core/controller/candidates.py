@@ -28,10 +28,11 @@ def _powers(limit: int) -> list[int]:
 def candidates(
     stage: str, model: ModelConfig, profile: HardwareProfile, work: Workload, max_world: int
 ) -> tuple[np.ndarray, ...]:
-    """Arrays (tp, pp, dp, m, f1b, rc) of the layouts considered for ``stage`` on up to ``max_world``
+    """Arrays (tp, pp, dp, m, f1b, rc, z3) of the layouts considered for ``stage`` on up to ``max_world``
     slots: the degrees ``plan.layout_problems`` admits (tp/pp shard the model, dp*m divides the stage's
-    rows); a train stage's pipelines under either schedule (``f1b``: 1F1B, else GPipe), and each of its
-    layouts with and without recomputation (``rc``; always with it under the model's launch flag)."""
+    rows); a train stage's pipelines under either schedule (``f1b``: 1F1B, else GPipe), each of its
+    layouts with and without recomputation (``rc``; always with it under the model's launch flag), and
+    each of its data-parallel layouts without a pipeline sharded ``full`` too (``z3``: ZeRO-3)."""
     batch = stage_rows(stage, work.batch, work.mini_batches)
     tps = [t for t in _powers(min(profile.devices_per_node, max_world)) if model.tp_error(t) is None]
     layers = model.num_hidden_layers
@@ -52,7 +53,12 @@ def candidates(
         if not model.gradient_checkpointing:  # every train layout also recomputing
             tp, pp, dp, m, f1b = (np.concatenate([a, a]) for a in (tp, pp, dp, m, f1b))
             rc = np.concatenate([rc, np.ones_like(rc)])
-    return tp, pp, dp, m, f1b, rc
+    z3 = np.zeros_like(tp, dtype=bool)
+    if stage.endswith("/train"):
+        again = (pp == 1) & (dp > 1)
+        tp, pp, dp, m, f1b, rc = (np.concatenate([a, a[again]]) for a in (tp, pp, dp, m, f1b, rc))
+        z3 = np.concatenate([z3, np.ones(int(again.sum()), dtype=bool)])
+    return tp, pp, dp, m, f1b, rc, z3
 
 
 def build_table(
@@ -70,10 +76,10 @@ def build_table(
     degrees and their pipeline split (they do not depend on ``first``)."""
     stats = model_stats(model)
     if base is None:
-        tp, pp, dp, m, f1b, rc = candidates(stage, model, profile, work, max_world)
-        base = (tp, pp, dp, m, f1b, rc, *split_arrays(stats, tp, pp))
-    tp, pp, dp, m, f1b, rc, *split = base
-    geo = contiguous_geometry(stats, profile, tp, pp, dp, m, first, split=tuple(split), f1b=f1b, rc=rc)
+        tp, pp, dp, m, f1b, rc, z3 = candidates(stage, model, profile, work, max_world)
+        base = (tp, pp, dp, m, f1b, rc, z3, *split_arrays(stats, tp, pp))
+    tp, pp, dp, m, f1b, rc, z3, *split = base
+    geo = contiguous_geometry(stats, profile, tp, pp, dp, m, first, split=tuple(split), f1b=f1b, rc=rc, z3=z3)
     raw, mem = stage_tables(stage.partition("/")[2], geo, work, stats, profile)  # type: ignore[arg-type]
     persistent, transient = mem[PERSISTENT].sum(axis=0), mem[~PERSISTENT].sum(axis=0)
-    return StageTable(tp, pp, dp, m, f1b, rc, scales.as_array() @ raw, persistent, transient)
+    return StageTable(tp, pp, dp, m, f1b, rc, z3, scales.as_array() @ raw, persistent, transient)

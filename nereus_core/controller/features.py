@@ -23,6 +23,13 @@ controller (``nereus_core.job.controller_settings``) and the simulator's Nereus
   plan search makes and the runtime runs (``engine/train.py``, bit for bit alike); a plan that
   changes only it (or the micro-batches) moves no state. The simulator's world holds, for a 1F1B
   layout, the micro-batches 1F1B keeps in flight.
+- Sharded data parallelism (``Layout.shard: full``): a train layout without a pipeline may shard its
+  weights, gradients and optimizer state over its data-parallel ranks (DeepSpeed ZeRO-3,
+  ``engine/optimizer.py``; state moves to and from it bit for bit, ``engine/state_zero3.py``), a
+  choice the plan search makes and the runtime runs. The simulator's world holds a dp-th of the
+  state for such a layout, as it does for the peers' FSDP and ZeRO-3, and, as for them, does not
+  charge the gathers' traffic (the cost model does: ``dp_gather``). Forward stages (reference, reward,
+  the critic's values) hold whole weights: the runtime has no sharded forward stage.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ class StageTable:
     m: np.ndarray
     f1b: np.ndarray  # the candidate pipelines run 1F1B (``Layout.schedule``)
     rc: np.ndarray  # the candidate train stages recompute every layer (``Layout.recompute``)
+    z3: np.ndarray  # the candidate train stages shard their state over dp (``Layout.shard`` full)
     seconds: np.ndarray
     persistent: np.ndarray
     transient: np.ndarray
@@ -46,15 +47,26 @@ class StageTable:
     def layout(self, i: int, first: int) -> Layout:
         """Candidate ``i`` on consecutive slots from ``first``."""
         tp, pp, dp, m = (int(x[i]) for x in (self.tp, self.pp, self.dp, self.m))
-        return _contiguous(tp, pp, dp, first, m, "1f1b" if self.f1b[i] else "gpipe", bool(self.rc[i]))
+        schedule = "1f1b" if self.f1b[i] else "gpipe"
+        shard = "full" if self.z3[i] else "optimizer"
+        return _contiguous(tp, pp, dp, first, m, schedule, bool(self.rc[i]), shard)
 
 
 @lru_cache(maxsize=4096)
-def _contiguous(tp: int, pp: int, dp: int, first: int, m: int, schedule: str, recompute: bool) -> Layout:
+def _contiguous(
+    tp: int, pp: int, dp: int, first: int, m: int, schedule: str, recompute: bool, shard: str
+) -> Layout:
     """Valid by construction (degrees from a table, consecutive slots), so not re-checked."""
     devices = tuple(range(first, first + tp * pp * dp))
     return Layout.model_construct(
-        tp=tp, pp=pp, dp=dp, devices=devices, micro_batches=m, schedule=schedule, recompute=recompute
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        devices=devices,
+        micro_batches=m,
+        schedule=schedule,
+        recompute=recompute,
+        shard=shard,
     )
 
 

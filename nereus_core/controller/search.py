@@ -140,10 +140,11 @@ class Searcher:
         if key not in self._tables:
             model = self.models[model_of(stage)]
             if stage not in self._bases:
-                tp, pp, dp, m, f1b, rc = candidates(stage, model, self.profile, self.work, self.space.devices)
+                arrays = candidates(stage, model, self.profile, self.work, self.space.devices)
                 if stage == GENERATE and not self.space.pipelined_generation:
-                    tp, pp, dp, m, f1b, rc = (a[pp == 1] for a in (tp, pp, dp, m, f1b, rc))
-                self._bases[stage] = (tp, pp, dp, m, f1b, rc, *split_arrays(model_stats(model), tp, pp))
+                    arrays = tuple(a[arrays[1] == 1] for a in arrays)
+                tp, pp = arrays[0], arrays[1]
+                self._bases[stage] = (*arrays, *split_arrays(model_stats(model), tp, pp))
             self._tables[key] = build_table(
                 stage,
                 model,

@@ -58,7 +58,9 @@ def pass_peak(
     of them under 1F1B (``Layout.schedule``).
     Gradients (``gradients``): ZeRO's fp32 reduction bucket (``emu.reduce_bucket_elements``) and the
     gradients accumulated while a later micro-batch's activations are held; a single backward frees
-    its activations as it makes the gradients, so there only what they exceed the activations by."""
+    its activations as it makes the gradients, so there only what they exceed the activations by.
+    Sharded ``full`` (ZeRO-3): a dp-th of the gradients, held throughout, and two modules' gathered
+    weights, the bucket and one module's whole gradient beside them."""
     tp, pp = geo.tp, geo.pp
     act = sizes.activation
     layer = layer_activation_bytes(stats, tokens, act, tp)
@@ -77,7 +79,14 @@ def pass_peak(
     head_saved = tokens * norm_bytes(stats, act) + logits * 4.0
     last_stage = last_in_flight * (last * keep + head_saved) + np.maximum(logits * 4.0, recomputed)
     held = np.maximum(first_in_flight * inner * keep + recomputed, last_stage)
-    grads = geo.device_params * sizes.grad
-    bucket = np.minimum(REDUCE_BUCKET_ELEMENTS, geo.device_params) * 4.0
-    accumulating = m > 1  # a later micro-batch's activations beside an earlier one's gradients
+    # Sharded full (ZeRO-3, module by module): the largest module (the embedding or an MLP matmul) sets its
+    # gradient bucket, held from the start, and the weights gathered at once: the module at work and
+    # the next one. Its gradient partition (a dp-th, in the gradients' dtype) is held from the start too.
+    module = np.maximum(stats.embed_params, stats.hidden * stats.intermediate) / tp
+    grads = np.where(geo.z3, np.ceil(geo.device_params / geo.dp) * sizes.grad, geo.device_params * sizes.grad)
+    held = held + np.where(geo.z3, 2.0 * module * sizes.weight, 0.0)
+    # ZeRO-1/2's fp32 bucket; ZeRO-3's, in the gradients' dtype, beside the module's own gradient.
+    zero1_bucket = np.minimum(REDUCE_BUCKET_ELEMENTS, geo.device_params) * 4.0
+    bucket = np.where(geo.z3, 2.0 * module * sizes.grad, zero1_bucket)
+    accumulating = (m > 1) | geo.z3  # a later micro-batch's activations beside an earlier one's gradients
     return held, bucket + np.where(accumulating, grads, np.maximum(grads - held, 0.0))

@@ -159,6 +159,7 @@ class Geometry(NamedTuple):
     per_node: np.ndarray  # slots of the layout on its busiest node
     f1b: np.ndarray  # a train pipeline runs 1F1B (``Layout.schedule``), else GPipe
     rc: np.ndarray  # a train pass recomputes every layer (``Layout.recompute`` or the model's flag)
+    z3: np.ndarray  # a train stage shards weights, gradients and optimizer over dp (``Layout.shard`` full)
 
 
 @lru_cache(maxsize=4096)
@@ -200,11 +201,12 @@ def contiguous_geometry(
     split: tuple[np.ndarray, ...] | None = None,
     f1b: np.ndarray | None = None,
     rc: np.ndarray | None = None,
+    z3: np.ndarray | None = None,
 ) -> Geometry:
     """Geometry of layouts on consecutive slots from ``first`` (how the controller places them);
     ``split`` is ``pipeline_split`` over the candidates when the caller already has it; ``f1b``
     marks the candidates whose pipelines run 1F1B, ``rc`` those that recompute (the model's launch
-    flag when not given)."""
+    flag when not given), ``z3`` those sharded ``full``."""
     tp, pp, dp, m = (np.atleast_1d(np.asarray(x, dtype=np.int64)) for x in (tp, pp, dp, m))
     first_a = np.full_like(tp, first)
     world = tp * pp * dp
@@ -226,6 +228,7 @@ def contiguous_geometry(
         per_node.astype(float),
         np.zeros_like(tp, dtype=bool) if f1b is None else np.asarray(f1b, dtype=bool),
         recompute,
+        np.zeros_like(tp, dtype=bool) if z3 is None else np.asarray(z3, dtype=bool),
     )  # fmt: skip
 
 
@@ -260,4 +263,5 @@ def layout_geometry(stats: ModelStats, profile: HardwareProfile, layout: Layout)
         one(layout.tp), one(layout.pp), one(layout.dp), one(layout.micro_batches),
         one(layers), one(flops), one(weights), one(bw(2)), one(bw(1)), one(bw(0)),
         one(per_node), np.array([layout.schedule == "1f1b"]), np.array([layout.recompute or stats.recompute]),
+        np.array([layout.shard == "full"]),
     )  # fmt: skip

@@ -21,7 +21,13 @@ Latency terms (seconds, summed; no overlap assumed, calibration absorbs any):
 - ``pp_comm``: the pipeline bubble (p-1)/(m+p-1) of the pipelined time
   (Narayanan et al. 2021) plus the point-to-point sends between stages.
 - ``dp_comm``: ZeRO-1 gradient reduce-scatter + parameter all-gather = one ring
-  all-reduce of the device's gradients over dp (Rajbhandari et al. 2020).
+  all-reduce of the device's gradients over dp (Rajbhandari et al. 2020); a layout sharded ``full``
+  (ZeRO-3) reduce-scatters every micro-batch's gradients instead, (dp-1)/dp of them per device.
+- ``dp_gather``: a ``full`` layout's weight all-gathers: every module's weights gathered for each
+  micro-batch's forward and again for its backward (and for the recomputed forward), (dp-1)/dp of
+  the weights per device each time, one collective per module (Rajbhandari et al. 2020, section 7:
+  3x the data-parallel volume of ZeRO-1's 2x). A row of its own, so calibration scales the gathers
+  apart from the gradient reduction.
 - ``optimizer``: the Adam step, memory-bound over the device's state shard.
 - ``tp_comm_generate``, ``tp_calls_generate``: the same two parts of generation's collectives,
   per prefill and decode pass. Rows of their own: generation runs on its own TP degree, with
@@ -110,6 +116,9 @@ class Scales(Frozen):
     )
     pp_comm: float = Field(default=1.0, gt=0, description="Scale of the pipeline bubble and sends.")
     dp_comm: float = Field(default=1.0, gt=0, description="Scale of the gradient all-reduce.")
+    dp_gather: float = Field(
+        default=1.0, gt=0, description="Scale of a sharded layout's weight all-gathers (ZeRO-3)."
+    )
     optimizer: float = Field(default=1.0, gt=0, description="Scale of the optimizer step.")
     overhead: float = Field(
         default=1.0, gt=0, description="Scale of the per-layer and per-decode-iteration fixed costs."

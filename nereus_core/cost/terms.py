@@ -161,7 +161,8 @@ def stage_tables(
     )
     for term, scale in profile.term_scales.items():
         raw[TERMS.index(term)] *= scale
-    mem[MEMORY_PARTS.index("weights")] = geo.device_params * value_bytes(stats, profile).weight
+    weights = np.where(geo.z3, np.ceil(geo.device_params / geo.dp), geo.device_params)
+    mem[MEMORY_PARTS.index("weights")] = weights * value_bytes(stats, profile).weight
     return raw, mem
 
 
@@ -317,6 +318,7 @@ def _forward_backward(
     _pass_memory(mem, train, geo, work, stats, profile)
     if train:
         _optimizer_step(raw, mem, geo, stats, profile, epochs=epochs, slow=slow)
+        _sharded_traffic(raw, geo, stats, profile, epochs * m)
 
 
 def _pass_memory(
@@ -377,8 +379,30 @@ def _optimizer_step(
     grads = geo.device_params * sizes.grad
     buckets = np.ceil(grads / profile.gradient_bucket_bytes)
     # ZeRO-1 (Rajbhandari et al. 2020): reduce-scatter + all-gather = one ring all-reduce volume.
-    dp_comm = (dp > 1) * (ring_bytes(grads, dp) / geo.dp_bw + buckets * 2.0 * (dp - 1) * alpha)
-    # Adam reads and writes its state shard, reads the gradient shard, writes weights (all-gathered).
-    opt_bytes = geo.device_params * ((2.0 * sizes.optimizer + sizes.grad + sizes.weight) / dp + sizes.weight)
+    # (ZeRO-3 reduce-scatters every micro-batch instead: ``_sharded_traffic``.)
+    dp_comm = (dp > 1) * ~geo.z3 * (ring_bytes(grads, dp) / geo.dp_bw + buckets * 2.0 * (dp - 1) * alpha)
+    # Adam reads and writes its state shard, reads the gradient shard, writes weights (all-gathered
+    # under ZeRO-1; ZeRO-3 writes its own partition and gathers in the next pass).
+    gathered = np.where(geo.z3, 0.0, sizes.weight)
+    opt_bytes = geo.device_params * ((2.0 * sizes.optimizer + sizes.grad + sizes.weight) / dp + gathered)
     _set(raw, TERMS, dp_comm=epochs * dp_comm, optimizer=epochs * opt_bytes * slow / profile.hbm)
     _set(mem, MEMORY_PARTS, optimizer=np.ceil(geo.device_params / dp) * sizes.optimizer)
+
+
+def _sharded_traffic(
+    raw: np.ndarray, geo: Geometry, stats: ModelStats, profile: HardwareProfile, micro_batches: np.ndarray
+) -> None:
+    """A ``full`` layout's (ZeRO-3) data-parallel traffic per micro-batch: each module's weights gathered
+    for the forward, again for the backward and for a recomputed forward (``dp_gather``), and the
+    gradients reduce-scattered (``dp_comm``): (dp-1)/dp of the bytes each device sends per collective,
+    ring latency (dp-1) hops per module (the decoder layers, the embedding and the head)."""
+    dp, alpha = geo.dp, profile.collective_latency_s
+    sizes = value_bytes(stats, profile)
+    share = (dp - 1) / dp
+    modules = geo.stage_layers + 2.0
+    gathers = 2.0 + geo.rc
+    on = geo.z3 & (dp > 1)
+    gather = gathers * (share * geo.device_params * sizes.weight / geo.dp_bw + modules * (dp - 1) * alpha)
+    scatter = share * geo.device_params * sizes.grad / geo.dp_bw + modules * (dp - 1) * alpha
+    raw[TERMS.index("dp_gather")] = on * micro_batches * gather
+    raw[TERMS.index("dp_comm")] += on * micro_batches * scatter

@@ -27,12 +27,21 @@ depends on the ZeRO stage (DeepSpeed 0.19's ``grad_accum_dtype``):
   ``grad_accum_dtype: fp32`` with its ``BF16_Optimizer`` instead of the ZeRO optimizer,
   whose state layout (flat groups, masters) ``engine.state`` does not convert, so a
   transition or checkpoint could not carry it.
+
+A layout sharded ``full`` (``Layout.shard``) runs ZeRO-3 instead, whatever ``zero_stage`` says: the
+weights and gradients are partitioned over the DP group as well, every parameter of any size
+(``stage3_param_persistence_threshold: 0``: a small one kept whole on every rank would be state
+outside the EMU's shares), each module's weights gathered for its forward and again for its
+backward. Its gradient bucket (in the model's dtype, allocated once and held) is the largest
+module's parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,7 +62,13 @@ class OptimizerSettings(BaseModel):
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay.")
-    zero_stage: int = Field(default=1, ge=0, le=2, description="DeepSpeed ZeRO stage over the DP group.")
+    zero_stage: int = Field(
+        default=1,
+        ge=0,
+        le=2,
+        description="DeepSpeed ZeRO stage over the DP group of layouts sharding the optimizer state "
+        "(Layout.shard: optimizer); a layout sharded full runs ZeRO-3.",
+    )
     grad_clip: float = Field(
         default=0.0,
         ge=0,
@@ -111,23 +126,30 @@ def deepspeed_config(
     *,
     bf16: bool = False,
     params: int = REDUCE_BUCKET_ELEMENTS,
+    full: bool = False,
 ) -> dict[str, Any]:
     """DeepSpeed's config of a train stage of ``params`` elements on this device (its gradient bucket:
-    ``emu.reduce_bucket_elements``)."""
+    ``emu.reduce_bucket_elements``); ``full``: ZeRO-3 (``Layout.shard``)."""
+    zero: dict[str, Any] = {"stage": 3 if full else settings.zero_stage}
+    zero["reduce_bucket_size"] = reduce_bucket_elements(params)
+    if full:
+        # Every parameter partitioned, and at most the module at work and the next one gathered: the
+        # defaults keep up to 1e9 gathered elements live (a small model stays gathered whole).
+        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_prefetch_bucket_size"] = zero["reduce_bucket_size"]
+        zero["stage3_max_live_parameters"] = 2 * zero["reduce_bucket_size"]
+        zero["stage3_max_reuse_distance"] = 0
     config: dict[str, Any] = {
         "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": micro_batches,
-        "zero_optimization": {
-            "stage": settings.zero_stage,
-            "reduce_bucket_size": reduce_bucket_elements(params),
-        },
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": settings.grad_clip,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    if bf16 and settings.zero_stage == 2:
+    if bf16 and settings.zero_stage == 2 and not full:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
@@ -135,7 +157,8 @@ def deepspeed_config(
 def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettings, backend: str) -> Any:
     """Wrap ``stage`` in a DeepSpeed engine with AdamW; called on every device of the layout."""
     bf16 = stage.config.dtype == "bf16"
-    if bf16 and settings.zero_stage == 0:
+    full = groups.layout.shard == "full"
+    if bf16 and settings.zero_stage == 0 and not full:
         # Without ZeRO DeepSpeed trains bf16 through its fp16 optimizer, with dynamic loss scaling.
         raise ValueError("model.dtype=bf16 needs zero_stage 1 or 2 (stage 0 would scale the loss)")
     # Imported here, not at the top: importing DeepSpeed costs seconds, and only train stages need it.
@@ -143,6 +166,7 @@ def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettin
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     _without_shm_all_reduce()
+    _without_world_trace_check()
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     optimizer = torch.optim.AdamW(
         stage.parameters(),
@@ -157,10 +181,47 @@ def make_engine(stage: LlamaStage, groups: RankGroups, settings: OptimizerSettin
         micro_batch=1,
         micro_batches=groups.layout.micro_batches,
         bf16=bf16,
-        params=sum(p.numel() for p in stage.parameters()),
+        params=_largest_module(stage) if full else sum(p.numel() for p in stage.parameters()),
+        full=full,
     )
-    engine, *_ = deepspeed.initialize(model=stage, optimizer=optimizer, config=config, mpu=LayoutMpu(groups))
+    with _barriers_within(groups.dp_group if full else None):
+        engine, *_ = deepspeed.initialize(
+            model=stage, optimizer=optimizer, config=config, mpu=LayoutMpu(groups)
+        )
     return engine
+
+
+@contextlib.contextmanager
+def _barriers_within(within: dist.ProcessGroup | None) -> Iterator[None]:
+    """Make DeepSpeed's barriers without a group wait on ``group`` only (None: leave them be).
+
+    ZeRO-3's optimizer waits on the default group while it builds its partitions
+    (``stage3.py``: ``dist.barrier()``): every device of the pool, where the devices outside this
+    layout run other model-stages or nothing and never join. The layout's DP group is every rank
+    that shares the partitions, all the barrier orders.
+    """
+    if within is None:
+        yield
+        return
+    comm = importlib.import_module("deepspeed.comm")
+    world_barrier = comm.barrier
+
+    def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, **kwargs: Any) -> Any:
+        group = within if group is None else group
+        return world_barrier(group=group, async_op=async_op, device_ids=device_ids)
+
+    comm.barrier = barrier
+    try:
+        yield
+    finally:
+        comm.barrier = world_barrier
+
+
+def _largest_module(stage: LlamaStage) -> int:
+    """Elements of the stage's largest module's own parameters: what ZeRO-3 reduces at once (it
+    gathers and reduces module by module), so its gradient bucket, allocated whole at the start and
+    held, needs no more."""
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in stage.modules())
 
 
 def _without_shm_all_reduce() -> None:
@@ -174,3 +235,17 @@ def _without_shm_all_reduce() -> None:
     """
     # By module path: ``deepspeed.comm.torch`` as an attribute is the torch package itself.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def _without_world_trace_check() -> None:
+    """Keep ZeRO-3 from comparing its module trace across the whole world.
+
+    After a step's first forward and backward ZeRO-3 checks that every rank recorded the same
+    modules in the same order (``partitioned_param_coordinator.reset_step`` ->
+    ``assert_ints_same_as_other_ranks``), by broadcasts over the default group: every device of
+    the pool, where Nereus runs other model-stages (or none) on the devices outside this layout,
+    which never join, so the step waits for ever. The check is a consistency assertion only; the
+    layout's own ranks run one module in one order by construction.
+    """
+    module = importlib.import_module("deepspeed.runtime.zero.partitioned_param_coordinator")
+    module.assert_ints_same_as_other_ranks = lambda ints: None

@@ -35,15 +35,17 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from nereus_core.box import canonical_range
 from nereus_core.emu import MASTER, MOMENTS, STEP, Box, Kind, ShardMap, partitioned_kinds
+from nereus_core.engine import state_zero3
 from nereus_core.engine.device import DeviceContext, RankGroups
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, exchange
 from nereus_core.engine.optimizer import make_engine
 from nereus_core.engine.shard import ModelShard, OptimizerSettings, get_shard, new_stage
 from nereus_core.model.llama import LlamaStage
 
-Pieces = dict[tuple[str, Box], torch.Tensor]
-STEP_BOX = Box((), ())
+Pieces = state_zero3.Pieces
+STEP_BOX = state_zero3.STEP_BOX
 # Tags of the DP-group exchanges (the reshard's own exchange uses others).
 EXTRACT_TAG = 1 << 20
 INSTALL_TAG = 2 << 20
@@ -69,13 +71,6 @@ class Segment(NamedTuple):
     dp: int
     lo: int
     hi: int
-
-
-def canonical_range(numel: int, dp: int, rank: int) -> tuple[int, int]:
-    """The flat range of a ``numel``-element shard that dp rank ``rank`` owns (nereus_core/emu.py)."""
-    base, extra = divmod(numel, dp)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
 
 
 def zero1_segments(numels: list[int], offsets: list[int], partition_size: int, dp: int) -> list[Segment]:
@@ -284,6 +279,8 @@ def extract_state(
     if smap.train != (shard.engine is not None):
         what = "has an optimizer" if shard.engine is not None else "has no optimizer"
         raise ValueError(f"{shard.name} {what} but the shard map says train={smap.train}")
+    if state_zero3.sharded(shard):
+        return DeviceState(*state_zero3.pieces(shard, smap, ctx.rank))
     if not smap.train:
         return empty_state(shard.stage, smap, ctx.rank)
     base = shard.engine.optimizer.optimizer.state
@@ -317,6 +314,8 @@ def new_shard(
     if optimizer is None:
         return shard, empty_state(stage, smap, ctx.rank)
     shard.engine = make_engine(stage, groups, optimizer, ctx.backend)
+    if state_zero3.sharded(shard):
+        return shard, DeviceState(*state_zero3.pieces(shard, smap, ctx.rank, create=True))
     base = shard.engine.optimizer.optimizer.state
     partitions = []
     for group in _zero1_groups(shard):
@@ -341,6 +340,10 @@ def install_state(
         step = state.step
         if step is None:
             raise ValueError(f"{shard.name}: a train stage needs the step count among its pieces")
+        if state_zero3.sharded(shard):
+            state_zero3.install(shard, step)
+            ctx.resident[shard.name] = shard
+            return shard
         opt = shard.engine.optimizer
         base = opt.optimizer.state
         zero1 = _zero1_groups(shard)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from nereus_core.emu import ReshardPlan, ShardMap
+from nereus_core.engine import state_zero3
 from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, Exchange
 from nereus_core.engine.reshard import copy_local, receives_of, sends_of
@@ -55,7 +56,10 @@ def _source_pieces(ctx: DeviceContext, job: SyncJob) -> Pieces:
     """Views of this device's parameter slices of the trained stage (none if not in its layout)."""
     if ctx.rank not in job.source_map.layout.devices:
         return {}
-    return empty_state(get_shard(ctx, job.source).stage, job.source_map, ctx.rank).pieces
+    source = get_shard(ctx, job.source)
+    if state_zero3.sharded(source):  # each dp rank sends its share of the weights
+        return state_zero3.pieces(source, job.source_map, ctx.rank)[0]
+    return empty_state(source.stage, job.source_map, ctx.rank).pieces
 
 
 def _copy_target(ctx: DeviceContext, job: SyncJob) -> tuple[ModelShard | None, DeviceState]:

@@ -190,7 +190,8 @@ class NereusStrategy:
 def rescale(plan: GlobalPlan, old_devices: int, new_devices: int, batch: int) -> GlobalPlan:
     """``plan`` with every stage's slots (first slot and count) scaled by new/old devices, TP/PP kept and
     DP the largest degree that fits the scaled slots and divides the batch (pp, then tp, halves only
-    when a single replica no longer fits)."""
+    when a single replica no longer fits); each layout's schedule, recomputation and sharding kept
+    (a schedule only on a pipeline, sharding only without one)."""
     layouts = {}
     for stage, v in plan.layouts.items():
         first = v.devices[0] * new_devices // old_devices
@@ -202,7 +203,10 @@ def rescale(plan: GlobalPlan, old_devices: int, new_devices: int, batch: int) ->
             else:
                 tp //= 2
         dp = largest_dp(batch, slots // (tp * pp))
-        layouts[stage] = Layout.contiguous(tp=tp, pp=pp, dp=dp, first=first)
+        # the plan's memory choices kept where the new degrees allow them
+        choices = {"schedule": v.schedule if pp > 1 else "gpipe", "recompute": v.recompute}
+        choices["shard"] = v.shard if pp == 1 else "optimizer"
+        layouts[stage] = Layout.contiguous(tp=tp, pp=pp, dp=dp, first=first).model_copy(update=choices)
     return GlobalPlan.model_construct(placement=plan.placement, layouts=layouts)
 
 

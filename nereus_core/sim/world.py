@@ -75,9 +75,10 @@ class World:
     ``stages`` and nothing else, so only those are ever timed.
 
     What the job's frameworks do, set by its strategy: ``sharded_weights`` (verl's FSDP, OpenRLHF's
-    ZeRO-3 shard train and forward weights over the data-parallel ranks; Nereus's runtime runs ZeRO-1),
-    ``per_tensor_sync`` (OpenRLHF broadcasts weights one tensor at a time), ``one_f_one_b`` (the peers'
-    Megatron pipeline schedule; Nereus's runtime runs GPipe). ``cuda_graphs``: the rollout
+    ZeRO-3 shard train and forward weights over the data-parallel ranks; Nereus shards a train
+    layout's where the layout says, ``Layout.shard``), ``per_tensor_sync`` (OpenRLHF broadcasts weights
+    one tensor at a time), ``one_f_one_b`` (the peers' Megatron pipeline schedule; Nereus runs a
+    layout's own, ``Layout.schedule``). ``cuda_graphs``: the rollout
     engine's mode, the same for every strategy: off (eager, vLLM's ``enforce_eager``), the default of
     verl and of Nereus's rollout config; no sim config sets it yet."""
 
@@ -193,7 +194,7 @@ class World:
             shape,
             train=kind == "train",
             recompute=recompute,
-            sharded=self.sharded_weights,
+            sharded=self.sharded_weights or layout.shard == "full",
             one_f_one_b=self.one_f_one_b or layout.schedule == "1f1b",
         )
 
@@ -209,7 +210,7 @@ class World:
     def _eval_key(self, stage: str, layout: Layout, work: StepWork) -> tuple:
         """What a kept evaluation depends on (the frameworks' flags too: strategies set them)."""
         shape = (layout.tp, layout.pp, layout.dp, layout.micro_batches, layout.schedule, layout.recompute)
-        shape = (*shape, layout.devices)
+        shape = (*shape, layout.shard, layout.devices)
         return (stage, *shape, work, self.sharded_weights, self.one_f_one_b)
 
     def floor_s(self, k: int) -> dict[str, float]:

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nereus_core.box import flat_range_boxes
 from nereus_core.config import ModelConfig
 from nereus_core.emu import (
     STEP,
     Box,
     ShardMap,
     bytes_per_device,
-    flat_range_boxes,
     min_bytes,
     plan_reshard,
     shard_map,
@@ -192,7 +192,8 @@ def _layout(draw: st.DrawFn, pool: int) -> Layout:
     tp, pp = draw(st.sampled_from([(t, p) for t, p in _DEGREES if t * p <= pool]))
     dp = draw(st.integers(1, pool // (tp * pp)))
     devices = draw(st.permutations(range(pool)))[: tp * pp * dp]
-    return Layout(tp=tp, pp=pp, dp=dp, devices=tuple(devices))
+    shard = draw(st.sampled_from(["optimizer", "full"])) if pp == 1 else "optimizer"  # full: ZeRO-3's shares
+    return Layout(tp=tp, pp=pp, dp=dp, devices=tuple(devices), shard=shard)
 
 
 @st.composite

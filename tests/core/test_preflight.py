@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -140,22 +141,26 @@ def test_the_plan_check_agrees_with_the_controller(mib: int, partial_plan: bool)
     assert (plan_memory_problem(cfg) is None) == _controller_says_fits(cfg)
 
 
-def test_a_plan_that_fits_only_with_gradient_checkpointing_is_refused_naming_the_flag() -> None:
-    """The refusal says what model.gradient_checkpointing would need, and that claim holds: the same
-    config with the flag set passes the check."""
+def test_a_plan_over_memory_is_refused_naming_a_stage_and_the_bytes_with_each_memory_choice() -> None:
+    """The refusal names the train stage whose memory choices lower the busiest slot most and the bytes
+    with each, and the claim holds: the config with that stage on the leanest choice needs exactly
+    the bytes the line stated."""
     cfg = example(cluster={"memory_per_device": 22 * 2**20})
     line = plan_memory_problem(cfg)
     assert line is not None and "\n" not in line
-    assert "or set model.gradient_checkpointing: true (then " in line and "which fits" in line, line
+    found = re.search(r"or change (\S+)'s memory choices \(busiest slot with (.*?)\) \(nereus plan", line)
+    assert found, line
+    stage, listed = found.groups()
+    choices = re.findall(r"\{([^}]*)\} ([\d.]+ [KMG]iB)", listed)
+    assert choices, listed
+    fields, stated = min(
+        choices, key=lambda c: float(c[1].split()[0]) * {"K": 1, "M": 2**10, "G": 2**20}[c[1].split()[1][0]]
+    )
     data = cfg.model_dump(mode="json")
-    data["model"]["gradient_checkpointing"] = True
-    assert plan_memory_problem(parse_config(data)) is None
-    tiny = plan_memory_problem(example(cluster={"memory_per_device": 2**20}))
-    assert tiny is not None and "still too much" in tiny
-    assert "gradient_checkpointing" not in (
-        plan_memory_problem(parse_config(data | {"cluster": {**data["cluster"], "memory_per_device": 2**20}}))
-        or ""
-    )  # already on: no hint
+    choice = dict(item.split(": ") for item in fields.split(", "))
+    data["plan"][stage] |= {k: v == "true" if v in ("true", "false") else v for k, v in choice.items()}
+    again = plan_memory_problem(parse_config(data))
+    assert again is None or f"needs {stated} on its busiest slot" in again, (stated, again)
 
 
 def test_both_outcomes_occur_in_the_agreement_table() -> None:

@@ -4,6 +4,7 @@ with fp32 master weights and fp32 AdamW moments (nereus_core/engine/optimizer.py
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -48,7 +49,8 @@ def test_dtype_defaults_to_fp32_and_refuses_fp16_in_one_line() -> None:
 def test_bf16_without_zero_is_refused_before_deepspeed_is_touched() -> None:
     stage = LlamaStage(BF16, layers=range(BF16.num_hidden_layers), first=True, last=True)
     with pytest.raises(ValueError, match="needs zero_stage 1 or 2"):
-        make_engine(stage, None, ADAMW.model_copy(update={"zero_stage": 0}), "gloo")  # type: ignore[arg-type]
+        groups = SimpleNamespace(layout=Layout.contiguous())  # what make_engine reads before DeepSpeed
+        make_engine(stage, groups, ADAMW.model_copy(update={"zero_stage": 0}), "gloo")  # type: ignore[arg-type]
 
 
 def test_bf16_init_is_the_fp32_init_rounded() -> None:

@@ -19,7 +19,7 @@ from nereus_core.sim.job import SimJob, make_strategy, run_job
 from nereus_core.sim.loop import simulate
 from nereus_core.sim.results import build_summary, summarize_run
 from nereus_core.sim.splits import largest_dp, micro_batch_options, usable_bytes
-from nereus_core.sim.strategies import FixedStrategy
+from nereus_core.sim.strategies import FixedStrategy, rescale
 from nereus_core.sim.trace import TraceError, parse_trace
 from nereus_core.sim.world import World
 
@@ -193,6 +193,8 @@ def test_devices_changing_rescales_static_and_forces_nereus_to_move() -> None:
         old = before[stage]
         assert (layout.tp, layout.pp) == (old.tp, old.pp)
         assert layout.dp == largest_dp(1024, old.dp * 2) and max(layout.devices) < 32
+        # the memory choices the first plan made to fit stay made
+        assert (layout.schedule, layout.recompute, layout.shard) == (old.schedule, old.recompute, old.shard)
     nereus = run(cfg, tr, "nereus")
     forced = [r for r in nereus.records if r["reason"].startswith("device set changed")]
     assert [r["step"] for r in forced] == [2, 5]
@@ -415,3 +417,23 @@ def test_world_generation_waits_for_the_tail_and_fit_recovers_its_constants() ->
     assert fitted.mfu == pytest.approx(0.3, rel=0.05)
     assert fitted.generate_fixed_s == pytest.approx(3.0, rel=0.05)
     assert fitted.decode_step_s == pytest.approx(0.02, rel=0.05)
+
+
+def test_a_rescale_keeps_each_layout_s_memory_choices_where_its_degrees_allow() -> None:
+    plan = GlobalPlan.of(
+        {
+            "actor/train": Layout.contiguous(dp=4).model_copy(update={"shard": "full", "recompute": True}),
+            "critic/train": Layout.contiguous(pp=4, dp=1, micro_batches=4).model_copy(
+                update={"schedule": "1f1b"}
+            ),
+        }
+    )
+    grown = rescale(plan, 4, 8, batch=64).layouts
+    assert (grown["actor/train"].dp, grown["actor/train"].shard, grown["actor/train"].recompute) == (
+        8,
+        "full",
+        True,
+    )
+    assert (grown["critic/train"].pp, grown["critic/train"].schedule) == (4, "1f1b")
+    shrunk = rescale(plan, 4, 2, batch=64).layouts["critic/train"]
+    assert (shrunk.pp, shrunk.schedule) == (2, "1f1b")
