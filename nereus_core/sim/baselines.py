@@ -33,9 +33,10 @@ layouts take the smallest TP of 1, 2, 4, 8 whose plan fits every sampled step (F
 TP where that fits; verl's Megatron examples for 7B use TP4), the one choice left open.
 
 Both hold their train and forward weights sharded over the data-parallel ranks (verl's FSDP,
-OpenRLHF's ZeRO-3; ``World.sharded_weights``), in memory only: the gathers' traffic is not
-charged, in their favour. Their candidate layouts still come from the cost model's search, whose
-memory knows ZeRO-1 (as Nereus's runtime does), and are then fitted in the sharded memory.
+OpenRLHF's ZeRO-3; ``World.sharded_weights``) on layouts without a pipeline (neither runs under
+one; a pipeline layout is Megatron's, ZeRO-1), in memory only: the gathers' traffic is not
+charged, in their favour (nor for Nereus's sharded layouts). Their candidate layouts still come from
+the cost model's search and are then fitted in the world's memory.
 
 OpenRLHF's weight sync is priced one tensor at a time where it broadcasts over NCCL (its
 ``_broadcast_to_vllm``; ``World.per_tensor_sync``, ``transitions.sync_s``), by CUDA IPC when

@@ -75,8 +75,10 @@ class World:
     ``stages`` and nothing else, so only those are ever timed.
 
     What the job's frameworks do, set by its strategy: ``sharded_weights`` (verl's FSDP, OpenRLHF's
-    ZeRO-3 shard train and forward weights over the data-parallel ranks; Nereus shards a train
-    layout's where the layout says, ``Layout.shard``), ``per_tensor_sync`` (OpenRLHF broadcasts weights
+    ZeRO-3 shard train and forward weights over the data-parallel ranks of a layout without a
+    pipeline: neither FSDP nor ZeRO-3 runs under one, so a peer's pipeline is Megatron's, whose
+    distributed optimizer shards only the optimizer state; Nereus shards a train layout's where the
+    layout says, ``Layout.shard``), ``per_tensor_sync`` (OpenRLHF broadcasts weights
     one tensor at a time), ``one_f_one_b`` (the peers' Megatron pipeline schedule; Nereus runs a
     layout's own, ``Layout.schedule``). ``cuda_graphs``: the rollout
     engine's mode, the same for every strategy: off (eager, vLLM's ``enforce_eager``), the default of
@@ -194,7 +196,7 @@ class World:
             shape,
             train=kind == "train",
             recompute=recompute,
-            sharded=self.sharded_weights or layout.shard == "full",
+            sharded=(self.sharded_weights and layout.pp == 1) or layout.shard == "full",
             one_f_one_b=self.one_f_one_b or layout.schedule == "1f1b",
         )
 
