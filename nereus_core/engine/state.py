@@ -21,6 +21,8 @@ the step count. The fp32 master partition is itself a partitioned piece kind whe
 are bf16, moved like the moments and installed as read; with fp32 weights it equals them, and
 ``install_state`` refreshes it from the written weights.
 
+A train stage sharded ``full`` (ZeRO-3) keeps its pieces in its own partitions: ``state_zero3``.
+
 Boundary: one device's tensors and its DP group's exchange; where the pieces come from or go
 to (another device, the store) is ``nereus_core.engine.reshard``'s business.
 """

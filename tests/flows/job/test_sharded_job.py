@@ -5,12 +5,14 @@ DeepSpeed ZeRO-3).
   scores each step within 1e-6 (of the loss's terms, of order 1) and, after 3 steps, its weights and
   optimizer state within 1e-6 relative (the same seeds, so the same rollouts).
 - A driver killed while the first switch moves the sharded state resumes: ``nereus resume`` finishes
-  the switch from the checkpoint, the state rehydrated from it verified bitwise.
+  the switch from the checkpoint, the state rehydrated from it verified bitwise; that checkpoint,
+  written from the sharded layouts, exports to Hugging Face.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -21,22 +23,20 @@ from flows.job.rl_job import rl_job
 from nereus_core.config import parse_config
 from storage import read_full_state
 from storage.journal import journals
-from tests.support.job_configs import FAULT_JOB
-from tests.support.job_runs import killed_mid_move, plans_by_step, resume_from_checkpoint
+from tests.support.job_configs import FAULT_JOB, SMALL_MODEL
+from tests.support.job_runs import (
+    assert_rollout_made_by_checkpoint,
+    killed_mid_move,
+    plans_by_step,
+    resume_from_checkpoint,
+)
 
 pytestmark = pytest.mark.usefixtures("prefect_server")  # the flows run against the suite's one Prefect server
 
 SMALL = {
     "name": "sharded-test",
     "cluster": {"devices": 4},
-    "model": {
-        "vocab_size": 32,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
+    "model": dict(SMALL_MODEL),
     "job": {"steps": 3, "batch_size": 8, "prompt_len": 4, "response_len": 4, "adapt": False},
     "ppo": {"reward_fit_steps": 3, "reward_fit_batch": 8, "ppo_epochs": 1, "mini_batches": 2},
     "plan": {
@@ -102,3 +102,8 @@ def test_a_driver_killed_while_a_switch_moves_sharded_state_resumes(tmp_path):
     assert [j for j in journals(out) if j.transition_id.startswith("resume-step1")]
     plans = plans_by_step(out)
     assert sorted(plans) == [0, 1, 2] and plans[1] != plans[0]
+    started = json.loads((out / "plans" / f"{plans[0]}.json").read_text())
+    assert started["actor/train"]["shard"] == started["critic/train"]["shard"] == "full"
+    # the checkpoint of step 1 was written from the sharded layouts: exported to Hugging Face, its
+    # actor gives the log-probs the job stored for rollout 1
+    assert_rollout_made_by_checkpoint(out, 1, tmp_path)
