@@ -1,8 +1,8 @@
-"""The memory model against the runtime's measured peaks: every layout choice the runtime has (micro-batches,
-gradient checkpointing, packing and a token budget, tp, a GPipe pipeline, ZeRO-1/2 over dp, ZeRO-3 (``shard: full``), bf16 with fp32
-masters, a critic's value head, forward passes), one step each on a 2-rank gloo world of CPU devices
-(``benchmarks/bench_stage_memory.py``: model state held plus the step's allocator peak, by torch's
-profiler), predicted by ``cost.stage_cost.estimate`` within 15 %."""
+"""The memory model against the runtime's measured peaks: every layout choice the runtime has
+(micro-batches, gradient checkpointing, packing and a token budget, tp, a GPipe pipeline, ZeRO-1/2 over
+dp, ZeRO-3 (``shard: full``), bf16 with fp32 masters, a critic's value head, forward passes), one step
+each on a 2-rank gloo world of CPU devices (``benchmarks/bench_stage_memory.py``: model state held plus
+the step's allocator peak, by torch's profiler), predicted by ``cost.stage_cost.estimate`` within 15 %."""
 
 from __future__ import annotations
 
