@@ -59,8 +59,8 @@ def pass_peak(
     Gradients (``gradients``): ZeRO's fp32 reduction bucket (``emu.reduce_bucket_elements``) and the
     gradients accumulated while a later micro-batch's activations are held; a single backward frees
     its activations as it makes the gradients, so there only what they exceed the activations by.
-    Sharded ``full`` (ZeRO-3): a dp-th of the gradients, held throughout, and two modules' gathered
-    weights, the bucket and one module's whole gradient beside them."""
+    Sharded ``full`` (ZeRO-3): two modules' gathered weights and one module's whole gradient; its
+    gradient partition and bucket are held between steps (``zero3_buffers``)."""
     tp, pp = geo.tp, geo.pp
     act = sizes.activation
     layer = layer_activation_bytes(stats, tokens, act, tp)
@@ -79,14 +79,27 @@ def pass_peak(
     head_saved = tokens * norm_bytes(stats, act) + logits * 4.0
     last_stage = last_in_flight * (last * keep + head_saved) + np.maximum(logits * 4.0, recomputed)
     held = np.maximum(first_in_flight * inner * keep + recomputed, last_stage)
-    # Sharded full (ZeRO-3, module by module): the largest module (the embedding or an MLP matmul) sets its
-    # gradient bucket, held from the start, and the weights gathered at once: the module at work and
-    # the next one. Its gradient partition (a dp-th, in the gradients' dtype) is held from the start too.
-    module = np.maximum(stats.embed_params, stats.hidden * stats.intermediate) / tp
-    grads = np.where(geo.z3, np.ceil(geo.device_params / geo.dp) * sizes.grad, geo.device_params * sizes.grad)
+    # Sharded full (ZeRO-3, module by module): the module at work and the next one gathered, and the
+    # module's whole gradient before its reduce-scatter; its buffers held between steps are
+    # ``zero3_buffers``' (the optimizer part).
+    module = zero3_module(geo, stats)
     held = held + np.where(geo.z3, 2.0 * module * sizes.weight, 0.0)
-    # ZeRO-1/2's fp32 bucket; ZeRO-3's, in the gradients' dtype, beside the module's own gradient.
-    zero1_bucket = np.minimum(REDUCE_BUCKET_ELEMENTS, geo.device_params) * 4.0
-    bucket = np.where(geo.z3, 2.0 * module * sizes.grad, zero1_bucket)
-    accumulating = (m > 1) | geo.z3  # a later micro-batch's activations beside an earlier one's gradients
-    return held, bucket + np.where(accumulating, grads, np.maximum(grads - held, 0.0))
+    grads = geo.device_params * sizes.grad
+    zero1 = np.minimum(REDUCE_BUCKET_ELEMENTS, geo.device_params) * 4.0  # ZeRO-1/2's fp32 bucket
+    accumulating = m > 1  # a later micro-batch's activations beside an earlier one's gradients
+    zero1 += np.where(accumulating, grads, np.maximum(grads - held, 0.0))
+    return held, np.where(geo.z3, module * sizes.grad, zero1)
+
+
+def zero3_module(geo: Geometry, stats: ModelStats) -> np.ndarray:
+    """Elements of a ZeRO-3 stage's largest module on a device (the embedding or an MLP matmul): what it
+    gathers and reduces at once, and its gradient bucket's size (``engine.optimizer``)."""
+    return np.maximum(stats.embed_params, stats.hidden * stats.intermediate) / geo.tp
+
+
+def zero3_buffers(geo: Geometry, stats: ModelStats, sizes: ValueBytes) -> np.ndarray:
+    """Bytes a ZeRO-3 stage allocates at the start and holds between steps beside its weights and
+    AdamW state: its gradient partition (a dp-th of the gradients) and its gradient bucket, both in
+    the gradients' dtype; 0 for other layouts."""
+    partition = np.ceil(geo.device_params / geo.dp) * sizes.grad
+    return np.where(geo.z3, partition + zero3_module(geo, stats) * sizes.grad, 0.0)

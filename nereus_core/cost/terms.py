@@ -386,7 +386,8 @@ def _optimizer_step(
     gathered = np.where(geo.z3, 0.0, sizes.weight)
     opt_bytes = geo.device_params * ((2.0 * sizes.optimizer + sizes.grad + sizes.weight) / dp + gathered)
     _set(raw, TERMS, dp_comm=epochs * dp_comm, optimizer=epochs * opt_bytes * slow / profile.hbm)
-    _set(mem, MEMORY_PARTS, optimizer=np.ceil(geo.device_params / dp) * sizes.optimizer)
+    state = np.ceil(geo.device_params / dp) * sizes.optimizer
+    _set(mem, MEMORY_PARTS, optimizer=state + activations.zero3_buffers(geo, stats, sizes))
 
 
 def _sharded_traffic(
