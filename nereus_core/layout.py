@@ -124,6 +124,14 @@ class Layout(Frozen):
                         out.append(other)
         return out
 
+    def memory_choice(self) -> str:
+        """``shard: full, recompute: true`` (and the schedule on a pipeline): this layout's memory
+        choices as its plan fields."""
+        parts = [f"shard: {self.shard}", f"recompute: {str(self.recompute).lower()}"]
+        if self.pp > 1:
+            parts.append(f"schedule: {self.schedule}")
+        return ", ".join(parts)
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp

@@ -208,21 +208,13 @@ def plan_memory_problem(cfg: NereusConfig) -> str | None:
     tried = {stage: options for stage, options in tried.items() if options}
     if tried:
         stage = min(tried, key=lambda s: min(b for _, b in tried[s]))
-        each = ", ".join(f"{_choice(v)} {_size(b)}" for v, b in tried[stage])
+        each = ", ".join(f"{{{v.memory_choice()}}} {_size(b)}" for v, b in tried[stage])
         fix += f", or change {stage}'s memory choices (busiest slot with {each})"
     return (
         f"cluster.memory_per_device={_size(capacity)}: the initial plan {plan.plan_id} needs "
         f"{_size(need)} on its busiest slot, more than the {_size(usable)} usable "
         f"({state.settings.headroom:.0%} kept free); {fix} (nereus plan CONFIG shows plans that fit)"
     )
-
-
-def _choice(layout: Layout) -> str:
-    """``shard: full, recompute: true`` for a layout's memory choices (its config fields)."""
-    parts = [f"shard: {layout.shard}", f"recompute: {str(layout.recompute).lower()}"]
-    if layout.pp > 1:
-        parts.append(f"schedule: {layout.schedule}")
-    return "{" + ", ".join(parts) + "}"
 
 
 def predicted_slot_bytes(state: JobState) -> dict[int, int]:

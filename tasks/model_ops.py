@@ -21,9 +21,9 @@ from nereus_core.engine.hf_load import HFSource, load_from_hf
 from nereus_core.engine.optimizer import OptimizerSettings
 from nereus_core.engine.reshard import ReshardJob
 from nereus_core.engine.shard import alias_shard, drop_shard, load_shard, set_weights, shard_state
-from nereus_core.engine.state import assemble_state, collect_pieces
 from nereus_core.engine.train import LossFn, lm_loss, train_step
 from nereus_core.layout import Layout
+from tasks.reshard import gather_state
 from tasks.runtime.device_pool import DevicePool
 
 
@@ -208,10 +208,7 @@ def full_state(
     """Full HF-named parameters of ``name``, assembled from replica 0 (from every device when the layout
     shards the weights over dp: each holds its share)."""
     if layout.shard == "full":
-        smap = shard_map(config, layout, train=False)
-        results = pool.run(layout, collect_pieces, name=name, smap=smap)
-        pieces = [(d, n, box, t) for d, got in zip(layout.devices, results, strict=True) for n, box, t in got]
-        return assemble_state(smap, pieces)
+        return gather_state(pool, layout, name=name, config=config, train=False)
     replica0 = Layout(
         tp=layout.tp,
         pp=layout.pp,

@@ -10,16 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nereus_core.layout import Layout
 from nereus_core.plan import GlobalPlan, ModelStage
-
-
-def describe_choice(layout: Layout) -> str:
-    """``shard full, recompute, 1f1b`` (the schedule only for a pipeline)."""
-    parts = [f"shard {layout.shard}", "recompute" if layout.recompute else "no recompute"]
-    if layout.pp > 1:
-        parts.append(layout.schedule)
-    return ", ".join(parts)
 
 
 def why_lines(chosen: Any, workload: Any, state: Any) -> list[str]:
@@ -44,7 +35,7 @@ def why_lines(chosen: Any, workload: Any, state: Any) -> list[str]:
                 verdict = "fits, faster here; not weighed better as a whole plan"
             name = f"{stage}:" if i == 0 else ""
             lines.append(
-                f"    {name:<16} {describe_choice(other):<36} step {est.step_s:>9.4g} s "
+                f"    {name:<16} {other.memory_choice():<52} step {est.step_s:>9.4g} s "
                 f"{est.memory_peak / 2**30:>8.3f} GiB/slot  {verdict}"
             )
     return lines

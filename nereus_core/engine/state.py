@@ -270,6 +270,14 @@ def empty_state(
     return state
 
 
+def param_pieces(shard: ModelShard, smap: ShardMap, device: int) -> Pieces:
+    """Views of ``device``'s parameter pieces of ``shard`` under the parameters-only map ``smap`` (a
+    weight sync's source: a train stage read without its optimizer state)."""
+    if state_zero3.sharded(shard):
+        return state_zero3.pieces(shard, smap, device)[0]
+    return empty_state(shard.stage, smap, device).pieces
+
+
 def extract_state(
     ctx: DeviceContext, shard: ModelShard, smap: ShardMap, *, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> DeviceState:

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from nereus_core.emu import ReshardPlan, ShardMap
-from nereus_core.engine import state_zero3
 from nereus_core.engine.device import DeviceContext
 from nereus_core.engine.exchange import DEFAULT_TIMEOUT_S, Exchange
 from nereus_core.engine.reshard import copy_local, receives_of, sends_of
 from nereus_core.engine.shard import ModelShard, get_shard
-from nereus_core.engine.state import DeviceState, Pieces, empty_state, install_state, new_shard
+from nereus_core.engine.state import DeviceState, Pieces, empty_state, install_state, new_shard, param_pieces
 
 SYNC_TAG = 4 << 20  # the reshard's exchanges use 1, 2 and 3 << 20
 
@@ -56,10 +55,7 @@ def _source_pieces(ctx: DeviceContext, job: SyncJob) -> Pieces:
     """Views of this device's parameter slices of the trained stage (none if not in its layout)."""
     if ctx.rank not in job.source_map.layout.devices:
         return {}
-    source = get_shard(ctx, job.source)
-    if state_zero3.sharded(source):  # each dp rank sends its share of the weights
-        return state_zero3.pieces(source, job.source_map, ctx.rank)[0]
-    return empty_state(source.stage, job.source_map, ctx.rank).pieces
+    return param_pieces(get_shard(ctx, job.source), job.source_map, ctx.rank)
 
 
 def _copy_target(ctx: DeviceContext, job: SyncJob) -> tuple[ModelShard | None, DeviceState]:
